@@ -1,0 +1,101 @@
+"""From logits to the distribution a token is drawn from.
+
+THEORY.md section 2: ``p`` and ``q`` are the distributions *after* every sampling transform
+(temperature, then top-k, then top-p, renormalised). One function applies those transforms, to
+the target's and the draft's logits alike, so the two can never disagree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Decoding parameters; ``temperature == 0`` means greedy (argmax)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise ValueError(
+                f"temperature must be a number >= 0 (0 means greedy), got {self.temperature!r}"
+            )
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must lie in (0, 1] (1 disables it), got {self.top_p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def logits_to_probs(
+    logits: torch.Tensor,  # [..., V]
+    config: SamplingConfig,
+) -> torch.Tensor:  # [..., V] float32, rows sum to 1
+    """Apply temperature, then top-k, then top-p, and renormalise.
+
+    Greedy configs return the one-hot distribution of the argmax, so that code which needs a
+    distribution (acceptance statistics, overlaps) works at temperature 0 too.
+    """
+    logits = logits.float()
+    if config.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
+    logits = logits / config.temperature
+    if 0 < config.top_k < logits.shape[-1]:
+        kth_largest = torch.topk(logits, config.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if config.top_p < 1.0:
+        probs = _top_p_filter(probs, config.top_p)
+    return probs
+
+
+def _top_p_filter(
+    probs: torch.Tensor,  # [..., V]
+    top_p: float,
+) -> torch.Tensor:  # [..., V]
+    """Keep the smallest set of most likely tokens whose mass reaches ``top_p`` (Holtzman 2020).
+
+    A token is kept when the mass strictly before it in descending order is below ``top_p``;
+    the most likely token is always kept. Matches Hugging Face's ``TopPLogitsWarper`` up to
+    ties.
+    """
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    keep_sorted = mass_before < top_p
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    filtered = probs * keep
+    return filtered / filtered.sum(-1, keepdim=True)
+
+
+def sample(
+    probs: torch.Tensor,  # [..., V]
+    generator: torch.Generator | None,
+) -> torch.Tensor:  # [...] int64
+    """Draw one token per row from ``probs`` with an explicit generator."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    drawn = torch.multinomial(flat, 1, generator=generator)
+    return drawn.reshape(probs.shape[:-1])
+
+
+def select_tokens(
+    logits: torch.Tensor,  # [..., V]
+    config: SamplingConfig,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # tokens [...], probs [..., V] or None if greedy
+    """Pick the next token(s) as plain decoding would: argmax when greedy, else a sample.
+
+    Returns the distribution the token was drawn from (``None`` for greedy, whose ``q`` is
+    one-hot).
+    """
+    if config.greedy:
+        return logits.argmax(-1), None
+    probs = logits_to_probs(logits, config)
+    return sample(probs, generator), probs

@@ -1,0 +1,33 @@
+"""Shared fixtures: tiny random-init models built in code, offline and deterministic."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from tiny_models import tiny_llama, tiny_qwen2
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture
+def llama_target() -> torch.nn.Module:
+    return tiny_llama(seed=0)
+
+
+@pytest.fixture
+def llama_draft() -> torch.nn.Module:
+    return tiny_llama(num_layers=1, seed=1)
+
+
+@pytest.fixture
+def qwen_target() -> torch.nn.Module:
+    return tiny_qwen2(seed=2)
+
+
+@pytest.fixture
+def qwen_draft() -> torch.nn.Module:
+    return tiny_qwen2(num_layers=1, seed=3)
