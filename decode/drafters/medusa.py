@@ -1,0 +1,202 @@
+"""Medusa heads: K extra LM heads on the target's last hidden state (Cai et al., 2024).
+
+Head i maps the target's final (post-norm) hidden state at position t, the one whose LM head
+predicts x_{t+1}, to a guess of x_{t+2+i}:
+
+    z_i = x + SiLU(W_{i,L} ... (x + SiLU(W_{i,1} x + b_{i,1})) ...)   # residual blocks
+    logits_i = U_i z_i
+
+With the blocks zero-initialised and ``U_i`` copied from the target's LM head, every head starts
+as the target's own next-token head, and training moves head i towards its offset.
+
+Weights follow vLLM's ``MedusaModel`` (``vllm/model_executor/models/medusa.py``):
+``blocks.{i}.layers.{j}.weight`` / ``.bias`` [H, H] / [H] and ``lm_heads.{i}.weight`` [V, H];
+vLLM reads the block bias only when ``medusa_fc_bias`` is set in config.json.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+MEDUSA_ARCHITECTURE = "MedusaModel"
+FORMAT_VERSION = 1
+
+
+@dataclass
+class MedusaConfig:
+    """Shape of a set of Medusa heads."""
+
+    hidden_size: int
+    vocab_size: int
+    num_heads: int = 4
+    num_layers: int = 1  # residual blocks per head
+    bias: bool = True  # residual-block bias, as in the Medusa paper
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "vocab_size", "num_heads", "num_layers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"MedusaConfig.{name} must be a positive integer, got {value!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> MedusaConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown MedusaConfig fields {unknown}; expected a subset of {known}")
+        return cls(**values)
+
+
+class _ResidualBlock(nn.Module):
+    """``x <- x + SiLU(W x + b)``, ``num_layers`` times; W, b start at zero (identity)."""
+
+    def __init__(self, hidden: int, num_layers: int, bias: bool) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(hidden, hidden, bias=bias) for _ in range(num_layers))
+        for layer in self.layers:
+            nn.init.zeros_(layer.weight)
+            if layer.bias is not None:
+                nn.init.zeros_(layer.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., H]
+        for layer in self.layers:
+            x = x + F.silu(layer(x))
+        return x
+
+
+class MedusaHeads(nn.Module):
+    """K Medusa heads; ``forward`` returns every head's logits at once."""
+
+    def __init__(self, config: MedusaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.blocks = nn.ModuleList(
+            _ResidualBlock(config.hidden_size, config.num_layers, config.bias)
+            for _ in range(config.num_heads)
+        )
+        self.lm_heads = nn.ModuleList(
+            nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            for _ in range(config.num_heads)
+        )
+
+    @classmethod
+    def from_target(
+        cls, target: nn.Module, num_heads: int = 4, num_layers: int = 1, bias: bool = True
+    ) -> MedusaHeads:
+        """Heads shaped for ``target``, each starting as a copy of the target's LM head."""
+        head = target.get_output_embeddings()
+        if getattr(head, "bias", None) is not None:
+            raise ValueError(
+                "the target's LM head has a bias, which Medusa heads (and vLLM's MedusaModel) "
+                "do not carry: use a target with a bias-free LM head"
+            )
+        vocab, hidden = head.weight.shape
+        heads = cls(MedusaConfig(hidden, vocab, num_heads, num_layers, bias))
+        heads.to(device=head.weight.device, dtype=head.weight.dtype)
+        with torch.no_grad():
+            for lm_head in heads.lm_heads:
+                lm_head.weight.copy_(head.weight)
+        return heads
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., K, V]
+        """Logits of every head; head i at position t predicts token t+2+i."""
+        return torch.stack(
+            [
+                lm_head(block(hidden))
+                for block, lm_head in zip(self.blocks, self.lm_heads, strict=True)
+            ],
+            dim=-2,
+        )
+
+    # -- folders --------------------------------------------------------------------------
+    def save_pretrained(self, path: str | Path) -> None:
+        """Write the native drafter folder: drafter.json, config.json, model.safetensors."""
+        folder = Path(path)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "drafter.json").write_text(
+            json.dumps({"kind": "medusa", "format_version": FORMAT_VERSION}, indent=2) + "\n"
+        )
+        (folder / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2) + "\n")
+        save_file(
+            {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()},
+            str(folder / "model.safetensors"),
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> MedusaHeads:
+        """Load a native folder or a vLLM ``MedusaModel`` export."""
+        folder = Path(path)
+        config_path = folder / "config.json"
+        if not config_path.is_file():
+            raise FileNotFoundError(f"{folder} has no config.json: not a drafter folder")
+        raw = json.loads(config_path.read_text())
+        marker = folder / "drafter.json"
+        if marker.is_file():
+            kind = json.loads(marker.read_text()).get("kind")
+            if kind != "medusa":
+                raise ValueError(f"{folder} holds a {kind!r} drafter, not 'medusa'")
+            config = MedusaConfig.from_dict(raw)
+        elif MEDUSA_ARCHITECTURE in raw.get("architectures", []):
+            config = config_from_vllm_dict(raw)
+        else:
+            raise ValueError(
+                f"{folder} is neither a native medusa folder (drafter.json) nor an export with "
+                f"architectures [{MEDUSA_ARCHITECTURE!r}]"
+            )
+        weights_path = folder / "model.safetensors"
+        if not weights_path.is_file():
+            raise FileNotFoundError(f"{folder} has no model.safetensors")
+        state = {
+            k.removeprefix("medusa_heads."): v for k, v in load_file(str(weights_path)).items()
+        }
+        heads = cls(config)
+        expected = heads.state_dict()
+        missing = sorted(set(expected) - set(state))
+        unexpected = sorted(set(state) - set(expected))
+        if missing or unexpected:
+            raise ValueError(
+                f"medusa weights do not match the config: missing {missing}, unexpected {unexpected}"
+            )
+        for name, tensor in state.items():
+            if tensor.shape != expected[name].shape:
+                raise ValueError(
+                    f"weight {name} has shape {tuple(tensor.shape)}, the config implies "
+                    f"{tuple(expected[name].shape)}"
+                )
+        heads.to(state["lm_heads.0.weight"].dtype)
+        heads.load_state_dict(state)
+        return heads
+
+
+def config_from_vllm_dict(raw: dict[str, Any]) -> MedusaConfig:
+    """Read vLLM's ``MedusaConfig`` fields (any ``*num*heads*`` / ``*num*layers*`` key, as vLLM)."""
+    values = dict(raw)
+    for key in list(values):
+        if "num" in key and "heads" in key:
+            values["num_heads"] = values.pop(key)
+        elif "num" in key and "layers" in key:
+            values["num_hidden_layers"] = values.pop(key)
+    truncated = values.get("truncated_vocab_size")
+    if truncated not in (None, values["vocab_size"]):
+        raise ValueError(
+            f"Medusa exports with a truncated vocabulary ({truncated} of {values['vocab_size']} "
+            "tokens, token_map) are not supported: export the full vocabulary"
+        )
+    return MedusaConfig(
+        hidden_size=values["hidden_size"],
+        vocab_size=values["vocab_size"],
+        num_heads=values["num_heads"],
+        num_layers=values.get("num_hidden_layers", 1),
+        bias=bool(values.get("medusa_fc_bias", False)),
+    )
