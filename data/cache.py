@@ -1,0 +1,416 @@
+"""The offline cache of target outputs: top-k log-probabilities (and hidden states) per token.
+
+Distilling a drafter needs the target's next-token distribution ``p`` at every position. The
+full distribution costs ``2 V`` bytes per token in fp16 (64 KB at V = 32k); the cache keeps
+the ``k`` largest log-probabilities and their ids plus the log of the mass outside them, about
+``6 k + 12`` bytes per token. Sparse top-k targets are the standard trade-off for offline
+distillation (e.g. the top-k logit caches of DistillSpec, Zhou et al. 2024, and of MiniLLM-style
+pipelines); ``topk_to_probs`` rebuilds a proper distribution:
+
+    p_hat(x) = exp(topk_logprobs[j])               if x = topk_ids[j]
+    p_hat(x) = exp(rest_logmass) / (V - k)         otherwise
+
+renormalised to sum to 1 (the fp16 rounding of the stored log-probs leaves a tiny deficit).
+
+Layout (docs/interfaces.md, "Offline target cache"): a folder of ``shard-NNNNN.safetensors``
+files plus ``cache.json``, written last, so a folder without ``cache.json`` is an interrupted
+write. Each shard concatenates its sequences along the token axis: ``input_ids`` [N] int64,
+``topk_ids`` [N, k] int32, ``topk_logprobs`` [N, k] float16, ``rest_logmass`` [N] float32,
+optionally ``hidden_states`` [L, N, H] float16, and ``offsets`` [S + 1] int64 (sequence s is
+tokens ``offsets[s]:offsets[s + 1]``). Shards are written to a temporary name and renamed, so a
+shard on disk is always complete.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+CACHE_FILE = "cache.json"
+FORMAT_VERSION = 1
+_SHARD_NAME = "shard-{:05d}.safetensors"
+_SHARD_GLOB = "shard-*.safetensors"
+
+
+def full_logits_bytes_per_token(vocab_size: int, bytes_per_value: int = 2) -> int:
+    """Bytes per token of storing the full distribution instead (``2 V`` in fp16)."""
+    return vocab_size * bytes_per_value
+
+
+def compress_logits(
+    logits: torch.Tensor,  # [..., V]
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # [..., k] int64, [..., k] f32, [...] f32
+    """Top-k of ``log_softmax(logits)`` and the log of the mass outside the top k.
+
+    ``rest_logmass = logsumexp`` of the log-probs that are not in the top k: computed from the
+    excluded entries themselves rather than as ``log(1 - sum top-k)``, so it keeps full relative
+    precision when the rest is tiny (no cancellation); it is ``-inf`` when k = V.
+    """
+    vocab_size = logits.shape[-1]
+    if not 1 <= k <= vocab_size:
+        raise ValueError(f"k must lie in [1, vocab size {vocab_size}], got {k}")
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    top = torch.topk(logprobs, k, dim=-1)
+    outside = logprobs.scatter(-1, top.indices, float("-inf"))
+    rest_logmass = torch.logsumexp(outside, dim=-1)
+    return top.indices, top.values, rest_logmass
+
+
+def topk_to_probs(
+    topk_ids: torch.Tensor,  # [..., k]
+    topk_logprobs: torch.Tensor,  # [..., k]
+    rest_logmass: torch.Tensor,  # [...]
+    vocab_size: int,
+) -> torch.Tensor:  # [..., V] float32, rows sum to 1
+    """The distribution stored in the cache: top-k mass at its ids, the rest spread uniformly.
+
+    See the module docstring for the formula. Rows are renormalised to sum to exactly 1.
+    """
+    k = topk_ids.shape[-1]
+    if k > vocab_size:
+        raise ValueError(f"topk_ids has k = {k} entries per row but vocab_size is {vocab_size}")
+    if topk_logprobs.shape != topk_ids.shape or rest_logmass.shape != topk_ids.shape[:-1]:
+        raise ValueError(
+            f"shapes disagree: topk_ids {tuple(topk_ids.shape)}, topk_logprobs "
+            f"{tuple(topk_logprobs.shape)}, rest_logmass {tuple(rest_logmass.shape)}; expected "
+            "[..., k], [..., k] and [...]"
+        )
+    rest = rest_logmass.float().exp() if k < vocab_size else torch.zeros_like(rest_logmass.float())
+    spread = rest / max(vocab_size - k, 1)  # [...]
+    probs = spread.unsqueeze(-1).expand(*spread.shape, vocab_size).clone()  # [..., V]
+    probs.scatter_(-1, topk_ids.long(), topk_logprobs.float().exp())
+    return probs / probs.sum(-1, keepdim=True)
+
+
+class TargetCacheWriter:
+    """Write a target cache; use as a context manager (``cache.json`` is written on close).
+
+    ``shard_tokens`` bounds the tokens buffered in memory before a shard is written: with hidden
+    states a token costs ``2 L H`` more bytes (24 KB for 3 layers of 4096), so lower it for
+    large targets. Leaving the ``with`` block through an exception writes no ``cache.json``.
+    """
+
+    def __init__(
+        self,
+        folder: str | Path,
+        k: int,
+        shard_tokens: int = 1_000_000,
+        hidden_layer_ids: list[int] | None = None,
+        overwrite: bool = False,
+    ) -> None:
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        if shard_tokens < 1:
+            raise ValueError(f"shard_tokens must be >= 1, got {shard_tokens}")
+        self.folder = Path(folder)
+        self.k = k
+        self.shard_tokens = shard_tokens
+        self.hidden_layer_ids = None if hidden_layer_ids is None else list(hidden_layer_ids)
+        if (self.folder / CACHE_FILE).exists():
+            if not overwrite:
+                raise FileExistsError(
+                    f"{self.folder} already holds a target cache; pass overwrite=True to replace "
+                    "it or choose another folder"
+                )
+            (self.folder / CACHE_FILE).unlink()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        for stale in self.folder.glob(_SHARD_GLOB):  # no cache.json: left by an interrupted write
+            stale.unlink()
+        self._vocab_size: int | None = None
+        self._hidden_shape: tuple[int, int] | None = None  # (L, H)
+        self._has_hidden: bool | None = None
+        self._buffer: list[dict[str, torch.Tensor]] = []
+        self._buffered_tokens = 0
+        self._shards: list[dict[str, Any]] = []
+        self.num_sequences = 0
+        self.num_tokens = 0
+        self._closed = False
+
+    def __enter__(self) -> TargetCacheWriter:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self._buffer.clear()
+            self._closed = True
+
+    def add(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        logits: torch.Tensor,  # [T, V]
+        hidden_states: torch.Tensor | None = None,  # [L, T, H]
+    ) -> None:
+        """Store one sequence: its ids, the target's logits at each position, and hidden states.
+
+        ``logits[t]`` is the target's prediction for token ``t + 1`` (what the model returns for
+        ``input_ids``); it is reduced at once to top-k log-probs, so nothing of size V is kept.
+        """
+        if self._closed:
+            raise RuntimeError("this TargetCacheWriter is closed; open a new one to write more")
+        if input_ids.dim() != 1 or input_ids.numel() == 0 or input_ids.is_floating_point():
+            raise ValueError(
+                f"input_ids must be a non-empty 1-D integer tensor [T], got {input_ids.dtype} "
+                f"{tuple(input_ids.shape)}; for a batch of one pass input_ids[0]"
+            )
+        length = input_ids.shape[0]
+        if logits.dim() != 2 or logits.shape[0] != length:
+            raise ValueError(
+                f"logits must be [T, V] with T = {length} (the length of input_ids), got "
+                f"{tuple(logits.shape)}; for a batch of one pass logits[0]"
+            )
+        if self._vocab_size is None:
+            if logits.shape[1] < self.k:
+                raise ValueError(f"k = {self.k} exceeds the vocabulary size {logits.shape[1]}")
+            self._vocab_size = logits.shape[1]
+        elif logits.shape[1] != self._vocab_size:
+            raise ValueError(
+                f"logits have vocabulary size {logits.shape[1]} but earlier sequences had "
+                f"{self._vocab_size}; one cache holds one target"
+            )
+        hidden = self._check_hidden(hidden_states, length)
+        topk_ids, topk_logprobs, rest_logmass = compress_logits(logits.detach(), self.k)
+        entry = {
+            "input_ids": input_ids.detach().to("cpu", torch.int64),
+            "topk_ids": topk_ids.to("cpu", torch.int32),
+            "topk_logprobs": topk_logprobs.to("cpu", torch.float16),
+            "rest_logmass": rest_logmass.to("cpu", torch.float32),
+        }
+        if hidden is not None:
+            entry["hidden_states"] = hidden
+        self._buffer.append(entry)
+        self._buffered_tokens += length
+        self.num_sequences += 1
+        self.num_tokens += length
+        if self._buffered_tokens >= self.shard_tokens:
+            self._flush()
+
+    def _check_hidden(
+        self,
+        hidden_states: torch.Tensor | None,  # [L, T, H]
+        length: int,
+    ) -> torch.Tensor | None:  # [L, T, H] float16 on CPU
+        if self._has_hidden is None:
+            self._has_hidden = hidden_states is not None
+            if not self._has_hidden and self.hidden_layer_ids is not None:
+                raise ValueError(
+                    "hidden_layer_ids was given but add() got no hidden_states; pass them or "
+                    "leave hidden_layer_ids=None"
+                )
+        if (hidden_states is not None) != self._has_hidden:
+            raise ValueError(
+                "every sequence of a cache must come with hidden_states or none may: the first "
+                f"{'had' if self._has_hidden else 'had no'} hidden states"
+            )
+        if hidden_states is None:
+            return None
+        if hidden_states.dim() != 3 or hidden_states.shape[1] != length:
+            raise ValueError(
+                f"hidden_states must be [L, T, H] with T = {length}, got "
+                f"{tuple(hidden_states.shape)}; stack the chosen layers of output_hidden_states "
+                "and drop the batch axis"
+            )
+        shape = (hidden_states.shape[0], hidden_states.shape[2])
+        if self.hidden_layer_ids is not None and shape[0] != len(self.hidden_layer_ids):
+            raise ValueError(
+                f"hidden_states has {shape[0]} layers but hidden_layer_ids names "
+                f"{len(self.hidden_layer_ids)}: {self.hidden_layer_ids}"
+            )
+        if self._hidden_shape is None:
+            self._hidden_shape = shape
+        elif shape != self._hidden_shape:
+            raise ValueError(
+                f"hidden_states has (L, H) = {shape} but earlier sequences had {self._hidden_shape}"
+            )
+        hidden = hidden_states.detach().to("cpu", torch.float16)
+        if not torch.isfinite(hidden).all() and torch.isfinite(hidden_states).all():
+            raise ValueError(
+                "hidden_states overflow float16 (|x| > 65504); the cache stores them as float16, "
+                "so cache an earlier layer or normalised states"
+            )
+        return hidden
+
+    def _flush(self) -> None:
+        if not self._buffer:
+            return
+        lengths = [entry["input_ids"].shape[0] for entry in self._buffer]
+        offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+        offsets[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), dim=0)
+        tensors = {
+            name: torch.cat([entry[name] for entry in self._buffer], dim=0).contiguous()
+            for name in ("input_ids", "topk_ids", "topk_logprobs", "rest_logmass")
+        }
+        if self._has_hidden:
+            tensors["hidden_states"] = torch.cat(
+                [entry["hidden_states"] for entry in self._buffer], dim=1
+            ).contiguous()
+        tensors["offsets"] = offsets
+        name = _SHARD_NAME.format(len(self._shards))
+        temporary = self.folder / f".{name}.tmp"
+        save_file(tensors, str(temporary), metadata={"format": "pt"})
+        os.replace(temporary, self.folder / name)
+        self._shards.append(
+            {"file": name, "num_sequences": len(lengths), "num_tokens": int(offsets[-1])}
+        )
+        self._buffer.clear()
+        self._buffered_tokens = 0
+
+    def close(self) -> None:
+        """Write the last shard, then ``cache.json``; a second call does nothing."""
+        if self._closed:
+            return
+        if self.num_sequences == 0:
+            raise ValueError(f"no sequences were added to the cache in {self.folder}; add() some")
+        self._flush()
+        disk_bytes = sum((self.folder / shard["file"]).stat().st_size for shard in self._shards)
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "k": self.k,
+            "vocab_size": self._vocab_size,
+            "num_sequences": self.num_sequences,
+            "num_tokens": self.num_tokens,
+            "bytes_per_token": disk_bytes / self.num_tokens,
+            "has_hidden_states": bool(self._has_hidden),
+            "hidden_layer_ids": self.hidden_layer_ids,
+            "hidden_size": None if self._hidden_shape is None else self._hidden_shape[1],
+            "num_hidden_layers": None if self._hidden_shape is None else self._hidden_shape[0],
+            "shards": self._shards,
+        }
+        temporary = self.folder / f".{CACHE_FILE}.tmp"
+        temporary.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        os.replace(temporary, self.folder / CACHE_FILE)
+        self._closed = True
+
+
+class TargetCache:
+    """Read a target cache: ``cache[i]`` is sequence i as a dict of CPU tensors.
+
+    Keys: ``input_ids`` [T] int64, ``topk_ids`` [T, k] int32, ``topk_logprobs`` [T, k]
+    float16, ``rest_logmass`` [T] float32 and, when cached, ``hidden_states`` [L, T, H]
+    float16. Shards are memory-mapped and read lazily, so the cache can exceed RAM.
+    """
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder)
+        meta_path = self.folder / CACHE_FILE
+        if not meta_path.is_file():
+            raise FileNotFoundError(
+                f"{meta_path} does not exist: the cache in {self.folder} is incomplete (its "
+                "write was interrupted) or was never built; rebuild it with TargetCacheWriter"
+            )
+        self.meta: dict[str, Any] = json.loads(meta_path.read_text(encoding="utf-8"))
+        if self.meta.get("format_version") != FORMAT_VERSION:
+            raise ValueError(
+                f"{meta_path} has format_version {self.meta.get('format_version')!r}, this "
+                f"reader understands {FORMAT_VERSION}; rebuild the cache"
+            )
+        self._shards: list[dict[str, Any]] = self.meta["shards"]
+        for shard in self._shards:
+            if not (self.folder / shard["file"]).is_file():
+                raise FileNotFoundError(
+                    f"shard {shard['file']} listed in {meta_path} is missing; rebuild the cache"
+                )
+        self._first_index = [0]
+        for shard in self._shards:
+            self._first_index.append(self._first_index[-1] + shard["num_sequences"])
+        self._handles: dict[int, Any] = {}
+        self._offsets: dict[int, list[int]] = {}
+
+    def __len__(self) -> int:
+        return int(self.meta["num_sequences"])
+
+    @property
+    def k(self) -> int:
+        return int(self.meta["k"])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.meta["vocab_size"])
+
+    @property
+    def bytes_per_token(self) -> float:
+        """Bytes on disk per cached token (shards including their headers)."""
+        return float(self.meta["bytes_per_token"])
+
+    def full_logits_bytes_per_token(self, vocab_size: int | None = None) -> int:
+        """What full fp16 logits would cost per token (``2 V``), for reporting the saving."""
+        return full_logits_bytes_per_token(self.vocab_size if vocab_size is None else vocab_size)
+
+    def _shard(self, shard_index: int) -> tuple[Any, list[int]]:
+        if shard_index not in self._handles:
+            handle = safe_open(str(self.folder / self._shards[shard_index]["file"]), framework="pt")
+            self._handles[shard_index] = handle
+            self._offsets[shard_index] = handle.get_tensor("offsets").tolist()
+        return self._handles[shard_index], self._offsets[shard_index]
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"sequence {index} out of range for a cache of {len(self)}")
+        index %= len(self)
+        shard_index = bisect.bisect_right(self._first_index, index) - 1
+        handle, offsets = self._shard(shard_index)
+        local = index - self._first_index[shard_index]
+        start, stop = offsets[local], offsets[local + 1]
+        item = {
+            name: handle.get_slice(name)[start:stop]
+            for name in ("input_ids", "topk_ids", "topk_logprobs", "rest_logmass")
+        }
+        if self.meta["has_hidden_states"]:
+            item["hidden_states"] = handle.get_slice("hidden_states")[:, start:stop]
+        return item
+
+
+def collate_cached(
+    examples: Sequence[dict[str, torch.Tensor]],
+    pad_token_id: int,
+) -> dict[str, torch.Tensor]:
+    """Right-pad cache items into a batch.
+
+    Returns ``input_ids`` [B, T] int64, ``attention_mask`` [B, T] int64, ``topk_ids`` [B, T, k]
+    int64 (0 on padding), ``topk_logprobs`` [B, T, k] float32 (0 on padding), ``rest_logmass``
+    [B, T] float32 and, when present, ``hidden_states`` [B, L, T, H] float32. Padded positions
+    carry no valid distribution: mask them with ``attention_mask``.
+    """
+    if len(examples) == 0:
+        raise ValueError("collate_cached got an empty list of examples; pass at least one")
+    lengths = [example["input_ids"].shape[0] for example in examples]
+    batch_size, length = len(examples), max(lengths)
+    k = examples[0]["topk_ids"].shape[-1]
+    batch = {
+        "input_ids": torch.full((batch_size, length), pad_token_id, dtype=torch.long),
+        "attention_mask": torch.zeros((batch_size, length), dtype=torch.long),
+        "topk_ids": torch.zeros((batch_size, length, k), dtype=torch.long),
+        "topk_logprobs": torch.zeros((batch_size, length, k), dtype=torch.float32),
+        "rest_logmass": torch.zeros((batch_size, length), dtype=torch.float32),
+    }
+    has_hidden = "hidden_states" in examples[0]
+    if has_hidden:
+        layers, _, hidden_size = examples[0]["hidden_states"].shape
+        batch["hidden_states"] = torch.zeros(
+            (batch_size, layers, length, hidden_size), dtype=torch.float32
+        )
+    for row, (example, n) in enumerate(zip(examples, lengths, strict=True)):
+        batch["input_ids"][row, :n] = example["input_ids"]
+        batch["attention_mask"][row, :n] = 1
+        batch["topk_ids"][row, :n] = example["topk_ids"].long()
+        batch["topk_logprobs"][row, :n] = example["topk_logprobs"].float()
+        batch["rest_logmass"][row, :n] = example["rest_logmass"].float()
+        if has_hidden:
+            batch["hidden_states"][row, :, :n] = example["hidden_states"].float()
+    return batch
