@@ -1,0 +1,454 @@
+"""Token trees: layouts (static and dynamic), attention masks, positions, and verification.
+
+A tree proposal holds M draft nodes per row under a root, the row's pending token. Node m has a
+token, a parent (``-1`` for the root, else an earlier node: parents come before children) and a
+depth (1 for the root's children). Siblings are tried in index order. In "tree space" (masks,
+positions, the target's verify pass) index 0 is the root and node m is index m + 1.
+
+Verification (THEORY.md section 4) walks from the root. At each node it tries the children:
+* children chosen deterministically (top-k, distinct; ``draft_probs is None``): accept child c
+  with probability p(c); on rejection set p(c) = 0 and renormalise, then try the next child;
+* children drawn i.i.d. from q (``draft_probs`` = that q; SpecInfer, Miao et al. 2024): accept
+  with probability min(1, p(c)/q(c)); on rejection p <- norm(max(0, p - q)).
+If no child is accepted, the next token is sampled from what remains of p (recovered token); at
+a leaf it is sampled from the target's distribution there (bonus token). The residual is carried
+only down the accepted branch: an accepted child starts from the target's fresh p at its node.
+Either way the emitted tokens are distributed exactly as the target's. Greedy verification
+follows the child equal to the target's argmax.
+
+Static trees come from Medusa-style choices (Cai et al. 2024); dynamic trees are EAGLE-2's
+(Li et al. 2024): expand the top-k children of the k best frontier nodes by cumulative draft
+log-probability for ``depth`` levels, re-rank all candidates and keep the best ``total_tokens``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from decode.sampling import sample
+
+
+@dataclass
+class TreeProposal:
+    """M draft nodes per row and what verification needs."""
+
+    tokens: torch.Tensor  # [B, M] int64
+    parents: torch.Tensor  # [B, M] int64, -1 = the root (pending token), else an earlier node
+    depths: torch.Tensor  # [B, M] int64, 1 for the root's children
+    draft_probs: torch.Tensor | None = None  # [B, M, V] the q each node was drawn from; None: top-k
+
+    def __post_init__(self) -> None:
+        check_parents(self.parents)
+        if self.tokens.shape != self.parents.shape or self.depths.shape != self.parents.shape:
+            raise ValueError(
+                f"tokens {tuple(self.tokens.shape)}, parents {tuple(self.parents.shape)} and "
+                f"depths {tuple(self.depths.shape)} must all be [B, M]"
+            )
+        if self.draft_probs is not None and self.draft_probs.shape[:2] != self.tokens.shape:
+            raise ValueError(
+                f"draft_probs must be [B, M, V] with [B, M] = {tuple(self.tokens.shape)}, got "
+                f"{tuple(self.draft_probs.shape)}"
+            )
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[1]
+
+    def input_ids(self, pending: torch.Tensor) -> torch.Tensor:  # [B] -> [B, M + 1]
+        """The verify pass's input: the pending token, then every node."""
+        return torch.cat((pending[:, None], self.tokens), dim=1)
+
+    def attention_mask(self) -> torch.Tensor:  # [B, M + 1, M + 1] bool
+        return tree_attention_mask(self.parents)
+
+    def positions(self, start: torch.Tensor) -> torch.Tensor:  # [B] -> [B, M + 1]
+        return tree_positions(self.depths, start)
+
+
+@dataclass
+class TreeVerification:
+    """Outcome of verifying a tree: the accepted path and the token after it, per row."""
+
+    accepted_nodes: torch.Tensor  # [B, D] node indices along the accepted path, -1 padded
+    num_accepted: torch.Tensor  # [B] int64
+    accepted_tokens: torch.Tensor  # [B, D] tokens of the accepted nodes, 0 padded
+    next_tokens: torch.Tensor  # [B] recovered or bonus token: the new pending token
+
+    def path_indices(self) -> torch.Tensor:  # [B, D + 1] int64
+        """Tree-space indices of [root, accepted nodes...]; padding repeats the root (0).
+
+        Gather the verify pass's hidden states / KV entries with these (the first
+        ``1 + num_accepted`` columns of each row are the real ones).
+        """
+        path = torch.where(self.accepted_nodes >= 0, self.accepted_nodes + 1, 0)
+        return torch.cat((torch.zeros_like(path[:, :1]), path), dim=1)
+
+
+def check_parents(parents: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless every parent is -1 or an earlier node."""
+    if parents.ndim not in (1, 2):
+        raise ValueError(f"parents must be [M] or [B, M], got shape {tuple(parents.shape)}")
+    index = torch.arange(parents.shape[-1], device=parents.device)
+    if ((parents < -1) | (parents >= index)).any():
+        raise ValueError(
+            "every parent must be -1 (the root) or the index of an earlier node: order nodes "
+            "so that parents come before their children"
+        )
+
+
+def tree_depths(parents: torch.Tensor) -> torch.Tensor:  # [..., M] -> [..., M] int64
+    """Depth of each node (1 for the root's children)."""
+    check_parents(parents)
+    depths = torch.zeros_like(parents)
+    for m in range(parents.shape[-1]):
+        parent = parents[..., m]
+        parent_depth = depths.gather(-1, parent.clamp(min=0)[..., None]).squeeze(-1)
+        depths[..., m] = torch.where(parent < 0, 1, parent_depth + 1)
+    return depths
+
+
+def tree_attention_mask(parents: torch.Tensor) -> torch.Tensor:  # [..., M] -> [..., M+1, M+1]
+    """``mask[i, j]``: tree-space entry i may attend to j (j is i itself or an ancestor).
+
+    Index 0 is the root, which every node sees.
+    """
+    check_parents(parents)
+    size = parents.shape[-1] + 1
+    mask = torch.zeros((*parents.shape[:-1], size, size), dtype=torch.bool, device=parents.device)
+    mask[..., 0, 0] = True
+    for m in range(parents.shape[-1]):
+        parent_row = (parents[..., m] + 1)[..., None, None].expand(*parents.shape[:-1], 1, size)
+        mask[..., m + 1, :] = mask.gather(-2, parent_row).squeeze(-2)
+        mask[..., m + 1, m + 1] = True
+    return mask
+
+
+def tree_attention_mask_4d(
+    parents: torch.Tensor,  # [B, M] or [M]
+    cache_mask: torch.Tensor,  # [B, S] 1/True for cache entries the rows may see (0 = padding)
+    dtype: torch.dtype,
+) -> torch.Tensor:  # [B, 1, M + 1, S + M + 1]
+    """Additive mask over [cache + tree] for a Hugging Face target's verify pass.
+
+    0 where visible, ``finfo(dtype).min`` where not; pass it as ``attention_mask`` together with
+    ``position_ids=tree_positions(...)``. Hugging Face uses a 4-D mask as given.
+    """
+    batch, cached = cache_mask.shape
+    tree = tree_attention_mask(parents)
+    if tree.ndim == 2:
+        tree = tree.expand(batch, *tree.shape)
+    size = tree.shape[-1]
+    seen = cache_mask.to(torch.bool)[:, None, :].expand(batch, size, cached)
+    visible = torch.cat((seen, tree), dim=-1)[:, None]
+    mask = torch.zeros(visible.shape, dtype=dtype, device=cache_mask.device)
+    return mask.masked_fill(~visible, torch.finfo(dtype).min)
+
+
+def tree_positions(
+    depths: torch.Tensor,  # [B, M] or [M]
+    start: torch.Tensor,  # [B] position of each row's root (pending token)
+) -> torch.Tensor:  # [B, M + 1] int64
+    """Rotary positions of [root, nodes]: the root's position plus each node's depth."""
+    if depths.ndim == 1:
+        depths = depths.expand(start.shape[0], -1)
+    offsets = torch.cat((torch.zeros_like(depths[:, :1]), depths), dim=1)
+    return start[:, None].long() + offsets
+
+
+# -- static trees (Medusa) -------------------------------------------------------------------
+@dataclass(frozen=True)
+class StaticTree:
+    """A fixed tree: node m is the ``ranks[m]``-th choice of head ``depths[m] - 1``."""
+
+    parents: torch.Tensor  # [M] int64
+    depths: torch.Tensor  # [M] int64
+    ranks: torch.Tensor  # [M] int64
+
+    @classmethod
+    def from_choices(cls, choices: Sequence[Sequence[int]]) -> StaticTree:
+        """Build from Medusa choices: each path lists top-k ranks, e.g. [[0], [0, 0], [1]].
+
+        Paths must be distinct, non-empty, non-negative and prefix-closed (every prefix of a path
+        is itself a path). Nodes are ordered by depth, then lexicographically, so parents come
+        first and siblings in rank order.
+        """
+        paths = [tuple(int(r) for r in path) for path in choices]
+        if not paths or any(len(p) == 0 or min(p) < 0 for p in paths):
+            raise ValueError("choices must be a non-empty list of non-empty paths of ranks >= 0")
+        if len(set(paths)) != len(paths):
+            raise ValueError("choices contain a repeated path")
+        known = set(paths)
+        missing = sorted({p[:-1] for p in paths if len(p) > 1} - known)
+        if missing:
+            raise ValueError(f"choices must be prefix-closed; missing the paths {missing}")
+        paths.sort(key=lambda p: (len(p), p))
+        index = {p: i for i, p in enumerate(paths)}
+        parents = [index[p[:-1]] if len(p) > 1 else -1 for p in paths]
+        return cls(
+            parents=torch.tensor(parents, dtype=torch.long),
+            depths=torch.tensor([len(p) for p in paths], dtype=torch.long),
+            ranks=torch.tensor([p[-1] for p in paths], dtype=torch.long),
+        )
+
+    @classmethod
+    def chain(cls, length: int) -> StaticTree:
+        """A single path of ``length`` top-1 choices (a chain)."""
+        return cls.from_choices([[0] * d for d in range(1, length + 1)])
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depths.max())
+
+    def propose(
+        self,
+        head_logits: torch.Tensor,  # [B, K, V] head k's scores for the token at depth k+1
+    ) -> TreeProposal:
+        """Fill the tree with each head's top-ranked tokens (deterministic children)."""
+        batch, num_heads, vocab = head_logits.shape
+        if self.max_depth > num_heads:
+            raise ValueError(
+                f"the tree is {self.max_depth} levels deep but only {num_heads} heads score it: "
+                "use shallower choices or more heads"
+            )
+        width = int(self.ranks.max()) + 1
+        if width > vocab:
+            raise ValueError(f"the tree asks for rank {width - 1} in a vocabulary of {vocab}")
+        top = head_logits.topk(width, dim=-1).indices  # [B, K, width]
+        device = head_logits.device
+        tokens = top[:, self.depths.to(device) - 1, self.ranks.to(device)]  # [B, M]
+        return TreeProposal(
+            tokens=tokens,
+            parents=self.parents.to(device).expand(batch, -1),
+            depths=self.depths.to(device).expand(batch, -1),
+        )
+
+
+# -- dynamic trees (EAGLE-2) -----------------------------------------------------------------
+@dataclass
+class Frontier:
+    """Nodes to expand at one step of :func:`build_dynamic_tree`."""
+
+    tokens: torch.Tensor  # [B, K] tokens of the nodes
+    node_ids: torch.Tensor  # [B, K] their index among all candidates created so far
+    parent_slots: torch.Tensor  # [B, K] index of each node's parent in the previous frontier; -1
+    step: int  # 0 for the root's children, whose depth is step + 1
+
+
+ExpandFn = Callable[[Frontier], torch.Tensor]  # -> log-probs [B, K, V] of each node's children
+
+
+def build_dynamic_tree(
+    root_logprobs: torch.Tensor,  # [B, V] draft log-probs of the token after the pending one
+    expand: ExpandFn,
+    *,
+    top_k: int,
+    depth: int,
+    total_tokens: int,
+) -> TreeProposal:
+    """EAGLE-2's dynamic draft tree (Li et al. 2024, section 4).
+
+    Level 1 is the top-k of ``root_logprobs``. For ``depth - 1`` further levels, ``expand``
+    scores the children of the current frontier (the k best nodes of the last level), whose
+    top-k children each become candidates with cumulative log-probability ``score(parent) +
+    log q(child)``; the k best of those k*k form the next frontier. Finally the
+    ``total_tokens`` best candidates are kept. Scores never increase along a path and ties
+    prefer earlier candidates, so every kept node's ancestors are kept too. Children are
+    deterministic (top-k), so ``draft_probs`` is None.
+    """
+    batch, vocab = root_logprobs.shape
+    if not 1 <= top_k <= vocab:
+        raise ValueError(f"top_k must lie in [1, {vocab}], got {top_k}")
+    if depth < 1:
+        raise ValueError(f"depth must be >= 1, got {depth}")
+    capacity = top_k + (depth - 1) * top_k * top_k
+    if not 1 <= total_tokens <= capacity:
+        raise ValueError(
+            f"total_tokens must lie in [1, {capacity}] for top_k={top_k} and depth={depth}, "
+            f"got {total_tokens}"
+        )
+    device = root_logprobs.device
+    scores, tokens = root_logprobs.float().topk(top_k, dim=-1)  # [B, k]
+    all_tokens, all_scores = [tokens], [scores]
+    all_parents = [torch.full_like(tokens, -1)]
+    frontier = Frontier(
+        tokens=tokens,
+        node_ids=torch.arange(top_k, device=device).expand(batch, -1),
+        parent_slots=torch.full_like(tokens, -1),
+        step=0,
+    )
+    frontier_scores, created = scores, top_k
+    for step in range(1, depth):
+        logprobs = expand(frontier)  # [B, k, V]
+        if logprobs.shape != (batch, top_k, vocab):
+            raise ValueError(
+                f"expand must return log-probs [B, K, V] = {(batch, top_k, vocab)}, got "
+                f"{tuple(logprobs.shape)}"
+            )
+        child_lp, child_tok = logprobs.float().topk(top_k, dim=-1)  # [B, k, k]
+        cumulative = (frontier_scores[:, :, None] + child_lp).flatten(1)  # [B, k*k]
+        child_tok = child_tok.flatten(1)
+        parent_slot = torch.arange(top_k, device=device).repeat_interleave(top_k).expand(batch, -1)
+        new_ids = created + torch.arange(top_k * top_k, device=device).expand(batch, -1)
+        all_tokens.append(child_tok)
+        all_scores.append(cumulative)
+        all_parents.append(frontier.node_ids.gather(1, parent_slot))
+        created += top_k * top_k
+        best = cumulative.topk(top_k, dim=-1).indices  # [B, k]
+        frontier = Frontier(
+            tokens=child_tok.gather(1, best),
+            node_ids=new_ids.gather(1, best),
+            parent_slots=parent_slot.gather(1, best),
+            step=step,
+        )
+        frontier_scores = cumulative.gather(1, best)
+    tokens = torch.cat(all_tokens, 1)
+    scores = torch.cat(all_scores, 1)
+    parents = torch.cat(all_parents, 1)
+    # Stable sort: among equal scores, earlier candidates (ancestors) win.
+    order = torch.sort(-scores, dim=1, stable=True).indices[:, :total_tokens]
+    kept = torch.sort(order, dim=1).values  # creation order is topological
+    new_index = torch.full((batch, created), -1, dtype=torch.long, device=device)
+    new_index.scatter_(1, kept, torch.arange(total_tokens, device=device).expand(batch, -1))
+    kept_parents = parents.gather(1, kept)
+    remapped = torch.where(kept_parents < 0, -1, new_index.gather(1, kept_parents.clamp(min=0)))
+    if (remapped[kept_parents >= 0] < 0).any():
+        raise RuntimeError("dynamic tree lost an ancestor; scores must be log-probabilities")
+    return TreeProposal(
+        tokens=tokens.gather(1, kept), parents=remapped, depths=tree_depths(remapped)
+    )
+
+
+# -- verification ----------------------------------------------------------------------------
+def _children_table(parents: torch.Tensor) -> torch.Tensor:  # [B, M] -> [B, M + 1, C] (-1 pad)
+    """Children of each tree-space entry, in sibling (index) order."""
+    batch, nodes = parents.shape
+    earlier = torch.ones(nodes, nodes, dtype=torch.bool, device=parents.device).tril(-1)
+    same_parent = parents[:, :, None] == parents[:, None, :]
+    rank = (same_parent & earlier).sum(-1)  # [B, M] position among siblings
+    width = int(rank.max()) + 1 if nodes else 1
+    table = torch.full((batch, nodes + 1, width), -1, dtype=torch.long, device=parents.device)
+    node_index = torch.arange(nodes, device=parents.device).expand(batch, -1)
+    flat = (parents + 1) * width + rank
+    table.view(batch, -1).scatter_(1, flat, node_index)
+    return table
+
+
+def verify_tree_greedy(
+    tree: TreeProposal,
+    target_logits: torch.Tensor,  # [B, M + 1, V] the verify pass over [root, nodes]
+) -> TreeVerification:
+    """Follow the child equal to the target's argmax; emit the argmax where none matches."""
+    _check_verify_shapes(tree, target_logits)
+    choice = target_logits.argmax(-1)  # [B, M + 1]
+
+    def accept(
+        current: torch.Tensor, child: torch.Tensor, token: torch.Tensor, state: None
+    ) -> tuple[torch.Tensor, None]:
+        return token == choice.gather(1, current[:, None]).squeeze(1), state
+
+    def finish(current: torch.Tensor, state: None) -> torch.Tensor:
+        return choice.gather(1, current[:, None]).squeeze(1)
+
+    return _walk(tree, accept, finish, state=None, reset=None)
+
+
+def verify_tree_stochastic(
+    tree: TreeProposal,
+    target_probs: torch.Tensor,  # [B, M + 1, V] after the sampling transforms
+    generator: torch.Generator | None,
+) -> TreeVerification:
+    """Exact tree verification (THEORY.md section 4); see the module docstring."""
+    _check_verify_shapes(tree, target_probs)
+    batch = target_probs.shape[0]
+    rows = torch.arange(batch, device=target_probs.device)
+    draft_probs = tree.draft_probs
+
+    def accept(
+        current: torch.Tensor, child: torch.Tensor, token: torch.Tensor, p: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        p_token = p.gather(1, token[:, None]).squeeze(1)
+        uniform = torch.rand(batch, generator=generator, device=p.device, dtype=p.dtype)
+        if draft_probs is None:
+            accepted = uniform < p_token
+            residual = p.scatter(1, token[:, None], 0.0)
+        else:
+            q = draft_probs[rows, child.clamp(min=0)].to(p.dtype)  # [B, V]
+            q_token = q.gather(1, token[:, None]).squeeze(1)
+            accepted = uniform * q_token < p_token  # u < p/q; q(token) > 0 as token ~ q
+            residual = (p - q).clamp(min=0)
+        mass = residual.sum(-1, keepdim=True)
+        # mass == 0 only when p is within rounding of the rejected law; keep p then.
+        residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p)
+        return accepted, residual
+
+    def finish(current: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        return sample(p, generator)
+
+    start = target_probs[:, 0].clone()
+    return _walk(tree, accept, finish, state=start, reset=target_probs)
+
+
+def _check_verify_shapes(tree: TreeProposal, scores: torch.Tensor) -> None:
+    expected = (tree.tokens.shape[0], tree.num_nodes + 1)
+    if scores.ndim != 3 or tuple(scores.shape[:2]) != expected:
+        raise ValueError(
+            f"the verify pass must score [root, nodes]: expected [B, M + 1, V] with "
+            f"[B, M + 1] = {expected}, got {tuple(scores.shape)}"
+        )
+
+
+def _walk(
+    tree: TreeProposal,
+    accept: Callable[..., tuple[torch.Tensor, torch.Tensor | None]],
+    finish: Callable[..., torch.Tensor],
+    state: torch.Tensor | None,  # [B, V] the distribution still in play, or None (greedy)
+    reset: torch.Tensor | None,  # [B, M + 1, V] fresh distribution at each tree-space entry
+) -> TreeVerification:
+    """Shared walk: try children in order, move down on acceptance, stop when none is taken.
+
+    ``accept(current, child, token, state) -> (accepted [B], state after a rejection)``;
+    ``state`` ([B, V] or None) is replaced by ``reset[:, child + 1]`` when a row moves down.
+    """
+    batch, nodes = tree.tokens.shape
+    device = tree.tokens.device
+    rows = torch.arange(batch, device=device)
+    children = _children_table(tree.parents)  # [B, M + 1, C]
+    max_depth = int(tree.depths.max()) if nodes else 0
+    current = torch.zeros(batch, dtype=torch.long, device=device)  # tree-space index
+    active = torch.ones(batch, dtype=torch.bool, device=device)
+    accepted_nodes = torch.full((batch, max_depth), -1, dtype=torch.long, device=device)
+    for level in range(max_depth):
+        moved_to = torch.full((batch,), -1, dtype=torch.long, device=device)
+        for slot in range(children.shape[-1]):
+            child = children[rows, current, slot]  # [B]
+            trying = active & (moved_to < 0) & (child >= 0)
+            if not trying.any():
+                continue
+            token = tree.tokens[rows, child.clamp(min=0)]
+            accepted, rejected_state = accept(current, child, token, state)
+            accepted = accepted & trying
+            if state is not None:
+                keep = (~trying | accepted)[:, None]
+                state = torch.where(keep, state, rejected_state)
+            moved_to = torch.where(accepted, child, moved_to)
+        moved = moved_to >= 0
+        accepted_nodes[:, level] = moved_to
+        current = torch.where(moved, moved_to + 1, current)
+        if state is not None:
+            state = torch.where(moved[:, None], reset[rows, current], state)
+        active = active & moved
+        if not active.any():
+            break
+    num_accepted = (accepted_nodes >= 0).sum(1)
+    accepted_tokens = torch.where(
+        accepted_nodes >= 0, tree.tokens.gather(1, accepted_nodes.clamp(min=0)), 0
+    )
+    return TreeVerification(
+        accepted_nodes=accepted_nodes,
+        num_accepted=num_accepted,
+        accepted_tokens=accepted_tokens,
+        next_tokens=finish(current, state),
+    )
