@@ -15,7 +15,7 @@ and receive exactly zero gradient, even when they hold padding garbage.
 
 The target may come as logits, as log-probabilities (``-inf`` marks a probability of exactly 0;
 log-probabilities are valid logits), or as probabilities wrapped in :class:`TargetProbs` (the
-offline cache's top-k expansion, with exact zeros outside the top k). Exact zeros in ``p``
+offline cache's top-k expansion, which may hold exact zeros). Exact zeros in ``p``
 contribute nothing, following ``0 * log 0 = 0``; they never produce NaN.
 
 References:
@@ -51,11 +51,11 @@ DEFAULT_MIN_TARGET_LOGPROB = -100.0
 class TargetProbs:
     """The target distribution given as probabilities instead of logits.
 
-    For targets read back from the offline cache (``data.cache.topk_to_probs`` expands the top-k
-    probabilities to the full vocabulary, with exact zeros elsewhere). Rows need not sum to 1:
-    the losses renormalise over the vocabulary, so the mass outside the top k is dropped rather
-    than guessed. Temperature applies as ``softmax(log p / tau)``, which equals
-    ``softmax(logits / tau)`` for an untruncated ``p``.
+    For targets read back from the offline cache: ``data.cache.topk_to_probs`` expands the
+    top-k probabilities to the full vocabulary and spreads the remaining mass uniformly, and
+    exact zeros still occur (k == V, an underflowing rest mass, a truncated target). Rows need
+    not sum to 1: the losses renormalise over the vocabulary. Temperature applies as
+    ``softmax(log p / tau)``, which equals ``softmax(logits / tau)`` for an untruncated ``p``.
     """
 
     probs: torch.Tensor  # [..., V], >= 0, exact zeros allowed
