@@ -1,0 +1,78 @@
+"""Build (or reuse) the demo target, print its metrics and a sample generation.
+
+    python scripts/build_demo_target.py                      # ~10 min on 2 cores, then cached
+    python scripts/build_demo_target.py --preset bench       # a larger target for benchmarks
+    python scripts/build_demo_target.py --preset tiny --output-dir /tmp/t --force   # seconds
+
+The folder (default ``$XDG_CACHE_HOME/draftsmith/targets/<preset>``) is a normal Hugging Face
+model folder; the generation shown here is produced from it after reloading with
+``AutoModelForCausalLM`` / ``AutoTokenizer``, greedy and sampled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+DEFAULT_PROMPT = "import os\n\n\ndef "
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="demo", help="demo (default), bench or tiny")
+    parser.add_argument(
+        "--output-dir", type=Path, default=None, help="default: the user cache directory"
+    )
+    parser.add_argument(
+        "--max-minutes", type=float, default=None, help="training budget (preset default)"
+    )
+    parser.add_argument("--max-steps", type=int, default=None, help="step cap (preset default)")
+    parser.add_argument("--force", action="store_true", help="rebuild even if a build exists")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt of the sample generation")
+    parser.add_argument("--new-tokens", type=int, default=64, help="tokens to generate")
+    return parser.parse_args(argv)
+
+
+def show_generation(folder: Path, prompt: str, new_tokens: int, seed: int) -> None:
+    """Reload the saved folder offline and print a greedy and a sampled continuation."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    inputs = tokenizer(prompt, return_tensors="pt")
+    for label, sampling in (("greedy", {"do_sample": False}), ("sampled (T=0.8)", None)):
+        kwargs = sampling or {"do_sample": True, "temperature": 0.8, "top_k": 0, "top_p": 1.0}
+        # generate() draws from the global RNG: fork it so the seed governs this call only.
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(seed)
+            output = model.generate(**inputs, max_new_tokens=new_tokens, **kwargs)
+        text = tokenizer.decode(output[0], skip_special_tokens=True)
+        print(f"--- {label} ---\n{text}\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from train.demo_target import build_demo_target
+
+    folder = build_demo_target(
+        output_dir=args.output_dir,
+        preset=args.preset,
+        max_minutes=args.max_minutes,
+        max_steps=args.max_steps,
+        force=args.force,
+        seed=args.seed,
+    )
+    show_generation(folder, args.prompt, args.new_tokens, args.seed)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # libgomp's default busy-waiting collapses throughput 10-40x when the cores are shared
+    # (measured: 2.2 s vs 0.03 s per tiny step); must be set before torch loads OpenMP.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    sys.exit(main())
