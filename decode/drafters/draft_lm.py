@@ -1,0 +1,90 @@
+"""A small causal LM that shares the target's tokenizer and drafts autoregressively.
+
+Leviathan et al. 2023: the draft samples ``d_1 .. d_N`` from its own (transformed) distribution
+``q``, one forward pass per token, over its own KV cache. After verification its cache keeps the
+accepted drafts; what it has not read yet (the token emitted after them, and ``d_N`` when every
+draft was accepted) is fed at the start of the next proposal.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from decode.drafters.base import Drafter, DraftProposal, TargetPass
+from decode.kv_cache import CachedSequence
+from decode.sampling import SamplingConfig, select_tokens
+
+
+class DraftModelDrafter(Drafter):
+    """Drafts with a Hugging Face causal LM (``AutoModelForCausalLM``)."""
+
+    kind = "draft_lm"
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model.eval()
+        self._sequence: CachedSequence | None = None
+        self._unread: torch.Tensor | None = None  # [B, W] tokens the draft has not read
+        self._unread_valid: torch.Tensor | None = None  # [B, W] bool
+        self._last_drafts: torch.Tensor | None = None  # [B, N]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.get_output_embeddings().weight.shape[0]
+
+    def prefill(
+        self,
+        input_ids: torch.Tensor,  # [B, T]
+        attention_mask: torch.Tensor,  # [B, T]
+        target_pass: TargetPass,
+        pending: torch.Tensor,  # [B]
+    ) -> None:
+        device = input_ids.device
+        self._sequence = CachedSequence(self.model, input_ids.shape[0], device)
+        with torch.inference_mode():
+            self._sequence.extend(input_ids, attention_mask.bool(), logits_to_keep=1)
+        self._unread = pending[:, None]
+        self._unread_valid = torch.ones_like(self._unread, dtype=torch.bool)
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        num_tokens: int,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+    ) -> DraftProposal:
+        sequence = self._require_state()
+        logits = sequence.extend(self._unread, self._unread_valid, logits_to_keep=1).logits
+        tokens, probs = [], []
+        for step in range(num_tokens):
+            token, token_probs = select_tokens(logits[:, -1], sampling, generator)
+            tokens.append(token)
+            probs.append(token_probs)
+            if step + 1 < num_tokens:
+                logits = sequence.extend(token[:, None], logits_to_keep=1).logits
+        self._last_drafts = torch.stack(tokens, dim=1)
+        stacked = None if sampling.greedy else torch.stack(probs, dim=1)
+        return DraftProposal(tokens=self._last_drafts, probs=stacked)
+
+    def commit(
+        self,
+        num_accepted: torch.Tensor,  # [B]
+        next_tokens: torch.Tensor,  # [B]
+        target_pass: TargetPass,
+    ) -> None:
+        sequence = self._require_state()
+        drafts = self._last_drafts
+        num_drafts = drafts.shape[1]
+        # The draft read d_1 .. d_{N-1}; it keeps those that were accepted.
+        sequence.rollback(num_drafts - 1, num_accepted.clamp(max=num_drafts - 1))
+        all_accepted = num_accepted == num_drafts  # [B]
+        if bool(all_accepted.any()):
+            self._unread = torch.stack([drafts[:, -1], next_tokens], dim=1)
+            self._unread_valid = torch.stack([all_accepted, torch.ones_like(all_accepted)], 1)
+        else:
+            self._unread = next_tokens[:, None]
+            self._unread_valid = torch.ones_like(self._unread, dtype=torch.bool)
+
+    def _require_state(self) -> CachedSequence:
+        if self._sequence is None:
+            raise RuntimeError("DraftModelDrafter.propose called before prefill")
+        return self._sequence

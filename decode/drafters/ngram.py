@@ -1,0 +1,94 @@
+"""Prompt-lookup drafting: copy what followed the last earlier occurrence of the newest n-gram.
+
+Saxena 2023 ("prompt lookup decoding"); the proposer is deterministic, so ``q`` is one-hot and
+verification accepts a draft ``x`` with probability ``p(x)`` (THEORY.md section 2). Rows with no
+match propose nothing; the round's width is the longest match in the batch, and rows with a
+shorter match pad with a token they will simply not get accepted (one-hot ``q`` keeps this
+exact).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from decode.drafters.base import Drafter, DraftProposal, TargetPass
+from decode.sampling import SamplingConfig
+
+
+class NgramDrafter(Drafter):
+    """Looks up the newest ``n``-gram (``max_ngram`` down to ``min_ngram``) in the row's history."""
+
+    kind = "ngram"
+
+    def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(
+                f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, "
+                f"max_ngram={max_ngram}"
+            )
+        self._vocab_size = vocab_size
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+        self._history: list[list[int]] = []
+        self._last_drafts: list[list[int]] = []
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    def prefill(
+        self,
+        input_ids: torch.Tensor,  # [B, T]
+        attention_mask: torch.Tensor,  # [B, T]
+        target_pass: TargetPass,
+        pending: torch.Tensor,  # [B]
+    ) -> None:
+        self._device = input_ids.device
+        rows = input_ids.tolist()
+        keep = attention_mask.bool().tolist()
+        first = pending.tolist()
+        self._history = [
+            [tok for tok, k in zip(row, mask, strict=True) if k] + [tok0]
+            for row, mask, tok0 in zip(rows, keep, first, strict=True)
+        ]
+
+    def propose(
+        self,
+        num_tokens: int,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+    ) -> DraftProposal:
+        found = [self._lookup(history, num_tokens) for history in self._history]
+        width = max(len(drafts) for drafts in found)
+        # Pads are real one-hot proposals: if the target accepts one, it is emitted and kept.
+        self._last_drafts = [drafts + [0] * (width - len(drafts)) for drafts in found]
+        tokens = torch.tensor(self._last_drafts, dtype=torch.long, device=self._device)
+        tokens = tokens.reshape(len(found), width)
+        return DraftProposal(tokens=tokens, probs=None)
+
+    def commit(
+        self,
+        num_accepted: torch.Tensor,  # [B]
+        next_tokens: torch.Tensor,  # [B]
+        target_pass: TargetPass,
+    ) -> None:
+        for history, drafts, accepted, token in zip(
+            self._history,
+            self._last_drafts,
+            num_accepted.tolist(),
+            next_tokens.tolist(),
+            strict=True,
+        ):
+            history.extend(drafts[:accepted])
+            history.append(token)
+
+    def _lookup(self, history: list[int], num_tokens: int) -> list[int]:
+        """Tokens after the most recent earlier occurrence of the longest matching suffix."""
+        length = len(history)
+        for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
+            suffix = history[length - n :]
+            # Scan from the right: the most recent occurrence best predicts what comes next.
+            for start in range(length - n - 1, -1, -1):
+                if history[start : start + n] == suffix:
+                    return history[start + n : start + n + num_tokens]
+        return []

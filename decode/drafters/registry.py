@@ -1,0 +1,98 @@
+"""The explicit registry of drafter kinds, and loading a drafter folder by its declared kind.
+
+The kind comes from ``drafter.json`` (written by training) or from the architecture of a
+vLLM/SGLang export; it is never guessed from a path name (docs/interfaces.md).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from decode.drafters.base import Drafter
+
+DRAFTER_FILE = "drafter.json"
+
+# kind -> "module:function" building a runtime Drafter from (path, target); imported lazily so
+# that loading one kind never imports the others.
+DRAFTER_LOADERS: dict[str, str] = {
+    "draft_lm": "decode.drafters.registry:load_draft_lm",
+    "ngram": "decode.drafters.registry:load_ngram",
+    "medusa": "decode.drafters.medusa:load_runtime_drafter",
+    "eagle3": "decode.drafters.eagle:load_runtime_drafter",
+}
+
+# Architectures written by other engines' export formats.
+_EXPORT_ARCHITECTURES = {"LlamaForCausalLMEagle3": "eagle3", "MedusaModel": "medusa"}
+
+
+def detect_drafter_kind(path: str | Path) -> str:
+    """The kind declared by a drafter folder (``drafter.json``, else its export architecture)."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise FileNotFoundError(
+            f"drafter folder {folder} does not exist: pass the folder written by "
+            "train/distill.py (or --drafter-kind ngram, which needs none)"
+        )
+    declared = folder / DRAFTER_FILE
+    if declared.is_file():
+        kind = json.loads(declared.read_text())["kind"]
+        _check_kind(kind)
+        return kind
+    config = folder / "config.json"
+    if not config.is_file():
+        raise ValueError(f"{folder} has neither {DRAFTER_FILE} nor config.json: not a drafter")
+    for architecture in json.loads(config.read_text()).get("architectures") or []:
+        if architecture in _EXPORT_ARCHITECTURES:
+            return _EXPORT_ARCHITECTURES[architecture]
+    return "draft_lm"
+
+
+def load_drafter(
+    path: str | Path | None,
+    target: torch.nn.Module,
+    kind: str | None = None,
+) -> Drafter:
+    """Build the runtime drafter stored at ``path`` for ``target`` (same device and dtype)."""
+    if kind is None:
+        if path is None:
+            raise ValueError("give a drafter folder, or kind='ngram' for prompt lookup")
+        kind = detect_drafter_kind(path)
+    _check_kind(kind)
+    module_name, function_name = DRAFTER_LOADERS[kind].split(":")
+    loader: Callable[..., Drafter] = getattr(importlib.import_module(module_name), function_name)
+    drafter = loader(path, target)
+    drafter.check_compatible(target)
+    return drafter
+
+
+def load_draft_lm(path: str | Path | None, target: torch.nn.Module) -> Drafter:
+    """A draft causal LM from a Hugging Face folder, safetensors only, no remote code."""
+    from transformers import AutoModelForCausalLM
+
+    from decode.drafters.draft_lm import DraftModelDrafter
+
+    if path is None:
+        raise ValueError("the draft_lm drafter needs a folder: pass --drafter PATH")
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=target.dtype, use_safetensors=True, trust_remote_code=False
+    )
+    return DraftModelDrafter(model.to(next(target.parameters()).device))
+
+
+def load_ngram(path: str | Path | None, target: torch.nn.Module) -> Drafter:
+    """Prompt lookup needs no weights; ``path`` is ignored."""
+    from decode.drafters.ngram import NgramDrafter
+
+    return NgramDrafter(vocab_size=target.get_output_embeddings().weight.shape[0])
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in DRAFTER_LOADERS:
+        raise ValueError(
+            f"unknown drafter kind {kind!r}: choose one of {', '.join(sorted(DRAFTER_LOADERS))}"
+        )

@@ -1,0 +1,244 @@
+"""The speculative decoder: propose -> verify -> accept -> roll back, round after round.
+
+One round (THEORY.md sections 1-3): the drafter guesses N tokens after each row's pending
+token; the target scores ``[pending, d_1 .. d_N]`` in **one** forward pass over its KV cache;
+verification keeps the accepted prefix and emits one recovered or bonus token; both caches drop
+what was rejected (no re-prefill). Each round emits between 1 and N + 1 tokens per row, and
+the output is distributed exactly as the target's (greedy: equal to its greedy output).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from decode.drafters.base import Drafter, TargetPass
+from decode.kv_cache import CachedSequence
+from decode.rejection import verify_chain
+from decode.sampling import SamplingConfig, select_tokens
+from decode.stats import DecodeStats
+
+# Called after every round with each row's newly emitted tokens; returning False stops early.
+Streamer = Callable[[list[list[int]]], "bool | None"]
+
+
+@dataclass
+class GenerateOutput:
+    sequences: torch.Tensor  # [B, prompt_len + new], finished rows padded
+    stats: DecodeStats
+
+
+class SpeculativeDecoder:
+    """Runs a target causal LM with a drafter; see ``generate``."""
+
+    def __init__(
+        self, target: torch.nn.Module, drafter: Drafter, num_draft_tokens: int = 4
+    ) -> None:
+        if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int):
+            raise TypeError(f"num_draft_tokens must be an int, got {num_draft_tokens!r}")
+        if num_draft_tokens < 1:
+            raise ValueError(
+                f"num_draft_tokens must be >= 1 (drafted tokens per round), got {num_draft_tokens}"
+            )
+        drafter.check_compatible(target)
+        self.target = target.eval()
+        self.drafter = drafter
+        self.num_draft_tokens = num_draft_tokens
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.target.parameters()).device
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        input_ids: torch.Tensor,  # [B, T] left-padded
+        attention_mask: torch.Tensor | None = None,  # [B, T]
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        eos_token_id: int | Sequence[int] | None = None,
+        generator: torch.Generator | None = None,
+        pad_token_id: int | None = None,
+        streamer: Streamer | None = None,
+    ) -> GenerateOutput:
+        """Generate up to ``max_new_tokens`` tokens per row.
+
+        ``eos_token_id=None`` uses the target's generation config (pass ``[]`` for none); a row
+        stops after its first EOS. Sampling applies temperature, then top-k, then top-p to the
+        target and the draft alike; ``temperature=0`` is greedy. ``generator`` must live on the
+        target's device.
+        """
+        sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+        input_ids, attention_mask = self._check_inputs(input_ids, attention_mask, max_new_tokens)
+        eos = self._eos_tensor(eos_token_id)
+        pad = self._pad_id(pad_token_id, eos)
+        run = _Run(input_ids.shape[0], max_new_tokens, self.num_draft_tokens, pad, eos, streamer)
+        stats = run.stats
+        needs_hidden = self.drafter.needs_hidden_states
+        start = _clock(self.device)
+
+        target = CachedSequence(self.target, input_ids.shape[0], self.device)
+        prefill = target.extend(
+            input_ids, attention_mask.bool(), output_hidden_states=needs_hidden, logits_to_keep=1
+        )
+        pending, _ = select_tokens(prefill.logits[:, -1], sampling, generator)
+        self.drafter.prefill(
+            input_ids, attention_mask, TargetPass(prefill.logits, prefill.hidden_states), pending
+        )
+        run.emit(pending[:, None], torch.ones_like(pending))
+        stats.prefill_seconds = _clock(self.device) - start
+
+        while run.any_active():
+            round_start = _clock(self.device)
+            proposal = self.drafter.propose(run.round_width(), sampling, generator)
+            drafts = proposal.tokens  # [B, n]
+            verify_start = _clock(self.device)
+            verify = target.extend(
+                torch.cat([pending[:, None], drafts], dim=1), output_hidden_states=needs_hidden
+            )
+            num_accepted, pending = verify_chain(
+                drafts, proposal.probs, verify.logits, sampling, generator
+            )
+            target.rollback(drafts.shape[1] + 1, num_accepted + 1)
+            verify_end = _clock(self.device)
+            self.drafter.commit(
+                num_accepted, pending, TargetPass(verify.logits, verify.hidden_states)
+            )
+            stats.record_round(num_accepted, drafts.shape[1], run.active)
+            emitted = torch.cat([drafts, pending[:, None]], dim=1)
+            emitted.scatter_(1, num_accepted[:, None], pending[:, None])
+            run.emit(emitted, num_accepted + 1)
+            round_end = _clock(self.device)
+            stats.verify_seconds += verify_end - verify_start
+            stats.draft_seconds += (verify_start - round_start) + (round_end - verify_end)
+
+        stats.total_seconds = _clock(self.device) - start
+        return GenerateOutput(sequences=run.sequences(input_ids), stats=stats)
+
+    def _check_inputs(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        max_new_tokens: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            raise ValueError("input_ids must be a LongTensor of shape [batch, prompt_len]")
+        if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+            raise ValueError(
+                f"empty prompt batch (input_ids has shape {tuple(input_ids.shape)}): give every "
+                "row at least one token"
+            )
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+            raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        input_ids = input_ids.to(self.device)
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        attention_mask = attention_mask.to(self.device)
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids has "
+                f"{tuple(input_ids.shape)}"
+            )
+        if bool((attention_mask.sum(-1) == 0).any()):
+            raise ValueError("a prompt row is empty (its attention_mask is all zero)")
+        if bool((attention_mask[:, -1] == 0).any()):
+            raise ValueError("prompts must be left-padded: the last column must be a real token")
+        vocab = self.drafter.vocab_size
+        if bool(((input_ids < 0) | (input_ids >= vocab)).any()):
+            raise ValueError(f"input_ids hold token ids outside [0, {vocab})")
+        return input_ids, attention_mask
+
+    def _eos_tensor(self, eos_token_id: int | Sequence[int] | None) -> torch.Tensor:
+        if eos_token_id is None:
+            eos_token_id = getattr(self.target.generation_config, "eos_token_id", None)
+        if eos_token_id is None:
+            eos_token_id = []
+        if isinstance(eos_token_id, int):
+            eos_token_id = [eos_token_id]
+        return torch.tensor(list(eos_token_id), dtype=torch.long, device=self.device)
+
+    def _pad_id(self, pad_token_id: int | None, eos: torch.Tensor) -> int:
+        if pad_token_id is not None:
+            return pad_token_id
+        configured = getattr(self.target.generation_config, "pad_token_id", None)
+        if configured is not None:
+            return int(configured)
+        return int(eos[0]) if eos.numel() else 0
+
+
+class _Run:
+    """Per-row output buffer and stopping state of one ``generate`` call."""
+
+    def __init__(
+        self,
+        batch: int,
+        max_new_tokens: int,
+        num_draft_tokens: int,
+        pad: int,
+        eos: torch.Tensor,
+        streamer: Streamer | None,
+    ) -> None:
+        device = eos.device
+        self.max_new_tokens = max_new_tokens
+        self.num_draft_tokens = num_draft_tokens
+        self.eos = eos
+        self.streamer = streamer
+        self.stats = DecodeStats()
+        # One spare column past the end takes the writes of masked-out slots.
+        self.spare = max_new_tokens + num_draft_tokens + 1
+        self.tokens = torch.full((batch, self.spare + 1), pad, dtype=torch.long, device=device)
+        self.count = torch.zeros(batch, dtype=torch.long, device=device)
+        self.active = torch.ones(batch, dtype=torch.bool, device=device)
+        self._stopped = False
+
+    def any_active(self) -> bool:
+        return not self._stopped and bool(self.active.any())
+
+    def round_width(self) -> int:
+        """Drafts for this round: no more than the most room any active row has left."""
+        room = int((self.max_new_tokens - self.count[self.active]).max())
+        return max(1, min(self.num_draft_tokens, room - 1))
+
+    def emit(
+        self,
+        new_tokens: torch.Tensor,  # [B, W]
+        num_new: torch.Tensor,  # [B] valid prefix length of each row of new_tokens
+    ) -> None:
+        width = new_tokens.shape[1]
+        columns = torch.arange(width, device=new_tokens.device)[None, :]
+        num_new = torch.where(self.active, num_new, 0)
+        num_new = torch.minimum(num_new, self.max_new_tokens - self.count)
+        if self.eos.numel():
+            is_eos = torch.isin(new_tokens, self.eos) & (columns < num_new[:, None])
+            hit = is_eos.any(1)
+            num_new = torch.where(hit, is_eos.long().argmax(1) + 1, num_new)
+        else:
+            hit = torch.zeros_like(self.active)
+        written = columns < num_new[:, None]
+        target_column = torch.where(written, self.count[:, None] + columns, self.spare)
+        self.tokens.scatter_(1, target_column, new_tokens)
+        self.count += num_new
+        self.stats.tokens_emitted += int(num_new.sum())
+        if self.streamer is not None:
+            rows = [row[:n] for row, n in zip(new_tokens.tolist(), num_new.tolist(), strict=True)]
+            if self.streamer(rows) is False:
+                self._stopped = True
+        self.active &= ~hit & (self.count < self.max_new_tokens)
+
+    def sequences(self, input_ids: torch.Tensor) -> torch.Tensor:  # [B, T + new]
+        longest = int(self.count.max())
+        return torch.cat([input_ids, self.tokens[:, :longest]], dim=1)
+
+
+def _clock(device: torch.device) -> float:
+    """Wall time, after the device finished its queued work (kernels run asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()

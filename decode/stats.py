@@ -1,0 +1,122 @@
+"""Acceptance and timing statistics: the one definition every report uses.
+
+vLLM's vocabulary: per round the target verifies the drafted tokens; ``accepted`` drafts are
+kept, then one more token (recovered or bonus) is emitted. ``tau`` is the mean number of tokens
+emitted per verification pass (1 + mean accepted); ``alpha_j`` is the acceptance rate at draft
+position j *given that position j - 1 was accepted* (THEORY.md section 5), so that
+``P(L >= i) = prod_{j < i} alpha_j`` and ``E[L] = 1 + sum_i prod_{j <= i} alpha_j``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+
+@dataclass
+class DecodeStats:
+    """Counters of one ``generate`` call (or of many, merged with ``merge``)."""
+
+    reached_per_position: list[int] = field(default_factory=list)  # drafts verified at j
+    accepted_per_position: list[int] = field(default_factory=list)  # drafts accepted at j
+    rounds: int = 0  # row-rounds: one per active row per verification pass
+    target_forward_passes: int = 0  # verification passes (prefill not included)
+    tokens_emitted: int = 0  # new tokens written to the output (after truncation)
+    prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    total_seconds: float = 0.0
+    draft_positions: int = 0  # sum over passes of the number of drafted positions
+
+    def record_round(
+        self,
+        num_accepted: torch.Tensor,  # [B] accepted drafts per row
+        num_drafted: int,
+        active: torch.Tensor,  # [B] bool: rows still generating before this round
+    ) -> None:
+        """Add one verification pass: for each active row, positions 1..a accepted."""
+        accepted = num_accepted[active]
+        self._grow(num_drafted)
+        self.rounds += int(active.sum())
+        self.target_forward_passes += 1
+        self.draft_positions += num_drafted
+        for j in range(num_drafted):
+            self.reached_per_position[j] += int((accepted >= j).sum())
+            self.accepted_per_position[j] += int((accepted >= j + 1).sum())
+
+    def _grow(self, length: int) -> None:
+        missing = length - len(self.reached_per_position)
+        if missing > 0:
+            self.reached_per_position.extend([0] * missing)
+            self.accepted_per_position.extend([0] * missing)
+
+    @property
+    def alpha_per_position(self) -> list[float]:
+        return [
+            acc / reached if reached else 0.0
+            for acc, reached in zip(
+                self.accepted_per_position, self.reached_per_position, strict=True
+            )
+        ]
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per verification pass per row: 1 + mean accepted drafts."""
+        if self.rounds == 0:
+            return 0.0
+        return 1.0 + sum(self.accepted_per_position) / self.rounds
+
+    @property
+    def predicted_tau(self) -> float:
+        """``E[L] = 1 + sum_i prod_{j <= i} alpha_j`` from the per-position rates."""
+        return predicted_tau(self.alpha_per_position)
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return self.tokens_emitted / self.total_seconds if self.total_seconds else 0.0
+
+    def merge(self, other: DecodeStats) -> DecodeStats:
+        merged = DecodeStats()
+        merged._grow(max(len(self.reached_per_position), len(other.reached_per_position)))
+        for stats in (self, other):
+            for j, (reached, acc) in enumerate(
+                zip(stats.reached_per_position, stats.accepted_per_position, strict=True)
+            ):
+                merged.reached_per_position[j] += reached
+                merged.accepted_per_position[j] += acc
+        for name in (
+            "rounds",
+            "target_forward_passes",
+            "tokens_emitted",
+            "prefill_seconds",
+            "draft_seconds",
+            "verify_seconds",
+            "total_seconds",
+            "draft_positions",
+        ):
+            setattr(merged, name, getattr(self, name) + getattr(other, name))
+        return merged
+
+    def to_dict(self) -> dict[str, object]:
+        data = asdict(self)
+        data.update(
+            tau=self.tau,
+            predicted_tau=self.predicted_tau,
+            alpha_per_position=self.alpha_per_position,
+        )
+        return data
+
+
+def predicted_tau(alpha_per_position: list[float]) -> float:
+    """Expected tokens per round, ``1 + sum_i prod_{j <= i} alpha_j`` (THEORY.md section 5)."""
+    expected, survive = 1.0, 1.0
+    for alpha in alpha_per_position:
+        survive *= alpha
+        expected += survive
+    return expected
+
+
+def predicted_speedup(tau: float, target_step_s: float, draft_step_s: float, steps: int) -> float:
+    """``speedup = E[L] * T_t / (N * T_d + T_t)`` (THEORY.md section 5)."""
+    return tau * target_step_s / (steps * draft_step_s + target_step_s)

@@ -1,0 +1,84 @@
+"""Drafters with a known relation to the target, and exact reference distributions."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from decode.drafters.base import Drafter, DraftProposal, TargetPass
+from decode.sampling import SamplingConfig, logits_to_probs
+
+
+def noisy_copy(model: torch.nn.Module, scale: float, seed: int = 7) -> torch.nn.Module:
+    """The model with Gaussian noise on every weight: a draft that is right only sometimes."""
+    noisy = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in noisy.parameters():
+            noise = torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype)
+            parameter.add_(noise * scale * parameter.std().clamp(min=1e-3))
+    return noisy
+
+
+class AdversarialDrafter(Drafter):
+    """Proposes the token the target finds least likely, deterministically (one-hot q)."""
+
+    kind = "adversarial"
+
+    def __init__(self, target: torch.nn.Module) -> None:
+        self.target = target
+
+    @property
+    def vocab_size(self) -> int:
+        return self.target.get_output_embeddings().weight.shape[0]
+
+    def prefill(self, input_ids, attention_mask, target_pass: TargetPass, pending) -> None:
+        self._last = target_pass.logits[:, -1]
+
+    def propose(self, num_tokens: int, sampling: SamplingConfig, generator) -> DraftProposal:
+        worst = self._last.argmin(-1)
+        return DraftProposal(tokens=worst[:, None].repeat(1, num_tokens), probs=None)
+
+    def commit(self, num_accepted, next_tokens, target_pass: TargetPass) -> None:
+        self._last = target_pass.logits.gather(
+            1, num_accepted[:, None, None].expand(-1, 1, target_pass.logits.shape[-1])
+        ).squeeze(1)
+
+
+def exact_two_token_law(
+    target: torch.nn.Module,
+    prompt: torch.Tensor,  # [T]
+    sampling: SamplingConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:  # p(x1) [V], p(x2) marginal [V]
+    """The target's exact law of the first two sampled tokens after ``prompt``."""
+    with torch.no_grad():
+        first = logits_to_probs(target(prompt[None]).logits[0, -1], sampling)  # [V]
+        vocab = first.shape[0]
+        extended = torch.cat([prompt[None].repeat(vocab, 1), torch.arange(vocab)[:, None]], 1)
+        second = logits_to_probs(target(extended).logits[:, -1], sampling)  # [V, V]
+    return first.double(), (first.double()[:, None] * second.double()).sum(0)
+
+
+def chi_square_p_value(
+    counts: torch.Tensor,  # [V] observed
+    probs: torch.Tensor,  # [V] expected law
+    min_expected: float = 5.0,
+) -> float:
+    """Pearson's chi-square goodness of fit, rare cells pooled so each expects >= 5."""
+    total = counts.sum().double()
+    expected = probs.double() * total
+    order = torch.argsort(expected, descending=True)
+    expected, counts = expected[order], counts.double()[order]
+    common = expected >= min_expected
+    observed_bins = torch.cat([counts[common], counts[~common].sum()[None]])
+    expected_bins = torch.cat([expected[common], expected[~common].sum()[None]])
+    if expected_bins[-1] < min_expected:  # fold a small pooled bin into the last big one
+        observed_bins = torch.cat([observed_bins[:-2], observed_bins[-2:].sum()[None]])
+        expected_bins = torch.cat([expected_bins[:-2], expected_bins[-2:].sum()[None]])
+    # Cells the law forbids must stay empty.
+    if bool((counts[expected == 0] > 0).any()):
+        return 0.0
+    statistic = ((observed_bins - expected_bins) ** 2 / expected_bins).sum()
+    dof = observed_bins.numel() - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0), statistic / 2.0))
