@@ -9,13 +9,22 @@ import torch
 from tiny_models import tiny_llama
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
+from decode.drafters.base import TargetPass
 from decode.drafters.eagle import (
     Eagle3Config,
+    Eagle3Drafter,
     Eagle3Head,
     block_visibility,
     build_vocab_maps,
     default_aux_layer_ids,
     positions_from_mask,
+)
+from decode.sampling import SamplingConfig, logits_to_probs
+from decode.tree import (
+    TreeVerification,
+    tree_attention_mask_4d,
+    tree_positions,
+    verify_tree_greedy,
 )
 
 
@@ -211,3 +220,219 @@ def test_from_pretrained_names_the_problem(tmp_path) -> None:
     (tmp_path / "drafter.json").write_text(json.dumps({"kind": "medusa"}))
     with pytest.raises(ValueError, match="not 'eagle3'"):
         Eagle3Head.from_pretrained(tmp_path)
+
+
+# -- runtime drafter ---------------------------------------------------------------------------
+def _scratch_pass(target: torch.nn.Module, sequences: list[list[int]], width: int) -> TargetPass:
+    """The target's logits and hidden states over the last ``width`` tokens of each row."""
+    logits, hidden = [], []
+    with torch.no_grad():
+        for sequence in sequences:
+            out = target(torch.tensor([sequence]), output_hidden_states=True)
+            logits.append(out.logits[0, -width:])
+            hidden.append([h[0, -width:] for h in out.hidden_states])
+    layers = range(len(hidden[0]))
+    return TargetPass(
+        torch.stack(logits), tuple(torch.stack([h[i] for h in hidden]) for i in layers)
+    )
+
+
+def _scratch_draft_logits(
+    head: Eagle3Head, target: torch.nn.Module, committed: list[int], drafts: list[int]
+) -> torch.Tensor:  # [len(drafts), V]
+    """Draft logits recomputed over the whole committed sequence (its last token is pending)."""
+    embed = target.get_input_embeddings()
+    with torch.no_grad():
+        out = target(torch.tensor([committed[:-1]]), output_hidden_states=True)
+        fused = head.fuse(head.gather_aux(out.hidden_states))
+        length = len(committed) - 1
+        prenorm, (keys, values) = head(
+            fused, embed(torch.tensor([committed[1:]])), torch.arange(length)[None]
+        )
+        hidden = prenorm[:, -1:]
+        logits = [head.to_target_logits(head.compute_logits(hidden))]
+        for step, token in enumerate(drafts[:-1]):
+            hidden, (key, value) = head(
+                hidden,
+                embed(torch.tensor([[token]])),
+                torch.tensor([[length + step]]),
+                (keys, values),
+            )
+            keys, values = torch.cat((keys, key), 2), torch.cat((values, value), 2)
+            logits.append(head.to_target_logits(head.compute_logits(hidden)))
+    return torch.cat(logits, 1)[0]
+
+
+PROMPTS = [[5, 17, 9, 33, 2, 40], [7, 21, 8]]
+
+
+def _prefill(drafter, target: torch.nn.Module, pending: list[int]) -> list[list[int]]:
+    """Prefill the left-padded PROMPTS batch; returns each row's committed tokens (+ pending)."""
+    width = max(map(len, PROMPTS))
+    input_ids = torch.tensor([[0] * (width - len(p)) + p for p in PROMPTS])
+    attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in PROMPTS])
+    hidden: tuple[torch.Tensor, ...] = ()
+    for row, prompt in enumerate(PROMPTS):
+        row_states = _scratch_pass(target, [prompt], len(prompt)).hidden_states
+        if not hidden:  # padding columns hold zeros, as junk the drafter must ignore
+            hidden = tuple(torch.zeros(2, width, h.shape[-1], dtype=h.dtype) for h in row_states)
+        for h, full in zip(hidden, row_states, strict=True):
+            h[row, width - len(prompt) :] = full[0]
+    logits = torch.zeros(2, 1, 64, dtype=torch.float64)
+    drafter.prefill(input_ids, attention, TargetPass(logits, hidden), torch.tensor(pending))
+    return [[*p, t] for p, t in zip(PROMPTS, pending, strict=True)]
+
+
+@pytest.mark.parametrize("draft_vocab_size", [64, 40])
+def test_drafter_matches_recomputation_round_after_round(draft_vocab_size: int) -> None:
+    target = tiny_llama(num_layers=4)
+    head = _head(target, draft_vocab_size=draft_vocab_size)
+    if draft_vocab_size < 64:
+        counts = torch.rand(64, generator=torch.Generator().manual_seed(3))
+        head.set_vocab_maps(*build_vocab_maps(counts, draft_vocab_size))
+    drafter = Eagle3Drafter(head, target)
+    sampling = SamplingConfig(temperature=1.0)
+    generator = torch.Generator().manual_seed(0)
+    committed = _prefill(drafter, target, [11, 12])
+    num_drafts, appended = 3, drafter._state.valid.shape[1]
+    schedule = [[0, 2], [0, 0], [3, 0], [0, 0], [0, 0], [0, 0], [1, 0], [0, 3]]  # accepted
+    for accepted in schedule:
+        proposal = drafter.propose(num_drafts, sampling, generator)
+        assert proposal.tokens.shape == (2, num_drafts)
+        assert proposal.probs.shape == (2, num_drafts, 64)
+        for row in range(2):
+            drafts = proposal.tokens[row].tolist()
+            expected = logits_to_probs(
+                _scratch_draft_logits(head, target, committed[row], drafts), sampling
+            )
+            torch.testing.assert_close(proposal.probs[row], expected)
+            assert proposal.probs[row].gather(1, proposal.tokens[row, :, None]).min() > 0
+        num_accepted = torch.tensor(accepted)
+        next_tokens = torch.randint(3, 64, (2,), generator=generator)
+        rows = [committed[r] + proposal.tokens[r].tolist() for r in range(2)]
+        drafter.commit(num_accepted, next_tokens, _scratch_pass(target, rows, num_drafts + 1))
+        appended += num_drafts + 1
+        for row in range(2):
+            n = int(num_accepted[row])
+            committed[row] += [*proposal.tokens[row, :n].tolist(), int(next_tokens[row])]
+    assert drafter._state.valid.shape[1] < appended  # holes were compacted away
+    greedy = drafter.propose(2, SamplingConfig(), None)
+    assert greedy.probs is None
+    for row in range(2):
+        expected = _scratch_draft_logits(head, target, committed[row], greedy.tokens[row].tolist())
+        assert greedy.tokens[row].tolist() == expected.argmax(-1).tolist()
+
+
+def _tree_pass(target: torch.nn.Module, committed: list[list[int]], tree) -> TargetPass:
+    """The target over [pending, tree nodes] after each row's cached prefix (one row at a time)."""
+    logits, hidden = [], []
+    with torch.no_grad():
+        for row, sequence in enumerate(committed):
+            prefix = target(torch.tensor([sequence[:-1]]), use_cache=True)
+            cache = prefix.cache if hasattr(prefix, "cache") else prefix.past_key_values
+            start = torch.tensor([len(sequence) - 1])
+            out = target(
+                torch.cat((torch.tensor([sequence[-1]]), tree.tokens[row]))[None],
+                attention_mask=tree_attention_mask_4d(
+                    tree.parents[row], torch.ones(1, len(sequence) - 1), torch.float64
+                ),
+                position_ids=tree_positions(tree.depths[row], start),
+                cache=cache,
+                output_hidden_states=True,
+            )
+            logits.append(out.logits[0])
+            hidden.append([h[0] for h in out.hidden_states])
+    layers = range(len(hidden[0]))
+    return TargetPass(
+        torch.stack(logits), tuple(torch.stack([h[i] for h in hidden]) for i in layers)
+    )
+
+
+def test_dynamic_tree_decoding_is_greedy_exact_and_keeps_state_in_step() -> None:
+    target = tiny_llama(num_layers=4)
+    head = _head(target)
+    drafter = Eagle3Drafter(head, target)
+    with torch.no_grad():  # the target's own first token, so the whole output is greedy
+        firsts = [int(target(torch.tensor([p])).logits[0, -1].argmax()) for p in PROMPTS]
+    committed = _prefill(drafter, target, firsts)
+    for _ in range(4):
+        tree = drafter.propose_tree(top_k=3, depth=3, total_tokens=8)
+        assert tree.tokens.shape == (2, 8) and tree.draft_probs is None
+        verify = _tree_pass(target, committed, tree)
+        result = verify_tree_greedy(tree, verify.logits)
+        drafter.commit_tree(result, verify)
+        for row in range(2):
+            n = int(result.num_accepted[row])
+            emitted = [*result.accepted_tokens[row, :n].tolist(), int(result.next_tokens[row])]
+            committed[row] += emitted
+            expected = _scratch_draft_logits(head, target, committed[row], [0])[0]
+            torch.testing.assert_close(drafter._state.logits[row], expected)
+    with torch.no_grad():
+        for row, prompt in enumerate(PROMPTS):
+            sequence = list(prompt)
+            while len(sequence) < len(committed[row]):
+                sequence.append(int(target(torch.tensor([sequence])).logits[0, -1].argmax()))
+            assert sequence == committed[row]
+
+
+def test_drafter_rejects_a_mismatched_target_and_missing_states() -> None:
+    head = _head(tiny_llama(num_layers=4))
+    with pytest.raises(ValueError, match="4-layer target, this target has 2"):
+        Eagle3Drafter(head, tiny_llama(num_layers=2))
+    drafter = Eagle3Drafter(head, tiny_llama(num_layers=4))
+    with pytest.raises(RuntimeError, match="prefill"):
+        drafter.propose(2, SamplingConfig(), None)
+    with pytest.raises(ValueError, match="output_hidden_states=True"):
+        drafter.prefill(
+            torch.ones(1, 3, dtype=torch.long),
+            torch.ones(1, 3),
+            TargetPass(torch.zeros(1, 3, 64)),
+            torch.ones(1, dtype=torch.long),
+        )
+
+
+def test_drafter_loads_from_an_engine_export(tmp_path) -> None:
+    target = tiny_llama(num_layers=4)
+    head = _head(target)
+    head.save_pretrained(tmp_path / "native")
+    drafter = Eagle3Drafter.from_pretrained(tmp_path / "native", target)
+    assert drafter.kind == "eagle3" and drafter.needs_hidden_states and drafter.vocab_size == 64
+
+
+def test_commit_tree_of_any_accepted_path_keeps_state_in_step() -> None:
+    """Accept an arbitrary root-to-node path (as sampling might) and compare with scratch."""
+    target = tiny_llama(num_layers=4)
+    head = _head(target)
+    drafter = Eagle3Drafter(head, target)
+    committed = _prefill(drafter, target, [11, 12])
+    generator = torch.Generator().manual_seed(5)
+    for round_ in range(4):
+        tree = drafter.propose_tree(top_k=2, depth=3, total_tokens=6)
+        verify = _tree_pass(target, committed, tree)
+        ends = [tree.num_nodes - 1 - round_ % 2, round_ % tree.num_nodes]  # deep and shallow
+        nodes = torch.full((2, int(tree.depths.max())), -1)
+        for row, end in enumerate(ends):
+            path, walk = [], end
+            while walk >= 0:
+                path.insert(0, walk)
+                walk = int(tree.parents[row, walk])
+            nodes[row, : len(path)] = torch.tensor(path)
+        tokens = torch.where(nodes >= 0, tree.tokens.gather(1, nodes.clamp(min=0)), 0)
+        result = TreeVerification(
+            accepted_nodes=nodes,
+            num_accepted=(nodes >= 0).sum(1),
+            accepted_tokens=tokens,
+            next_tokens=torch.randint(3, 64, (2,), generator=generator),
+        )
+        assert result.num_accepted.min() >= 1
+        drafter.commit_tree(result, verify)
+        for row in range(2):
+            n = int(result.num_accepted[row])
+            emitted = [*tokens[row, :n].tolist(), int(result.next_tokens[row])]
+            committed[row] += emitted
+            expected = _scratch_draft_logits(head, target, committed[row], [0])[0]
+            torch.testing.assert_close(drafter._state.logits[row], expected)
+    chain = drafter.propose(3, SamplingConfig(temperature=1.0), generator)
+    for row in range(2):
+        expected = _scratch_draft_logits(head, target, committed[row], chain.tokens[row].tolist())
+        torch.testing.assert_close(chain.probs[row], torch.softmax(expected, -1).float())
