@@ -31,3 +31,11 @@ def qwen_target() -> torch.nn.Module:
 @pytest.fixture
 def qwen_draft() -> torch.nn.Module:
     return tiny_qwen2(num_layers=1, seed=3)
+
+
+@pytest.fixture(scope="session")
+def tiny_pair_dirs(tmp_path_factory: pytest.TempPathFactory):
+    """Saved tiny target and draft folders (shared tokenizer), built once per session."""
+    from tiny_models import save_tiny_pair
+
+    return save_tiny_pair(tmp_path_factory.mktemp("tiny_pair"))

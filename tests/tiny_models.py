@@ -75,3 +75,46 @@ def _sharpen(model: torch.nn.Module, seed: int) -> None:
     head = model.get_output_embeddings().weight
     with torch.no_grad():
         head.copy_(torch.randn(head.shape, generator=generator, dtype=head.dtype) * 0.5)
+
+
+TINY_TEXTS = [
+    "def add(a, b):\n    return a + b\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+    "for i in range(10):\n    print(i * i)\n",
+    "import os\nprint(os.path.join('a', 'b'))\n",
+] * 8
+
+
+def tiny_tokenizer(vocab_size: int = 300):
+    """A byte-level BPE with the demo target's special tokens, trained on a few snippets."""
+    from data.tokenizer import train_byte_level_bpe
+
+    return train_byte_level_bpe(TINY_TEXTS, vocab_size=vocab_size, min_frequency=1)
+
+
+def save_tiny_pair(folder, seed: int = 0) -> tuple:
+    """Save a tiny float32 Llama target and a one-layer draft, sharing one tokenizer.
+
+    Returns ``(target_dir, draft_dir)``; the draft folder carries ``drafter.json``.
+    """
+    import json
+    from pathlib import Path
+
+    folder = Path(folder)
+    tokenizer = tiny_tokenizer()
+    vocab = len(tokenizer)
+    target = tiny_llama(vocab_size=vocab, seed=seed, dtype=torch.float32)
+    draft = tiny_llama(vocab_size=vocab, num_layers=1, seed=seed + 1, dtype=torch.float32)
+    for model in (target, draft):
+        model.config.bos_token_id = tokenizer.bos_token_id
+        model.config.eos_token_id = tokenizer.eos_token_id
+        model.config.pad_token_id = tokenizer.pad_token_id
+        model.generation_config.bos_token_id = tokenizer.bos_token_id
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    target_dir, draft_dir = folder / "target", folder / "draft"
+    for model, path in ((target, target_dir), (draft, draft_dir)):
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+    (draft_dir / "drafter.json").write_text(json.dumps({"kind": "draft_lm", "format_version": 1}))
+    return target_dir, draft_dir

@@ -1,0 +1,342 @@
+"""Acceptance and speed of a drafter against plain decoding, side by side, in one run.
+
+``python -m decode.evaluate --target PATH --drafter PATH --drafter-kind draft_lm|ngram|...
+--prompts FILE|demo --max-new-tokens 128 --num-draft-tokens N --temperature T --json OUT``
+
+Every prompt is decoded, one at a time (batch 1, the latency setting), by plain target
+decoding (Hugging Face ``generate``), by our speculative decoder, and, where one exists, by the
+Hugging Face peer with the same draft (assisted generation for a draft LM, prompt lookup for the
+n-gram drafter). EOS is ignored so that every method writes the same number of tokens.
+
+Reported (THEORY.md section 5): ``tau`` (tokens per verification pass), ``alpha_per_position``,
+``predicted_tau`` from those rates, tokens/s of each method, the measured speedup, and the
+speedup predicted from the run's own tau and times, ``tau * T_1 / (T_draft + T_verify)``, where
+``T_1`` is the baseline's time per token and ``T_draft``/``T_verify`` the measured time of one
+round's drafting and verification.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from decode.drafters.base import Drafter
+from decode.engine import SpeculativeDecoder
+from decode.stats import DecodeStats
+
+
+@dataclass
+class EvalSettings:
+    num_draft_tokens: int = 4
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    peer: bool = True
+
+
+def load_target(path: str, device: str = "cpu", dtype: str = "float32", trust_remote_code=False):
+    """A target causal LM and its tokenizer, safetensors only."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not Path(path).is_dir():
+        raise FileNotFoundError(
+            f"target folder {path} does not exist: build the demo target with "
+            "`python scripts/build_demo_target.py` or pass a Hugging Face model folder"
+        )
+    model = AutoModelForCausalLM.from_pretrained(
+        path,
+        dtype=getattr(torch, dtype),
+        use_safetensors=True,
+        trust_remote_code=trust_remote_code,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    return model.to(device).eval(), tokenizer
+
+
+def check_same_tokenizer(target_tokenizer, drafter_path: str | None) -> None:
+    """Refuse a drafter folder whose tokenizer differs from the target's."""
+    if drafter_path is None or not (Path(drafter_path) / "tokenizer_config.json").is_file():
+        return
+    from transformers import AutoTokenizer
+
+    draft_tokenizer = AutoTokenizer.from_pretrained(drafter_path)
+    if draft_tokenizer.get_vocab() != target_tokenizer.get_vocab():
+        raise ValueError(
+            f"the drafter at {drafter_path} uses a different tokenizer from the target: "
+            "drafters must share the target's vocabulary; retrain it on the target's tokenizer"
+        )
+
+
+def encode_prompt(tokenizer, prompt: str | list[dict[str, str]]) -> torch.Tensor:  # [1, T]
+    if isinstance(prompt, str):
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+    else:
+        ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, return_tensors="pt")
+        ids = ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
+    if ids.shape[1] == 0:
+        raise ValueError(f"prompt {prompt!r} encodes to no tokens")
+    return ids
+
+
+class ForwardCounter:
+    """Counts a model's forward passes (to measure a peer's tau from outside)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.count = 0
+        self._handle = model.register_forward_hook(self._hook)
+
+    def _hook(self, *_: object) -> None:
+        self.count += 1
+
+    def close(self) -> None:
+        self._handle.remove()
+
+
+def _timed(fn: Callable[[], torch.Tensor], device: torch.device) -> tuple[torch.Tensor, float]:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    result = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return result, time.perf_counter() - start
+
+
+def _sampling_kwargs(settings: EvalSettings) -> dict[str, object]:
+    if settings.temperature == 0:
+        return {"do_sample": False}
+    return {
+        "do_sample": True,
+        "temperature": settings.temperature,
+        "top_k": settings.top_k or None,
+        "top_p": settings.top_p,
+    }
+
+
+def hf_peer(drafter: Drafter, settings: EvalSettings) -> tuple[str, dict[str, object]] | None:
+    """The Hugging Face method that uses the same drafter, with fair settings, or None."""
+    if drafter.kind == "draft_lm":
+        assistant = drafter.model
+        # HF reads these from the assistant's generation config, not from generate()'s kwargs.
+        assistant.generation_config.num_assistant_tokens = settings.num_draft_tokens
+        assistant.generation_config.num_assistant_tokens_schedule = "constant"
+        assistant.generation_config.assistant_confidence_threshold = 0.0
+        return "hf_assisted", {"assistant_model": assistant}
+    if drafter.kind == "ngram":
+        return "hf_prompt_lookup", {"prompt_lookup_num_tokens": settings.num_draft_tokens}
+    return None
+
+
+def evaluate_drafter(
+    target: torch.nn.Module,
+    drafter: Drafter,
+    prompts: list[torch.Tensor],  # each [1, T]
+    settings: EvalSettings,
+    warmup: bool = True,
+) -> dict[str, object]:
+    """Decode every prompt with the baseline, our decoder and the HF peer; return the figures."""
+    device = next(target.parameters()).device
+    decoder = SpeculativeDecoder(target, drafter, settings.num_draft_tokens)
+    peer = hf_peer(drafter, settings) if settings.peer else None
+    sampling = _sampling_kwargs(settings)
+    generator = torch.Generator(device=device).manual_seed(settings.seed)
+    no_eos = {"eos_token_id": [], "max_new_tokens": settings.max_new_tokens}
+
+    def baseline(ids: torch.Tensor) -> torch.Tensor:
+        return target.generate(input_ids=ids, min_new_tokens=0, **sampling, **no_eos)
+
+    def ours(ids: torch.Tensor) -> tuple[torch.Tensor, DecodeStats]:
+        out = decoder.generate(
+            ids,
+            temperature=settings.temperature,
+            top_k=settings.top_k,
+            top_p=settings.top_p,
+            generator=generator,
+            **no_eos,
+        )
+        return out.sequences, out.stats
+
+    if warmup:  # first calls pay for lazy initialisation; keep them out of the figures
+        short = EvalSettings(**{**settings.__dict__, "max_new_tokens": 8})
+        baseline(prompts[0][:, :16])
+        decoder.generate(prompts[0][:, :16], max_new_tokens=short.max_new_tokens, eos_token_id=[])
+        if peer is not None:
+            target.generate(input_ids=prompts[0][:, :16], **peer[1], **sampling, max_new_tokens=8)
+
+    totals = {"baseline": 0.0, "ours": 0.0, "peer": 0.0}
+    tokens = {"baseline": 0, "ours": 0, "peer": 0}
+    peer_passes = 0
+    stats = DecodeStats()
+    greedy_matches = 0
+    with torch.inference_mode():
+        for ids in prompts:
+            ids = ids.to(device)
+            base_out, seconds = _timed(lambda ids=ids: baseline(ids), device)
+            totals["baseline"] += seconds
+            tokens["baseline"] += base_out.shape[1] - ids.shape[1]
+            (our_out, our_stats), seconds = _timed(lambda ids=ids: ours(ids), device)
+            totals["ours"] += seconds
+            tokens["ours"] += our_out.shape[1] - ids.shape[1]
+            stats = stats.merge(our_stats)
+            greedy_matches += int(torch.equal(our_out, base_out))
+            if peer is not None:
+                counter = ForwardCounter(target)
+                peer_out, seconds = _timed(
+                    lambda ids=ids: target.generate(input_ids=ids, **peer[1], **sampling, **no_eos),
+                    device,
+                )
+                counter.close()
+                totals["peer"] += seconds
+                tokens["peer"] += peer_out.shape[1] - ids.shape[1]
+                peer_passes += counter.count
+    return _report(
+        settings, drafter, stats, totals, tokens, peer, peer_passes, greedy_matches, len(prompts)
+    )
+
+
+def _report(settings, drafter, stats, totals, tokens, peer, peer_passes, greedy_matches, count):
+    rate = {name: tokens[name] / totals[name] if totals[name] else 0.0 for name in totals}
+    rounds = max(stats.target_forward_passes, 1)
+    verify_ms = 1000 * stats.verify_seconds / rounds
+    draft_round_ms = 1000 * stats.draft_seconds / rounds
+    baseline_token_ms = 1000 / rate["baseline"] if rate["baseline"] else 0.0
+    predicted_speedup = (
+        stats.tau * baseline_token_ms / (draft_round_ms + verify_ms) if verify_ms else 0.0
+    )
+    speedup = rate["ours"] / rate["baseline"] if rate["baseline"] else 0.0
+    peer_report = None
+    if peer is not None:
+        peer_report = {
+            "name": peer[0],
+            "tokens_per_s": rate["peer"],
+            "tau": tokens["peer"] / peer_passes if peer_passes else 0.0,
+            "speedup": rate["peer"] / rate["baseline"] if rate["baseline"] else 0.0,
+        }
+    return {
+        "drafter_kind": drafter.kind,
+        "num_draft_tokens": settings.num_draft_tokens,
+        "temperature": settings.temperature,
+        "top_k": settings.top_k,
+        "top_p": settings.top_p,
+        "num_prompts": count,
+        "max_new_tokens": settings.max_new_tokens,
+        "tau": stats.tau,
+        "alpha_per_position": stats.alpha_per_position,
+        "predicted_tau": stats.predicted_tau,
+        "tokens_per_s_baseline": rate["baseline"],
+        "tokens_per_s_speculative": rate["ours"],
+        "speedup": speedup,
+        "predicted_speedup": predicted_speedup,
+        "speedup_over_predicted": speedup / predicted_speedup if predicted_speedup else 0.0,
+        "target_forward_ms": verify_ms,
+        "baseline_token_ms": baseline_token_ms,
+        "draft_step_ms": 1000 * stats.draft_seconds / max(stats.draft_positions, 1),
+        "greedy_equal_to_baseline": greedy_matches if settings.temperature == 0 else None,
+        "peer": peer_report,
+    }
+
+
+def format_table(report: dict[str, object]) -> str:
+    """A plain-text summary of one report."""
+    rows = [("plain (HF generate)", report["tokens_per_s_baseline"], 1.0, 1.0)]
+    rows.append(
+        (
+            f"draftsmith {report['drafter_kind']}",
+            report["tokens_per_s_speculative"],
+            report["speedup"],
+            report["tau"],
+        )
+    )
+    peer = report.get("peer")
+    if peer:
+        rows.append((peer["name"], peer["tokens_per_s"], peer["speedup"], peer["tau"]))
+    lines = [f"{'method':<26}{'tokens/s':>10}{'speedup':>9}{'tau':>7}"]
+    lines += [
+        f"{name:<26}{rate:>10.1f}{speedup:>8.2f}x{tau:>7.2f}" for name, rate, speedup, tau in rows
+    ]
+    alphas = " ".join(f"{alpha:.2f}" for alpha in report["alpha_per_position"])
+    lines.append(f"alpha per position: {alphas}")
+    lines.append(
+        f"predicted tau {report['predicted_tau']:.2f}; predicted speedup "
+        f"{report['predicted_speedup']:.2f}x (measured/predicted "
+        f"{report['speedup_over_predicted']:.2f}); verify pass {report['target_forward_ms']:.1f} "
+        f"ms, draft {report['draft_step_ms']:.1f} ms/token, plain {report['baseline_token_ms']:.1f}"
+        " ms/token"
+    )
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m decode.evaluate", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--target", required=True, help="target model folder")
+    parser.add_argument("--drafter", default=None, help="drafter folder (not needed for ngram)")
+    parser.add_argument(
+        "--drafter-kind",
+        default=None,
+        help="draft_lm | ngram | medusa | eagle3 (default: read from the folder)",
+    )
+    parser.add_argument("--prompts", default="demo", help="'demo' or a .jsonl/.json/.txt file")
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--num-draft-tokens", type=int, default=4)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-peer", action="store_true", help="skip the Hugging Face peer")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--json", default=None, help="write the report here")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict[str, object]:
+    from decode.drafters.registry import load_drafter
+    from decode.prompts import load_eval_prompts
+
+    args = build_parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target, tokenizer = load_target(args.target, args.device, args.dtype)
+    check_same_tokenizer(tokenizer, args.drafter)
+    drafter = load_drafter(args.drafter, target, kind=args.drafter_kind)
+    prompts = [
+        encode_prompt(tokenizer, p) for p in load_eval_prompts(args.prompts, args.num_prompts)
+    ]
+    settings = EvalSettings(
+        num_draft_tokens=args.num_draft_tokens,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        peer=not args.no_peer,
+    )
+    report = {
+        "target": args.target,
+        "drafter": args.drafter,
+        **evaluate_drafter(target, drafter, prompts, settings),
+    }
+    print(format_table(report))
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(report, indent=2))
+        tmp.replace(path)
+    return report
+
+
+if __name__ == "__main__":
+    main()

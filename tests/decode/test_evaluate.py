@@ -1,0 +1,83 @@
+"""``python -m decode.evaluate``: one run, three methods, the documented JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from decode import evaluate
+
+REQUIRED_KEYS = {
+    "tau",
+    "alpha_per_position",
+    "predicted_tau",
+    "tokens_per_s_baseline",
+    "tokens_per_s_speculative",
+    "speedup",
+    "target_forward_ms",
+    "draft_step_ms",
+    "peer",
+}
+
+
+@pytest.mark.parametrize("kind", ["draft_lm", "ngram"])
+def test_evaluate_writes_report(tiny_pair_dirs, tmp_path, kind: str) -> None:
+    target_dir, draft_dir = tiny_pair_dirs
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def add(a, b):\nclass Point:\nfor i in range(10):\n")
+    out = tmp_path / "report.json"
+    argv = [
+        "--target",
+        str(target_dir),
+        "--prompts",
+        str(prompts),
+        "--max-new-tokens",
+        "12",
+        "--num-draft-tokens",
+        "3",
+        "--json",
+        str(out),
+        "--drafter-kind",
+        kind,
+    ]
+    if kind == "draft_lm":
+        argv += ["--drafter", str(draft_dir)]
+    evaluate.main(argv)
+    report = json.loads(out.read_text())
+    assert REQUIRED_KEYS <= report.keys()
+    assert report["num_prompts"] == 3
+    assert report["greedy_equal_to_baseline"] == 3  # greedy output equals plain decoding
+    assert 1 <= len(report["alpha_per_position"]) <= 3  # n-gram rounds can be narrower
+    assert 1.0 <= report["tau"] <= 4.0
+    assert report["peer"]["name"] == {"draft_lm": "hf_assisted", "ngram": "hf_prompt_lookup"}[kind]
+    assert report["peer"]["tokens_per_s"] > 0
+
+
+def test_mismatched_tokenizer_is_refused(tiny_pair_dirs, tmp_path) -> None:
+    from tiny_models import tiny_tokenizer
+
+    target_dir, draft_dir = tiny_pair_dirs
+    other = tmp_path / "other_draft"
+    other.mkdir()
+    for name in draft_dir.iterdir():
+        (other / name.name).write_bytes(name.read_bytes())
+    tiny_tokenizer(vocab_size=280).save_pretrained(other)
+    with pytest.raises(ValueError, match="different tokenizer"):
+        evaluate.main(
+            [
+                "--target",
+                str(target_dir),
+                "--drafter",
+                str(other),
+                "--prompts",
+                "demo",
+                "--num-prompts",
+                "1",
+            ]
+        )
+
+
+def test_missing_target_is_a_clear_error(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match="build the demo target"):
+        evaluate.main(["--target", str(tmp_path / "nope"), "--drafter-kind", "ngram"])
