@@ -19,12 +19,16 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
+
+from decode.drafters.base import Drafter, DraftProposal, TargetPass
+from decode.sampling import SamplingConfig, logits_to_probs, sample
+from decode.tree import StaticTree, TreeProposal, TreeVerification
 
 MEDUSA_ARCHITECTURE = "MedusaModel"
 FORMAT_VERSION = 1
@@ -200,3 +204,107 @@ def config_from_vllm_dict(raw: dict[str, Any]) -> MedusaConfig:
         num_layers=values.get("num_hidden_layers", 1),
         bias=bool(values.get("medusa_fc_bias", False)),
     )
+
+
+class MedusaDrafter(Drafter):
+    """Runs :class:`MedusaHeads` on the target's last hidden state (chain or static tree).
+
+    State per row: the target's final hidden state at the last committed position, the one
+    whose logits produced the pending token; head i then guesses the token i+1 places after
+    the pending one. A chain of N <= K tokens is head-wise: argmax (greedy, one-hot q) or one
+    independent sample from each head's distribution (q = that head's law), both exact under
+    verification. The heads are moved to the target's LM-head device and dtype.
+    """
+
+    kind: ClassVar[str] = "medusa"
+    needs_hidden_states: ClassVar[bool] = True
+
+    def __init__(self, heads: MedusaHeads, target: nn.Module) -> None:
+        weight = target.get_output_embeddings().weight
+        if weight.shape[1] != heads.config.hidden_size:
+            raise ValueError(
+                f"the heads read hidden states of width {heads.config.hidden_size}, the target's "
+                f"LM head reads {weight.shape[1]}: Medusa heads are built for one target"
+            )
+        self.heads = heads.to(device=weight.device, dtype=weight.dtype).eval()
+        self._hidden: torch.Tensor | None = None  # [B, H]
+        self.check_compatible(target)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, target: nn.Module) -> MedusaDrafter:
+        return cls(MedusaHeads.from_pretrained(path), target)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.heads.config.vocab_size
+
+    @torch.no_grad()
+    def prefill(
+        self,
+        input_ids: torch.Tensor,  # [B, T] left-padded prompt
+        attention_mask: torch.Tensor,  # [B, T]
+        target_pass: TargetPass,
+        pending: torch.Tensor,  # [B]
+    ) -> None:
+        if not attention_mask.bool()[:, -1].all():
+            raise ValueError("prompts must be left-padded: every row's last column must be real")
+        self._hidden = _last_hidden(target_pass)[:, -1]
+
+    @torch.no_grad()
+    def propose(
+        self, num_tokens: int, sampling: SamplingConfig, generator: torch.Generator | None
+    ) -> DraftProposal:
+        hidden = self._require_hidden()
+        if not 1 <= num_tokens <= self.heads.config.num_heads:
+            raise ValueError(
+                f"Medusa drafts at most one token per head: num_tokens must lie in "
+                f"[1, {self.heads.config.num_heads}], got {num_tokens}"
+            )
+        logits = self.heads(hidden)[:, :num_tokens]  # [B, N, V]
+        if sampling.greedy:
+            return DraftProposal(tokens=logits.argmax(-1), probs=None)
+        probs = logits_to_probs(logits, sampling)
+        return DraftProposal(tokens=sample(probs, generator), probs=probs)
+
+    @torch.no_grad()
+    def commit(
+        self,
+        num_accepted: torch.Tensor,  # [B]
+        next_tokens: torch.Tensor,  # [B]
+        target_pass: TargetPass,  # verify pass over [pending, d_1 .. d_N]
+    ) -> None:
+        self._require_hidden()
+        last = _last_hidden(target_pass)
+        rows = torch.arange(last.shape[0], device=last.device)
+        self._hidden = last[rows, num_accepted]
+
+    @torch.no_grad()
+    def propose_tree(self, tree: StaticTree) -> TreeProposal:
+        """Fill a static tree (Medusa choices) with each head's top-ranked tokens."""
+        return tree.propose(self.heads(self._require_hidden()))
+
+    @torch.no_grad()
+    def commit_tree(
+        self,
+        verification: TreeVerification,
+        target_pass: TargetPass,  # the target's pass over [pending, tree nodes]
+    ) -> None:
+        self._require_hidden()
+        last = _last_hidden(target_pass)
+        rows = torch.arange(last.shape[0], device=last.device)
+        end = verification.path_indices()[rows, verification.num_accepted]
+        self._hidden = last[rows, end]
+
+    def _require_hidden(self) -> torch.Tensor:
+        if self._hidden is None:
+            raise RuntimeError("the drafter has no batch: call prefill() first")
+        return self._hidden
+
+
+def _last_hidden(target_pass: TargetPass) -> torch.Tensor:  # [B, T, H]
+    if target_pass.hidden_states is None:
+        raise ValueError(
+            "Medusa heads read the target's last hidden state: run the target with "
+            "output_hidden_states=True on prefill and verify passes"
+        )
+    return target_pass.hidden_states[-1]

@@ -8,7 +8,10 @@ import pytest
 import torch
 from tiny_models import tiny_llama
 
-from decode.drafters.medusa import MedusaConfig, MedusaHeads
+from decode.drafters.base import TargetPass
+from decode.drafters.medusa import MedusaConfig, MedusaDrafter, MedusaHeads
+from decode.sampling import SamplingConfig, logits_to_probs
+from decode.tree import StaticTree, TreeVerification, tree_attention_mask_4d, tree_positions
 
 
 def _trained_like(heads: MedusaHeads, seed: int = 0) -> MedusaHeads:
@@ -72,3 +75,139 @@ def test_from_pretrained_names_the_problem(tmp_path) -> None:
     (tmp_path / "drafter.json").write_text(json.dumps({"kind": "eagle3"}))
     with pytest.raises(ValueError, match="not 'medusa'"):
         MedusaHeads.from_pretrained(tmp_path)
+
+
+# -- runtime drafter ---------------------------------------------------------------------------
+PROMPTS = [[5, 17, 9, 33, 2, 40], [7, 21, 8]]
+
+
+def _scratch_pass(target: torch.nn.Module, sequences: list[list[int]], width: int) -> TargetPass:
+    logits, hidden = [], []
+    with torch.no_grad():
+        for sequence in sequences:
+            out = target(torch.tensor([sequence]), output_hidden_states=True)
+            logits.append(out.logits[0, -width:])
+            hidden.append(out.hidden_states[-1][0, -width:])
+    return TargetPass(torch.stack(logits), (torch.stack(hidden),))
+
+
+def _prefill(drafter: MedusaDrafter, target: torch.nn.Module) -> list[list[int]]:
+    """Prefill the left-padded PROMPTS with the target's greedy first token as pending."""
+    width = max(map(len, PROMPTS))
+    input_ids = torch.tensor([[0] * (width - len(p)) + p for p in PROMPTS])
+    attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in PROMPTS])
+    hidden = torch.zeros(2, width, 32, dtype=torch.float64)
+    logits = torch.zeros(2, width, 64, dtype=torch.float64)
+    for row, prompt in enumerate(PROMPTS):
+        row_pass = _scratch_pass(target, [prompt], len(prompt))
+        hidden[row, width - len(prompt) :] = row_pass.hidden_states[-1][0]
+        logits[row, width - len(prompt) :] = row_pass.logits[0]
+    pending = logits[:, -1].argmax(-1)
+    drafter.prefill(input_ids, attention, TargetPass(logits, (hidden,)), pending)
+    return [[*p, int(t)] for p, t in zip(PROMPTS, pending, strict=True)]
+
+
+def test_identity_heads_propose_the_targets_own_next_token_after_each_commit() -> None:
+    """Zero-initialised heads equal the target's LM head, so under greedy every head proposes
+    the pending token: this pins which hidden state the drafter keeps after each commit."""
+    target = tiny_llama()
+    drafter = MedusaDrafter(MedusaHeads.from_target(target, num_heads=3), target)
+    committed = _prefill(drafter, target)
+    for accepted in ([0, 2], [3, 0], [1, 1]):
+        proposal = drafter.propose(3, SamplingConfig(), None)
+        assert proposal.probs is None
+        for row in range(2):
+            assert proposal.tokens[row].tolist() == [committed[row][-1]] * 3
+        rows = [committed[r] + proposal.tokens[r].tolist() for r in range(2)]
+        verify = _scratch_pass(target, rows, 4)
+        num_accepted = torch.tensor(accepted)
+        next_tokens = verify.logits[torch.arange(2), num_accepted].argmax(-1)  # greedy
+        drafter.commit(num_accepted, next_tokens, verify)
+        for row in range(2):
+            n = accepted[row]
+            committed[row] += [*proposal.tokens[row, :n].tolist(), int(next_tokens[row])]
+
+
+def test_sampled_chain_draws_each_token_from_its_heads_law() -> None:
+    target = tiny_llama()
+    heads = _trained_like(MedusaHeads.from_target(target, num_heads=4))
+    drafter = MedusaDrafter(heads, target)
+    committed = _prefill(drafter, target)
+    sampling = SamplingConfig(temperature=0.8, top_k=20)
+    generator = torch.Generator().manual_seed(0)
+    for accepted in ([0, 3], [2, 0]):
+        proposal = drafter.propose(3, sampling, generator)
+        for row in range(2):
+            with torch.no_grad():
+                state = target(torch.tensor([committed[row][:-1]]), output_hidden_states=True)
+                expected = logits_to_probs(heads(state.hidden_states[-1][0, -1])[:3], sampling)
+            torch.testing.assert_close(proposal.probs[row], expected)
+            assert expected.gather(1, proposal.tokens[row, :, None]).min() > 0
+        rows = [committed[r] + proposal.tokens[r].tolist() for r in range(2)]
+        next_tokens = torch.tensor([3, 4])
+        drafter.commit(torch.tensor(accepted), next_tokens, _scratch_pass(target, rows, 4))
+        for row in range(2):
+            n = accepted[row]
+            committed[row] += [*proposal.tokens[row, :n].tolist(), int(next_tokens[row])]
+    with pytest.raises(ValueError, match=r"at most one token per head"):
+        drafter.propose(5, sampling, generator)
+
+
+def test_static_tree_round_keeps_the_accepted_paths_hidden_state() -> None:
+    target = tiny_llama()
+    heads = _trained_like(MedusaHeads.from_target(target, num_heads=3))
+    drafter = MedusaDrafter(heads, target)
+    committed = _prefill(drafter, target)
+    tree_layout = StaticTree.from_choices([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+    for end_nodes in ([5, 1], [4, 2]):  # accept root-to-node paths of different lengths
+        tree = drafter.propose_tree(tree_layout)
+        assert tree.tokens.shape == (2, 6)
+        logits, hidden = [], []
+        with torch.no_grad():
+            for row in range(2):
+                prefix = committed[row][:-1]
+                cached = target(torch.tensor([prefix]), use_cache=True)
+                out = target(
+                    torch.cat((torch.tensor(committed[row][-1:]), tree.tokens[row]))[None],
+                    attention_mask=tree_attention_mask_4d(
+                        tree.parents[row], torch.ones(1, len(prefix)), torch.float64
+                    ),
+                    position_ids=tree_positions(tree.depths[row], torch.tensor([len(prefix)])),
+                    cache=cached.cache if hasattr(cached, "cache") else cached.past_key_values,
+                    output_hidden_states=True,
+                )
+                logits.append(out.logits[0])
+                hidden.append(out.hidden_states[-1][0])
+        nodes = torch.full((2, 3), -1)
+        for row, end in enumerate(end_nodes):
+            path, walk = [], end
+            while walk >= 0:
+                path.insert(0, walk)
+                walk = int(tree.parents[row, walk])
+            nodes[row, : len(path)] = torch.tensor(path)
+        tokens = torch.where(nodes >= 0, tree.tokens.gather(1, nodes.clamp(min=0)), 0)
+        result = TreeVerification(nodes, (nodes >= 0).sum(1), tokens, torch.tensor([6, 7]))
+        drafter.commit_tree(result, TargetPass(torch.stack(logits), (torch.stack(hidden),)))
+        for row in range(2):
+            n = int(result.num_accepted[row])
+            committed[row] += [*tokens[row, :n].tolist(), int(result.next_tokens[row])]
+            with torch.no_grad():
+                state = target(torch.tensor([committed[row][:-1]]), output_hidden_states=True)
+            torch.testing.assert_close(drafter._hidden[row], state.hidden_states[-1][0, -1])
+
+
+def test_drafter_checks_its_inputs() -> None:
+    target = tiny_llama()
+    drafter = MedusaDrafter(MedusaHeads.from_target(target, num_heads=2), target)
+    assert drafter.kind == "medusa" and drafter.needs_hidden_states and drafter.vocab_size == 64
+    with pytest.raises(RuntimeError, match="prefill"):
+        drafter.propose(1, SamplingConfig(), None)
+    with pytest.raises(ValueError, match="output_hidden_states=True"):
+        drafter.prefill(
+            torch.ones(1, 2, dtype=torch.long),
+            torch.ones(1, 2),
+            TargetPass(torch.zeros(1, 2, 64)),
+            torch.ones(1, dtype=torch.long),
+        )
+    with pytest.raises(ValueError, match="one target"):
+        MedusaDrafter(MedusaHeads(MedusaConfig(hidden_size=16, vocab_size=64)), target)
