@@ -39,3 +39,13 @@ def tiny_pair_dirs(tmp_path_factory: pytest.TempPathFactory):
     from tiny_models import save_tiny_pair
 
     return save_tiny_pair(tmp_path_factory.mktemp("tiny_pair"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """GPU tests skip cleanly on machines without CUDA."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
