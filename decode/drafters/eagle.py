@@ -356,8 +356,11 @@ class Eagle3Head(nn.Module):
                 f"{tuple(d2t.shape)} and {tuple(t2d.shape)}"
             )
         ids = torch.arange(vd) + d2t.long().cpu()
-        if ids.min() < 0 or ids.max() >= vt or ids.unique().numel() != vd:
-            raise ValueError("d2t must map draft ids to distinct target ids inside the vocabulary")
+        if ids.min() < 0 or ids.max() >= vt or (vd > 1 and (ids.diff() <= 0).any()):
+            raise ValueError(
+                "d2t must map draft ids to strictly increasing target ids inside the vocabulary "
+                "(as build_vocab_maps does)"
+            )
         expected = torch.zeros(vt, dtype=torch.bool)
         expected[ids] = True
         if not torch.equal(expected, t2d.bool().cpu()):
@@ -373,8 +376,8 @@ class Eagle3Head(nn.Module):
         self, draft_logits: torch.Tensor
     ) -> torch.Tensor:  # [..., Vd] -> [..., Vt]
         """Scatter draft-vocabulary logits into the target vocabulary (-inf elsewhere)."""
-        if self.config.draft_vocab_size == self.config.target_vocab_size and not self.d2t.any():
-            return draft_logits
+        if self.config.draft_vocab_size == self.config.target_vocab_size:
+            return draft_logits  # increasing draft ids over the whole vocabulary: the identity
         out = draft_logits.new_full(
             (*draft_logits.shape[:-1], self.config.target_vocab_size), float("-inf")
         )

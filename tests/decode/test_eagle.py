@@ -150,6 +150,10 @@ def test_pruned_vocab_logits_map_back_to_target_ids() -> None:
     assert 40 in head.draft_to_target_ids.tolist()
     with pytest.raises(ValueError, match="t2d must mark"):
         head.set_vocab_maps(d2t, ~t2d)
+    swapped = d2t.clone()
+    swapped[[0, 1]] = torch.stack((d2t[1] + 1, d2t[0] - 1))  # same ids, out of order
+    with pytest.raises(ValueError, match="strictly increasing"):
+        head.set_vocab_maps(swapped, t2d)
 
 
 def test_unroll_step_k_matches_drafting_k_tokens_past_each_position() -> None:
