@@ -844,3 +844,10 @@ def _require_hidden(target_pass: TargetPass, width: int | None) -> tuple[torch.T
             f"expected target hidden states over {width} positions, got {hidden_states[0].shape[1]}"
         )
     return tuple(hidden_states)
+
+
+def load_runtime_drafter(path: str | Path | None, target: nn.Module) -> Eagle3Drafter:
+    """Registry entry (``decode.drafters.registry``): an EAGLE-3 folder as a runtime drafter."""
+    if path is None:
+        raise ValueError("the eagle3 drafter needs a folder: pass --drafter PATH")
+    return Eagle3Drafter.from_pretrained(path, target)

@@ -308,3 +308,10 @@ def _last_hidden(target_pass: TargetPass) -> torch.Tensor:  # [B, T, H]
             "output_hidden_states=True on prefill and verify passes"
         )
     return target_pass.hidden_states[-1]
+
+
+def load_runtime_drafter(path: str | Path | None, target: nn.Module) -> MedusaDrafter:
+    """Registry entry (``decode.drafters.registry``): a Medusa folder as a runtime drafter."""
+    if path is None:
+        raise ValueError("the medusa drafter needs a folder: pass --drafter PATH")
+    return MedusaDrafter.from_pretrained(path, target)

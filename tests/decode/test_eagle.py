@@ -17,6 +17,7 @@ from decode.drafters.eagle import (
     block_visibility,
     build_vocab_maps,
     default_aux_layer_ids,
+    load_runtime_drafter,
     positions_from_mask,
 )
 from decode.sampling import SamplingConfig, logits_to_probs
@@ -395,12 +396,18 @@ def test_drafter_rejects_a_mismatched_target_and_missing_states() -> None:
         )
 
 
-def test_drafter_loads_from_an_engine_export(tmp_path) -> None:
+def test_drafter_loads_from_a_folder(tmp_path) -> None:
     target = tiny_llama(num_layers=4)
     head = _head(target)
     head.save_pretrained(tmp_path / "native")
     drafter = Eagle3Drafter.from_pretrained(tmp_path / "native", target)
     assert drafter.kind == "eagle3" and drafter.needs_hidden_states and drafter.vocab_size == 64
+    loaded = load_runtime_drafter(tmp_path / "native", target)
+    assert isinstance(loaded, Eagle3Drafter)
+    for name, tensor in head.state_dict().items():
+        assert torch.equal(loaded.head.state_dict()[name], tensor), name
+    with pytest.raises(ValueError, match="needs a folder"):
+        load_runtime_drafter(None, target)
 
 
 def test_commit_tree_of_any_accepted_path_keeps_state_in_step() -> None:

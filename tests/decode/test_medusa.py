@@ -9,7 +9,12 @@ import torch
 from tiny_models import tiny_llama
 
 from decode.drafters.base import TargetPass
-from decode.drafters.medusa import MedusaConfig, MedusaDrafter, MedusaHeads
+from decode.drafters.medusa import (
+    MedusaConfig,
+    MedusaDrafter,
+    MedusaHeads,
+    load_runtime_drafter,
+)
 from decode.sampling import SamplingConfig, logits_to_probs
 from decode.tree import StaticTree, TreeVerification, tree_attention_mask_4d, tree_positions
 
@@ -211,3 +216,15 @@ def test_drafter_checks_its_inputs() -> None:
         )
     with pytest.raises(ValueError, match="one target"):
         MedusaDrafter(MedusaHeads(MedusaConfig(hidden_size=16, vocab_size=64)), target)
+
+
+def test_registry_loader_reads_a_saved_folder(tmp_path) -> None:
+    target = tiny_llama()
+    heads = _trained_like(MedusaHeads.from_target(target, num_heads=2))
+    heads.save_pretrained(tmp_path / "medusa")
+    drafter = load_runtime_drafter(tmp_path / "medusa", target)
+    assert isinstance(drafter, MedusaDrafter)
+    hidden = torch.randn(2, 32, dtype=torch.float64)
+    assert torch.equal(drafter.heads(hidden), heads(hidden))
+    with pytest.raises(ValueError, match="needs a folder"):
+        load_runtime_drafter(None, target)
