@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from decode.drafters.base import Drafter, TargetPass
+from decode.drafters.base import Drafter, TargetPass, TreeSpec
 from decode.kv_cache import CachedSequence
 from decode.rejection import verify_chain
-from decode.sampling import SamplingConfig, select_tokens
+from decode.sampling import SamplingConfig, logits_to_probs, select_tokens
 from decode.stats import DecodeStats
 
 # Called after every round with each row's newly emitted tokens; returning False stops early.
@@ -35,8 +35,14 @@ class SpeculativeDecoder:
     """Runs a target causal LM with a drafter; see ``generate``."""
 
     def __init__(
-        self, target: torch.nn.Module, drafter: Drafter, num_draft_tokens: int = 4
+        self,
+        target: torch.nn.Module,
+        drafter: Drafter,
+        num_draft_tokens: int = 4,
+        tree: TreeSpec | None = None,
     ) -> None:
+        """``tree`` switches to tree drafting (depth ``num_draft_tokens``) for drafters that
+        support it (EAGLE-3, Medusa); ``None`` drafts chains."""
         if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int):
             raise TypeError(f"num_draft_tokens must be an int, got {num_draft_tokens!r}")
         if num_draft_tokens < 1:
@@ -44,6 +50,12 @@ class SpeculativeDecoder:
                 f"num_draft_tokens must be >= 1 (drafted tokens per round), got {num_draft_tokens}"
             )
         drafter.check_compatible(target)
+        if tree is not None and not drafter.supports_trees:
+            raise ValueError(
+                f"the {drafter.kind} drafter drafts chains only: drop the tree settings or use "
+                "an eagle3 or medusa drafter"
+            )
+        self.tree = tree
         self.target = target.eval()
         self.drafter = drafter
         self.num_draft_tokens = num_draft_tokens
@@ -93,32 +105,76 @@ class SpeculativeDecoder:
         run.emit(pending[:, None], torch.ones_like(pending))
         stats.prefill_seconds = _clock(self.device) - start
 
+        round_fn = self._chain_round if self.tree is None else self._tree_round
         while run.any_active():
-            round_start = _clock(self.device)
-            proposal = self.drafter.propose(run.round_width(), sampling, generator)
-            drafts = proposal.tokens  # [B, n]
-            verify_start = _clock(self.device)
-            verify = target.extend(
-                torch.cat([pending[:, None], drafts], dim=1), output_hidden_states=needs_hidden
-            )
-            num_accepted, pending = verify_chain(
-                drafts, proposal.probs, verify.logits, sampling, generator
-            )
-            target.rollback(drafts.shape[1] + 1, num_accepted + 1)
-            verify_end = _clock(self.device)
-            self.drafter.commit(
-                num_accepted, pending, TargetPass(verify.logits, verify.hidden_states)
-            )
-            stats.record_round(num_accepted, drafts.shape[1], run.active)
-            emitted = torch.cat([drafts, pending[:, None]], dim=1)
-            emitted.scatter_(1, num_accepted[:, None], pending[:, None])
-            run.emit(emitted, num_accepted + 1)
-            round_end = _clock(self.device)
-            stats.verify_seconds += verify_end - verify_start
-            stats.draft_seconds += (verify_start - round_start) + (round_end - verify_end)
+            pending = round_fn(target, pending, run, sampling, generator)
 
         stats.total_seconds = _clock(self.device) - start
         return GenerateOutput(sequences=run.sequences(input_ids), stats=stats)
+
+    def _chain_round(
+        self,
+        target: CachedSequence,
+        pending: torch.Tensor,  # [B]
+        run: _Run,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+    ) -> torch.Tensor:  # [B] the new pending tokens
+        """Draft a chain, verify it in one target pass, roll both caches back, emit."""
+        needs_hidden = self.drafter.needs_hidden_states
+        round_start = _clock(self.device)
+        proposal = self.drafter.propose(run.round_width(), sampling, generator)
+        drafts = proposal.tokens  # [B, n]
+        verify_start = _clock(self.device)
+        verify = target.extend(
+            torch.cat([pending[:, None], drafts], dim=1), output_hidden_states=needs_hidden
+        )
+        num_accepted, pending = verify_chain(
+            drafts, proposal.probs, verify.logits, sampling, generator
+        )
+        target.rollback(drafts.shape[1] + 1, num_accepted + 1)
+        verify_end = _clock(self.device)
+        self.drafter.commit(num_accepted, pending, TargetPass(verify.logits, verify.hidden_states))
+        run.finish_round(drafts, num_accepted, pending)
+        run.add_times(round_start, verify_start, verify_end, _clock(self.device))
+        return pending
+
+    def _tree_round(
+        self,
+        target: CachedSequence,
+        pending: torch.Tensor,  # [B]
+        run: _Run,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+    ) -> torch.Tensor:  # [B] the new pending tokens
+        """Draft a tree, score all its nodes in one pass with a tree mask, keep one branch."""
+        from decode.tree import verify_tree_greedy, verify_tree_stochastic
+
+        round_start = _clock(self.device)
+        tree = self.drafter.propose_tree(self.tree, run.round_width())
+        verify_start = _clock(self.device)
+        verify = target.extend(
+            tree.input_ids(pending),
+            tree_mask=tree.attention_mask(),
+            positions=tree.positions(target.lengths),
+            output_hidden_states=self.drafter.needs_hidden_states,
+        )
+        if sampling.greedy:
+            outcome = verify_tree_greedy(tree, verify.logits)
+        else:
+            probs = logits_to_probs(verify.logits, sampling)
+            outcome = verify_tree_stochastic(tree, probs, generator)
+        path = outcome.path_indices()  # [B, D + 1]: root, then the accepted nodes
+        kept = (
+            torch.arange(path.shape[1], device=path.device)[None, :]
+            <= outcome.num_accepted[:, None]
+        )
+        target.keep_path(tree.num_nodes + 1, path, kept)
+        verify_end = _clock(self.device)
+        self.drafter.commit_tree(outcome, TargetPass(verify.logits, verify.hidden_states))
+        run.finish_round(outcome.accepted_tokens, outcome.num_accepted, outcome.next_tokens)
+        run.add_times(round_start, verify_start, verify_end, _clock(self.device))
+        return outcome.next_tokens
 
     def _check_inputs(
         self,
@@ -231,6 +287,22 @@ class _Run:
             if self.streamer(rows) is False:
                 self._stopped = True
         self.active &= ~hit & (self.count < self.max_new_tokens)
+
+    def finish_round(
+        self,
+        accepted_tokens: torch.Tensor,  # [B, D] drafts along the verified path
+        num_accepted: torch.Tensor,  # [B]
+        next_tokens: torch.Tensor,  # [B]
+    ) -> None:
+        """Record the round's acceptance and emit the accepted drafts plus the next token."""
+        self.stats.record_round(num_accepted, accepted_tokens.shape[1], self.active)
+        emitted = torch.cat([accepted_tokens, next_tokens[:, None]], dim=1)
+        emitted.scatter_(1, num_accepted[:, None], next_tokens[:, None])
+        self.emit(emitted, num_accepted + 1)
+
+    def add_times(self, start: float, verify_start: float, verify_end: float, end: float) -> None:
+        self.stats.verify_seconds += verify_end - verify_start
+        self.stats.draft_seconds += (verify_start - start) + (end - verify_end)
 
     def sequences(self, input_ids: torch.Tensor) -> torch.Tensor:  # [B, T + new]
         longest = int(self.count.max())

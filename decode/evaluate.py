@@ -151,7 +151,7 @@ def evaluate_drafter(
     no_eos = {"eos_token_id": [], "max_new_tokens": settings.max_new_tokens}
 
     def baseline(ids: torch.Tensor) -> torch.Tensor:
-        return target.generate(input_ids=ids, min_new_tokens=0, **sampling, **no_eos)
+        return target.generate(input_ids=ids, **sampling, **no_eos)
 
     def ours(ids: torch.Tensor) -> tuple[torch.Tensor, DecodeStats]:
         out = decoder.generate(

@@ -36,7 +36,7 @@ class CachedSequence:
         tokens: torch.Tensor,  # [B, W]
         valid: torch.Tensor | None = None,  # [B, W] bool; None means all valid
         *,
-        tree_mask: torch.Tensor | None = None,  # [W, W] bool: slot i sees slot j (default causal)
+        tree_mask: torch.Tensor | None = None,  # [W, W] or [B, W, W] bool: i sees j
         positions: torch.Tensor | None = None,  # [B, W] explicit positions (trees)
         logits_to_keep: int = 0,
         output_hidden_states: bool = False,
@@ -115,9 +115,10 @@ class CachedSequence:
 def _four_d_mask(
     cached_valid: torch.Tensor,  # [B, S]
     new_valid: torch.Tensor,  # [B, W]
-    tree_mask: torch.Tensor,  # [W, W] bool
+    tree_mask: torch.Tensor,  # [W, W] or [B, W, W] bool
 ) -> torch.Tensor:  # [B, 1, W, S + W] bool, True where attention is allowed
     batch, width = new_valid.shape
     past = cached_valid[:, None, None, :].expand(batch, 1, width, cached_valid.shape[1])
-    new = tree_mask[None, None] & new_valid[:, None, None, :]
+    tree_mask = tree_mask.expand(batch, width, width)[:, None]
+    new = tree_mask & new_valid[:, None, None, :]
     return torch.cat([past, new], dim=-1)

@@ -19,11 +19,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from decode.sampling import SamplingConfig
+
+if TYPE_CHECKING:
+    from decode.tree import TreeProposal, TreeVerification
 
 
 @dataclass
@@ -36,6 +39,27 @@ class TargetPass:
 
     logits: torch.Tensor  # [B, T, V]
     hidden_states: tuple[torch.Tensor, ...] | None = None
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    """The shape of a draft tree (THEORY.md section 4), verified in one target pass.
+
+    Dynamic trees (EAGLE-2, Li et al. 2024) expand the ``top_k`` most likely children of the
+    best frontier nodes for ``depth`` steps and keep the ``total_tokens`` nodes of highest
+    cumulative draft probability; static trees (Medusa, Cai et al. 2024) follow ``choices``, a
+    list of paths of child ranks such as ``((0,), (1,), (0, 0))``.
+    """
+
+    top_k: int = 8
+    total_tokens: int = 32
+    choices: tuple[tuple[int, ...], ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.top_k < 1 or self.total_tokens < 1:
+            raise ValueError(
+                f"tree top_k and total_tokens must be >= 1, got {self.top_k}, {self.total_tokens}"
+            )
 
 
 @dataclass
@@ -55,6 +79,7 @@ class Drafter(ABC):
 
     kind: ClassVar[str]
     needs_hidden_states: ClassVar[bool] = False
+    supports_trees: ClassVar[bool] = False
 
     @property
     @abstractmethod
@@ -98,3 +123,11 @@ class Drafter(ABC):
         target_pass: TargetPass,  # the verify pass over [pending, d_1 .. d_N]
     ) -> None:
         """Bring the drafter's state to the newly committed sequence."""
+
+    def propose_tree(self, spec: TreeSpec, depth: int) -> TreeProposal:
+        """Draft a tree of at most ``depth`` levels (drafters with ``supports_trees``)."""
+        raise NotImplementedError(f"the {self.kind} drafter drafts chains only")
+
+    def commit_tree(self, verification: TreeVerification, target_pass: TargetPass) -> None:
+        """Bring the state to the accepted branch (drafters with ``supports_trees``)."""
+        raise NotImplementedError(f"the {self.kind} drafter drafts chains only")

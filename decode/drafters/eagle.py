@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from decode.drafters.base import Drafter, DraftProposal, TargetPass
+from decode.drafters.base import Drafter, DraftProposal, TargetPass, TreeSpec
 from decode.sampling import SamplingConfig, select_tokens
 from decode.tree import Frontier, TreeProposal, TreeVerification, build_dynamic_tree
 
@@ -613,6 +613,7 @@ class Eagle3Drafter(Drafter):
 
     kind: ClassVar[str] = "eagle3"
     needs_hidden_states: ClassVar[bool] = True
+    supports_trees: ClassVar[bool] = True
 
     def __init__(self, head: Eagle3Head, target: nn.Module) -> None:
         embed = target.get_input_embeddings()
@@ -721,13 +722,16 @@ class Eagle3Drafter(Drafter):
 
     # -- trees ----------------------------------------------------------------------------
     @torch.no_grad()
-    def propose_tree(self, top_k: int, depth: int, total_tokens: int) -> TreeProposal:
+    def propose_tree(self, spec: TreeSpec, depth: int) -> TreeProposal:
         """EAGLE-2 dynamic tree from the head's own log-probabilities (deterministic children).
 
         Verify it with :func:`decode.tree.verify_tree_greedy` / ``verify_tree_stochastic`` over
         the target's pass on ``tree.input_ids(pending)``, then call :meth:`commit_tree`.
         """
         state = self._require_state()
+        top_k = spec.top_k
+        # Near the end of generation the depth shrinks; keep as many nodes as still fit.
+        total_tokens = min(spec.total_tokens, top_k + (depth - 1) * top_k * top_k)
         if top_k > self.head.config.draft_vocab_size:
             raise ValueError(
                 f"top_k={top_k} exceeds the draft vocabulary ({self.head.config.draft_vocab_size})"

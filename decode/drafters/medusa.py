@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from decode.drafters.base import Drafter, DraftProposal, TargetPass
+from decode.drafters.base import Drafter, DraftProposal, TargetPass, TreeSpec
 from decode.sampling import SamplingConfig, logits_to_probs, sample
 from decode.tree import StaticTree, TreeProposal, TreeVerification
 
@@ -206,6 +206,25 @@ def config_from_vllm_dict(raw: dict[str, Any]) -> MedusaConfig:
     )
 
 
+def default_medusa_choices(num_heads: int) -> list[tuple[int, ...]]:
+    """A sparse static tree sized for small targets: 3 guesses at depth 1, fewer deeper.
+
+    Medusa (Cai et al. 2024) tunes its trees per model (63 nodes for Vicuna-7B on a GPU); on a
+    CPU, where the verify pass's cost grows with every node, a narrow tree of about 12-16 nodes
+    pays best. Paths are child ranks, e.g. ``(0, 1)`` = the top-1 token of head 0 followed by
+    the top-2 token of head 1.
+    """
+    widths = [3, 2, 2, 1, 1, 1, 1, 1][:num_heads]
+    choices: list[tuple[int, ...]] = []
+    frontier: list[tuple[int, ...]] = [()]
+    for depth, width in enumerate(widths):
+        # Expand only the best path and the first alternative below depth 1.
+        parents = frontier if depth == 0 else frontier[:2]
+        frontier = [(*parent, rank) for parent in parents for rank in range(width)]
+        choices.extend(frontier)
+    return choices
+
+
 class MedusaDrafter(Drafter):
     """Runs :class:`MedusaHeads` on the target's last hidden state (chain or static tree).
 
@@ -217,6 +236,7 @@ class MedusaDrafter(Drafter):
     """
 
     kind: ClassVar[str] = "medusa"
+    supports_trees: ClassVar[bool] = True
     needs_hidden_states: ClassVar[bool] = True
 
     def __init__(self, heads: MedusaHeads, target: nn.Module) -> None:
@@ -228,6 +248,7 @@ class MedusaDrafter(Drafter):
             )
         self.heads = heads.to(device=weight.device, dtype=weight.dtype).eval()
         self._hidden: torch.Tensor | None = None  # [B, H]
+        self._trees: dict[tuple[object, int], StaticTree] = {}
         self.check_compatible(target)
 
     @classmethod
@@ -279,9 +300,17 @@ class MedusaDrafter(Drafter):
         self._hidden = last[rows, num_accepted]
 
     @torch.no_grad()
-    def propose_tree(self, tree: StaticTree) -> TreeProposal:
-        """Fill a static tree (Medusa choices) with each head's top-ranked tokens."""
-        return tree.propose(self.heads(self._require_hidden()))
+    def propose_tree(self, spec: TreeSpec, depth: int) -> TreeProposal:
+        """Fill a static tree (Medusa choices, cut to ``depth``) with each head's top tokens."""
+        return self._static_tree(spec, depth).propose(self.heads(self._require_hidden()))
+
+    def _static_tree(self, spec: TreeSpec, depth: int) -> StaticTree:
+        depth = min(depth, self.heads.config.num_heads)
+        key = (spec.choices, depth)
+        if key not in self._trees:
+            choices = spec.choices or default_medusa_choices(self.heads.config.num_heads)
+            self._trees[key] = StaticTree.from_choices([c for c in choices if len(c) <= depth])
+        return self._trees[key]
 
     @torch.no_grad()
     def commit_tree(

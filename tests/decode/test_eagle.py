@@ -9,7 +9,7 @@ import torch
 from tiny_models import tiny_llama
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from decode.drafters.base import TargetPass
+from decode.drafters.base import TargetPass, TreeSpec
 from decode.drafters.eagle import (
     Eagle3Config,
     Eagle3Drafter,
@@ -361,7 +361,7 @@ def test_dynamic_tree_decoding_is_greedy_exact_and_keeps_state_in_step() -> None
         firsts = [int(target(torch.tensor([p])).logits[0, -1].argmax()) for p in PROMPTS]
     committed = _prefill(drafter, target, firsts)
     for _ in range(4):
-        tree = drafter.propose_tree(top_k=3, depth=3, total_tokens=8)
+        tree = drafter.propose_tree(TreeSpec(top_k=3, total_tokens=8), depth=3)
         assert tree.tokens.shape == (2, 8) and tree.draft_probs is None
         verify = _tree_pass(target, committed, tree)
         result = verify_tree_greedy(tree, verify.logits)
@@ -418,7 +418,7 @@ def test_commit_tree_of_any_accepted_path_keeps_state_in_step() -> None:
     committed = _prefill(drafter, target, [11, 12])
     generator = torch.Generator().manual_seed(5)
     for round_ in range(4):
-        tree = drafter.propose_tree(top_k=2, depth=3, total_tokens=6)
+        tree = drafter.propose_tree(TreeSpec(top_k=2, total_tokens=6), depth=3)
         verify = _tree_pass(target, committed, tree)
         ends = [tree.num_nodes - 1 - round_ % 2, round_ % tree.num_nodes]  # deep and shallow
         nodes = torch.full((2, int(tree.depths.max())), -1)

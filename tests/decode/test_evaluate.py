@@ -45,7 +45,7 @@ def test_evaluate_writes_report(tiny_pair_dirs, tmp_path, kind: str) -> None:
         argv += ["--drafter", str(draft_dir)]
     evaluate.main(argv)
     report = json.loads(out.read_text())
-    assert REQUIRED_KEYS <= report.keys()
+    assert report.keys() >= REQUIRED_KEYS
     assert report["num_prompts"] == 3
     assert report["greedy_equal_to_baseline"] == 3  # greedy output equals plain decoding
     assert 1 <= len(report["alpha_per_position"]) <= 3  # n-gram rounds can be narrower

@@ -8,7 +8,7 @@ import pytest
 import torch
 from tiny_models import tiny_llama
 
-from decode.drafters.base import TargetPass
+from decode.drafters.base import TargetPass, TreeSpec
 from decode.drafters.medusa import (
     MedusaConfig,
     MedusaDrafter,
@@ -16,7 +16,7 @@ from decode.drafters.medusa import (
     load_runtime_drafter,
 )
 from decode.sampling import SamplingConfig, logits_to_probs
-from decode.tree import StaticTree, TreeVerification, tree_attention_mask_4d, tree_positions
+from decode.tree import TreeVerification, tree_attention_mask_4d, tree_positions
 
 
 def _trained_like(heads: MedusaHeads, seed: int = 0) -> MedusaHeads:
@@ -163,9 +163,9 @@ def test_static_tree_round_keeps_the_accepted_paths_hidden_state() -> None:
     heads = _trained_like(MedusaHeads.from_target(target, num_heads=3))
     drafter = MedusaDrafter(heads, target)
     committed = _prefill(drafter, target)
-    tree_layout = StaticTree.from_choices([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+    spec = TreeSpec(choices=((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)))
     for end_nodes in ([5, 1], [4, 2]):  # accept root-to-node paths of different lengths
-        tree = drafter.propose_tree(tree_layout)
+        tree = drafter.propose_tree(spec, depth=3)
         assert tree.tokens.shape == (2, 6)
         logits, hidden = [], []
         with torch.no_grad():
