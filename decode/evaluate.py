@@ -21,12 +21,12 @@ import argparse
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from decode.drafters.base import Drafter
+from decode.drafters.base import Drafter, TreeSpec
 from decode.engine import SpeculativeDecoder
 from decode.stats import DecodeStats
 
@@ -40,6 +40,7 @@ class EvalSettings:
     top_p: float = 1.0
     seed: int = 0
     peer: bool = True
+    tree: TreeSpec | None = None  # tree drafting (EAGLE-3, Medusa); None drafts chains
 
 
 def load_target(path: str, device: str = "cpu", dtype: str = "float32", trust_remote_code=False):
@@ -100,16 +101,6 @@ class ForwardCounter:
         self._handle.remove()
 
 
-def _timed(fn: Callable[[], torch.Tensor], device: torch.device) -> tuple[torch.Tensor, float]:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    result = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return result, time.perf_counter() - start
-
-
 def _sampling_kwargs(settings: EvalSettings) -> dict[str, object]:
     if settings.temperature == 0:
         return {"do_sample": False}
@@ -135,6 +126,101 @@ def hf_peer(drafter: Drafter, settings: EvalSettings) -> tuple[str, dict[str, ob
     return None
 
 
+@dataclass
+class MethodResult:
+    """What one decoding method did over all prompts."""
+
+    name: str
+    seconds: float = 0.0
+    tokens: int = 0
+    target_passes: int = 0  # forward calls of the target (prefill included)
+    outputs: list[torch.Tensor] = field(default_factory=list)
+    stats: DecodeStats | None = None  # our decoder's acceptance counters
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def tokens_per_pass(self) -> float:
+        """A peer's tau seen from outside: new tokens per target forward call."""
+        return self.tokens / self.target_passes if self.target_passes else 0.0
+
+
+# A method maps one prompt [1, T] to (sequence [1, T + new], our stats or None).
+Method = Callable[[torch.Tensor], tuple[torch.Tensor, DecodeStats | None]]
+
+
+def plain_method(target: torch.nn.Module, settings: EvalSettings, **hf_kwargs: object) -> Method:
+    """Hugging Face ``generate``: plain decoding, or a peer's with ``hf_kwargs``."""
+    sampling = _sampling_kwargs(settings)
+
+    def run(ids: torch.Tensor) -> tuple[torch.Tensor, None]:
+        out = target.generate(
+            input_ids=ids,
+            eos_token_id=[],
+            max_new_tokens=settings.max_new_tokens,
+            **sampling,
+            **hf_kwargs,
+        )
+        return out, None
+
+    return run
+
+
+def speculative_method(target: torch.nn.Module, drafter: Drafter, settings: EvalSettings) -> Method:
+    """Our decoder with ``drafter`` under ``settings`` (seeded once, then run in sequence)."""
+    decoder = SpeculativeDecoder(target, drafter, settings.num_draft_tokens, tree=settings.tree)
+    device = next(target.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(settings.seed)
+
+    def run(ids: torch.Tensor) -> tuple[torch.Tensor, DecodeStats]:
+        out = decoder.generate(
+            ids,
+            max_new_tokens=settings.max_new_tokens,
+            temperature=settings.temperature,
+            top_k=settings.top_k,
+            top_p=settings.top_p,
+            eos_token_id=[],
+            generator=generator,
+        )
+        return out.sequences, out.stats
+
+    return run
+
+
+def measure_side_by_side(
+    target: torch.nn.Module,
+    methods: dict[str, Method],
+    prompts: list[torch.Tensor],  # each [1, T]
+    warmup: bool = True,
+) -> dict[str, MethodResult]:
+    """Run every method on every prompt, interleaved per prompt so load drift hits all alike."""
+    device = next(target.parameters()).device
+    results = {name: MethodResult(name=name) for name in methods}
+    with torch.inference_mode():
+        if warmup:  # first calls pay for lazy initialisation; keep them out of the figures
+            for method in methods.values():
+                method(prompts[0][:, :16].to(device))
+        for ids in prompts:
+            ids = ids.to(device)
+            for name, method in methods.items():
+                result = results[name]
+                counter = ForwardCounter(target)
+                _synchronize(device)
+                start = time.perf_counter()
+                sequence, stats = method(ids)
+                _synchronize(device)
+                result.seconds += time.perf_counter() - start
+                counter.close()
+                result.target_passes += counter.count
+                result.tokens += sequence.shape[1] - ids.shape[1]
+                result.outputs.append(sequence.cpu())
+                if stats is not None:
+                    result.stats = stats if result.stats is None else result.stats.merge(stats)
+    return results
+
+
 def evaluate_drafter(
     target: torch.nn.Module,
     drafter: Drafter,
@@ -143,96 +229,60 @@ def evaluate_drafter(
     warmup: bool = True,
 ) -> dict[str, object]:
     """Decode every prompt with the baseline, our decoder and the HF peer; return the figures."""
-    device = next(target.parameters()).device
-    decoder = SpeculativeDecoder(target, drafter, settings.num_draft_tokens)
+    methods: dict[str, Method] = {
+        "baseline": plain_method(target, settings),
+        "ours": speculative_method(target, drafter, settings),
+    }
     peer = hf_peer(drafter, settings) if settings.peer else None
-    sampling = _sampling_kwargs(settings)
-    generator = torch.Generator(device=device).manual_seed(settings.seed)
-    no_eos = {"eos_token_id": [], "max_new_tokens": settings.max_new_tokens}
-
-    def baseline(ids: torch.Tensor) -> torch.Tensor:
-        return target.generate(input_ids=ids, **sampling, **no_eos)
-
-    def ours(ids: torch.Tensor) -> tuple[torch.Tensor, DecodeStats]:
-        out = decoder.generate(
-            ids,
-            temperature=settings.temperature,
-            top_k=settings.top_k,
-            top_p=settings.top_p,
-            generator=generator,
-            **no_eos,
-        )
-        return out.sequences, out.stats
-
-    if warmup:  # first calls pay for lazy initialisation; keep them out of the figures
-        short = EvalSettings(**{**settings.__dict__, "max_new_tokens": 8})
-        baseline(prompts[0][:, :16])
-        decoder.generate(prompts[0][:, :16], max_new_tokens=short.max_new_tokens, eos_token_id=[])
-        if peer is not None:
-            target.generate(input_ids=prompts[0][:, :16], **peer[1], **sampling, max_new_tokens=8)
-
-    totals = {"baseline": 0.0, "ours": 0.0, "peer": 0.0}
-    tokens = {"baseline": 0, "ours": 0, "peer": 0}
-    peer_passes = 0
-    stats = DecodeStats()
-    greedy_matches = 0
-    with torch.inference_mode():
-        for ids in prompts:
-            ids = ids.to(device)
-            base_out, seconds = _timed(lambda ids=ids: baseline(ids), device)
-            totals["baseline"] += seconds
-            tokens["baseline"] += base_out.shape[1] - ids.shape[1]
-            (our_out, our_stats), seconds = _timed(lambda ids=ids: ours(ids), device)
-            totals["ours"] += seconds
-            tokens["ours"] += our_out.shape[1] - ids.shape[1]
-            stats = stats.merge(our_stats)
-            greedy_matches += int(torch.equal(our_out, base_out))
-            if peer is not None:
-                counter = ForwardCounter(target)
-                peer_out, seconds = _timed(
-                    lambda ids=ids: target.generate(input_ids=ids, **peer[1], **sampling, **no_eos),
-                    device,
-                )
-                counter.close()
-                totals["peer"] += seconds
-                tokens["peer"] += peer_out.shape[1] - ids.shape[1]
-                peer_passes += counter.count
-    return _report(
-        settings, drafter, stats, totals, tokens, peer, peer_passes, greedy_matches, len(prompts)
-    )
+    if peer is not None:
+        methods[peer[0]] = plain_method(target, settings, **peer[1])
+    results = measure_side_by_side(target, methods, prompts, warmup=warmup)
+    peer_result = results[peer[0]] if peer is not None else None
+    return speculative_report(settings, drafter, results["baseline"], results["ours"], peer_result)
 
 
-def _report(settings, drafter, stats, totals, tokens, peer, peer_passes, greedy_matches, count):
-    rate = {name: tokens[name] / totals[name] if totals[name] else 0.0 for name in totals}
+def speculative_report(
+    settings: EvalSettings,
+    drafter: Drafter,
+    baseline: MethodResult,
+    ours: MethodResult,
+    peer: MethodResult | None = None,
+) -> dict[str, object]:
+    """The evaluation JSON (docs/interfaces.md) of one speculative method against plain."""
+    stats = ours.stats or DecodeStats()
     rounds = max(stats.target_forward_passes, 1)
     verify_ms = 1000 * stats.verify_seconds / rounds
     draft_round_ms = 1000 * stats.draft_seconds / rounds
-    baseline_token_ms = 1000 / rate["baseline"] if rate["baseline"] else 0.0
+    baseline_token_ms = 1000 / baseline.tokens_per_s if baseline.tokens_per_s else 0.0
     predicted_speedup = (
         stats.tau * baseline_token_ms / (draft_round_ms + verify_ms) if verify_ms else 0.0
     )
-    speedup = rate["ours"] / rate["baseline"] if rate["baseline"] else 0.0
+    speedup = ours.tokens_per_s / baseline.tokens_per_s if baseline.tokens_per_s else 0.0
+    greedy_matches = sum(
+        int(torch.equal(a, b)) for a, b in zip(ours.outputs, baseline.outputs, strict=True)
+    )
     peer_report = None
     if peer is not None:
         peer_report = {
-            "name": peer[0],
-            "tokens_per_s": rate["peer"],
-            "tau": tokens["peer"] / peer_passes if peer_passes else 0.0,
-            "speedup": rate["peer"] / rate["baseline"] if rate["baseline"] else 0.0,
+            "name": peer.name,
+            "tokens_per_s": peer.tokens_per_s,
+            "tau": peer.tokens_per_pass,
+            "speedup": peer.tokens_per_s / baseline.tokens_per_s if baseline.tokens_per_s else 0.0,
         }
     return {
         "drafter_kind": drafter.kind,
+        "tree": None if settings.tree is None else settings.tree.__dict__,
         "num_draft_tokens": settings.num_draft_tokens,
         "temperature": settings.temperature,
         "top_k": settings.top_k,
         "top_p": settings.top_p,
-        "num_prompts": count,
+        "num_prompts": len(ours.outputs),
         "max_new_tokens": settings.max_new_tokens,
         "tau": stats.tau,
         "alpha_per_position": stats.alpha_per_position,
         "predicted_tau": stats.predicted_tau,
-        "tokens_per_s_baseline": rate["baseline"],
-        "tokens_per_s_speculative": rate["ours"],
+        "tokens_per_s_baseline": baseline.tokens_per_s,
+        "tokens_per_s_speculative": ours.tokens_per_s,
         "speedup": speedup,
         "predicted_speedup": predicted_speedup,
         "speedup_over_predicted": speedup / predicted_speedup if predicted_speedup else 0.0,
@@ -242,6 +292,11 @@ def _report(settings, drafter, stats, totals, tokens, peer, peer_passes, greedy_
         "greedy_equal_to_baseline": greedy_matches if settings.temperature == 0 else None,
         "peer": peer_report,
     }
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def format_table(report: dict[str, object]) -> str:
@@ -293,6 +348,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--tree",
+        action="store_true",
+        help="draft trees (eagle3: EAGLE-2 dynamic; medusa: static choices)",
+    )
+    parser.add_argument("--tree-top-k", type=int, default=8, help="children per expanded node")
+    parser.add_argument("--tree-total-tokens", type=int, default=32, help="nodes kept per tree")
     parser.add_argument("--no-peer", action="store_true", help="skip the Hugging Face peer")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -322,6 +384,9 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         top_p=args.top_p,
         seed=args.seed,
         peer=not args.no_peer,
+        tree=TreeSpec(top_k=args.tree_top_k, total_tokens=args.tree_total_tokens)
+        if args.tree
+        else None,
     )
     report = {
         "target": args.target,
