@@ -1,0 +1,262 @@
+"""Benchmark draftsmith against the Hugging Face methods on one target, in one run.
+
+    python scripts/benchmark.py --target PATH [--draft-lm DIR] [--eagle3 DIR] [--medusa DIR]
+        --json OUT --plots DIR
+
+On the same prompts, interleaved per prompt: plain decoding (HF ``generate``), HF assisted
+generation with the same draft LM, HF prompt lookup, and draftsmith with the n-gram drafter,
+the draft LM (chain), EAGLE-3 (dynamic tree) and Medusa (static tree), at each temperature.
+Reports tokens/s, speedup over plain, tau, predicted tau, acceptance per position, held-out
+overlap per position (from each drafter folder's ``eval_results.json``), and the peak resident
+memory of each method (Linux: the process's high-water mark, reset before each call; on a GPU,
+the CUDA allocator's peak). Plots: acceptance by position, speedup per method, and speedup
+against num_draft_tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from decode.drafters.base import TreeSpec
+from decode.drafters.registry import load_drafter
+from decode.evaluate import (
+    EvalSettings,
+    Method,
+    MethodResult,
+    encode_prompt,
+    hf_peer,
+    load_target,
+    measure_side_by_side,
+    plain_method,
+    speculative_method,
+)
+from decode.plots import (
+    plot_acceptance_by_position,
+    plot_speedup_against_draft_length,
+    plot_speedups,
+)
+from decode.prompts import load_eval_prompts
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", required=True)
+    parser.add_argument("--draft-lm", default=None, help="draft_lm drafter folder")
+    parser.add_argument("--eagle3", default=None, help="EAGLE-3 drafter folder")
+    parser.add_argument("--medusa", default=None, help="Medusa drafter folder")
+    parser.add_argument("--prompts", default="demo")
+    parser.add_argument("--num-prompts", type=int, default=6)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--num-draft-tokens", type=int, default=4)
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    parser.add_argument("--tree-top-k", type=int, default=4)
+    parser.add_argument("--tree-total-tokens", type=int, default=12)
+    parser.add_argument(
+        "--sweep",
+        type=int,
+        nargs="*",
+        default=[1, 2, 3, 4, 6],
+        help="num_draft_tokens values for the speedup-vs-N plot (temperature 0)",
+    )
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--json", required=True)
+    parser.add_argument("--plots", required=True)
+    return parser.parse_args(argv)
+
+
+class PeakMemory:
+    """Peak memory of the process while a method runs (reset before each call)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._proc = Path("/proc/self/clear_refs")
+
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self._proc.exists():
+            self._proc.write_text("5")  # resets VmHWM, the resident high-water mark
+
+    def read_mb(self) -> float | None:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 2**20
+        status = Path("/proc/self/status")
+        if not status.exists():
+            return None
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+        return None
+
+
+def with_peak_memory(method: Method, meter: PeakMemory, peaks: dict[str, float], name: str):
+    def run(ids: torch.Tensor):
+        meter.reset()
+        out = method(ids)
+        peak = meter.read_mb()
+        if peak is not None:
+            peaks[name] = max(peaks.get(name, 0.0), peak)
+        return out
+
+    return run
+
+
+def held_out_overlap(folder: str | None) -> list[float] | None:
+    """Training's held-out overlap per draft position, if the drafter folder recorded it."""
+    if folder is None or not (Path(folder) / "eval_results.json").is_file():
+        return None
+    results = json.loads((Path(folder) / "eval_results.json").read_text())
+    keys = sorted((k for k in results if k.startswith("overlap@")), key=lambda k: int(k[8:]))
+    return [results[k] for k in keys] or None
+
+
+def build_methods(args, target, drafters, settings: EvalSettings, meter, peaks):
+    tree = TreeSpec(top_k=args.tree_top_k, total_tokens=args.tree_total_tokens)
+    methods: dict[str, Method] = {"plain (HF generate)": plain_method(target, settings)}
+    if "draft_lm" in drafters:
+        _, kwargs = hf_peer(drafters["draft_lm"], settings)
+        methods["HF assisted (draft LM)"] = plain_method(target, settings, **kwargs)
+    _, kwargs = hf_peer(drafters["ngram"], settings)
+    methods["HF prompt lookup"] = plain_method(target, settings, **kwargs)
+    methods["draftsmith n-gram"] = speculative_method(target, drafters["ngram"], settings)
+    if "draft_lm" in drafters:
+        methods["draftsmith draft LM"] = speculative_method(target, drafters["draft_lm"], settings)
+    for kind, label in (
+        ("eagle3", "draftsmith EAGLE-3 tree"),
+        ("medusa", "draftsmith Medusa tree"),
+    ):
+        if kind in drafters:
+            tree_settings = EvalSettings(**{**settings.__dict__, "tree": tree})
+            methods[label] = speculative_method(target, drafters[kind], tree_settings)
+    return {name: with_peak_memory(m, meter, peaks, name) for name, m in methods.items()}
+
+
+def summarise(results: dict[str, MethodResult], peaks: dict[str, float], overlaps) -> list[dict]:
+    plain = results["plain (HF generate)"]
+    rows = []
+    for name, result in results.items():
+        stats = result.stats
+        rows.append(
+            {
+                "method": name,
+                "tokens_per_s": result.tokens_per_s,
+                "speedup": result.tokens_per_s / plain.tokens_per_s if plain.tokens_per_s else 0.0,
+                "tau": stats.tau if stats else result.tokens_per_pass,
+                "predicted_tau": stats.predicted_tau if stats else None,
+                "alpha_per_position": stats.alpha_per_position if stats else None,
+                "held_out_overlap": overlaps.get(name),
+                "peak_memory_mb": peaks.get(name),
+                "greedy_equal_to_plain": sum(
+                    int(torch.equal(a, b))
+                    for a, b in zip(result.outputs, plain.outputs, strict=True)
+                ),
+            }
+        )
+    return rows
+
+
+def format_rows(rows: list[dict], temperature: float) -> str:
+    lines = [
+        f"temperature {temperature:g}",
+        f"{'method':<28}{'tok/s':>8}{'speedup':>9}{'tau':>6}{'pred':>6}{'peak MB':>9}",
+    ]
+    for row in rows:
+        predicted = f"{row['predicted_tau']:.2f}" if row["predicted_tau"] else "-"
+        peak = f"{row['peak_memory_mb']:.0f}" if row["peak_memory_mb"] else "-"
+        lines.append(
+            f"{row['method']:<28}{row['tokens_per_s']:>8.1f}{row['speedup']:>8.2f}x"
+            f"{row['tau']:>6.2f}{predicted:>6}{peak:>9}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target, tokenizer = load_target(args.target, args.device)
+    drafters = {"ngram": load_drafter(None, target, kind="ngram")}
+    folders = {"draft_lm": args.draft_lm, "eagle3": args.eagle3, "medusa": args.medusa}
+    for kind, folder in folders.items():
+        if folder:
+            drafters[kind] = load_drafter(folder, target, kind=kind)
+    overlaps = {
+        "draftsmith draft LM": held_out_overlap(args.draft_lm),
+        "draftsmith EAGLE-3 tree": held_out_overlap(args.eagle3),
+        "draftsmith Medusa tree": held_out_overlap(args.medusa),
+    }
+    prompts = [
+        encode_prompt(tokenizer, p) for p in load_eval_prompts(args.prompts, args.num_prompts)
+    ]
+    meter = PeakMemory(torch.device(args.device))
+    report: dict = {
+        "target": args.target,
+        "num_prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "num_draft_tokens": args.num_draft_tokens,
+        "by_temperature": {},
+    }
+    plots = Path(args.plots)
+    for temperature in args.temperatures:
+        settings = EvalSettings(
+            num_draft_tokens=args.num_draft_tokens,
+            max_new_tokens=args.max_new_tokens,
+            temperature=temperature,
+        )
+        peaks: dict[str, float] = {}
+        methods = build_methods(args, target, drafters, settings, meter, peaks)
+        results = measure_side_by_side(target, methods, prompts)
+        rows = summarise(results, peaks, overlaps)
+        report["by_temperature"][f"{temperature:g}"] = rows
+        print(format_rows(rows, temperature), flush=True)
+        suffix = f"t{temperature:g}"
+        plot_acceptance_by_position(
+            {r["method"]: r["alpha_per_position"] for r in rows if r["alpha_per_position"]},
+            plots / f"acceptance_{suffix}.png",
+            f"Acceptance by position (temperature {temperature:g})",
+        )
+        plot_speedups(
+            {r["method"]: r["speedup"] for r in rows},
+            plots / f"speedup_{suffix}.png",
+            f"Speedup per method (temperature {temperature:g})",
+        )
+    if args.sweep:
+        report["sweep"] = sweep_draft_length(args, target, drafters, prompts)
+        plot_speedup_against_draft_length(report["sweep"], plots / "speedup_vs_draft_length.png")
+    path = Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2))
+    print(f"wrote {path} and plots under {plots}")
+    return report
+
+
+def sweep_draft_length(args, target, drafters, prompts) -> dict[str, dict[int, float]]:
+    """Speedup against num_draft_tokens at temperature 0 for each draftsmith drafter."""
+    tree = TreeSpec(top_k=args.tree_top_k, total_tokens=args.tree_total_tokens)
+    curves: dict[str, dict[int, float]] = {}
+    for length in args.sweep:
+        settings = EvalSettings(num_draft_tokens=length, max_new_tokens=args.max_new_tokens)
+        methods: dict[str, Method] = {"plain": plain_method(target, settings)}
+        for kind, drafter in drafters.items():
+            shaped = settings
+            if kind in ("eagle3", "medusa"):
+                shaped = EvalSettings(**{**settings.__dict__, "tree": tree})
+            methods[kind] = speculative_method(target, drafter, shaped)
+        results = measure_side_by_side(target, methods, prompts[: max(2, len(prompts) // 2)])
+        plain = results.pop("plain").tokens_per_s
+        for kind, result in results.items():
+            curves.setdefault(kind, {})[length] = result.tokens_per_s / plain
+        print(
+            f"N={length}: " + ", ".join(f"{k} {v[length]:.2f}x" for k, v in curves.items()),
+            flush=True,
+        )
+    return curves
+
+
+if __name__ == "__main__":
+    main()
