@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -93,6 +94,14 @@ class Objective(ABC):
         if self._accelerator is None:
             return torch.device("cpu")
         return self._accelerator.device
+
+    def prepare(self, train_rows: Sequence[dict[str, Any]]) -> None:
+        """Look at the training rows once before the first step; does nothing by default.
+
+        ``train.distill`` calls it after building the objective (EAGLE-3 chooses its pruned
+        draft vocabulary from the label frequencies here).
+        """
+        del train_rows  # nothing to learn from the data before training by default
 
     def state_dict(self) -> dict[str, Any]:
         """Objective-owned state to checkpoint besides the model (e.g. generator states)."""
