@@ -110,7 +110,8 @@ class SpeculativeDecoder:
             pending = round_fn(target, pending, run, sampling, generator)
 
         stats.total_seconds = _clock(self.device) - start
-        return GenerateOutput(sequences=run.sequences(input_ids), stats=stats)
+        stats.tokens_emitted = int(run.count.sum())
+        return GenerateOutput(sequences=run.sequences(input_ids), stats=stats.fold())
 
     def _chain_round(
         self,
@@ -281,7 +282,6 @@ class _Run:
         target_column = torch.where(written, self.count[:, None] + columns, self.spare)
         self.tokens.scatter_(1, target_column, new_tokens)
         self.count += num_new
-        self.stats.tokens_emitted += int(num_new.sum())
         if self.streamer is not None:
             rows = [row[:n] for row, n in zip(new_tokens.tolist(), num_new.tolist(), strict=True)]
             if self.streamer(rows) is False:

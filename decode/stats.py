@@ -28,6 +28,7 @@ class DecodeStats:
     verify_seconds: float = 0.0
     total_seconds: float = 0.0
     draft_positions: int = 0  # sum over passes of the number of drafted positions
+    _pending_histograms: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def record_round(
         self,
@@ -35,15 +36,30 @@ class DecodeStats:
         num_drafted: int,
         active: torch.Tensor,  # [B] bool: rows still generating before this round
     ) -> None:
-        """Add one verification pass: for each active row, positions 1..a accepted."""
-        accepted = num_accepted[active]
-        self._grow(num_drafted)
-        self.rounds += int(active.sum())
+        """Add one verification pass: for each active row, positions 1..a accepted.
+
+        Counts stay on the device as a histogram of accepted lengths per round width (no
+        host sync per round); ``fold`` turns them into the per-position lists.
+        """
         self.target_forward_passes += 1
         self.draft_positions += num_drafted
-        for j in range(num_drafted):
-            self.reached_per_position[j] += int((accepted >= j).sum())
-            self.accepted_per_position[j] += int((accepted >= j + 1).sum())
+        histogram = torch.bincount(num_accepted[active], minlength=num_drafted + 1)
+        pending = self._pending_histograms.get(num_drafted)
+        self._pending_histograms[num_drafted] = (
+            histogram if pending is None else pending + histogram
+        )
+
+    def fold(self) -> DecodeStats:
+        """Move the device-side histograms into the per-position counters; returns self."""
+        for width, histogram in self._pending_histograms.items():
+            counts = histogram.tolist()  # counts[a]: rows that accepted exactly a drafts
+            self._grow(width)
+            self.rounds += sum(counts)
+            for j in range(width):
+                self.reached_per_position[j] += sum(counts[j:])
+                self.accepted_per_position[j] += sum(counts[j + 1 :])
+        self._pending_histograms = {}
+        return self
 
     def _grow(self, length: int) -> None:
         missing = length - len(self.reached_per_position)
@@ -77,6 +93,8 @@ class DecodeStats:
         return self.tokens_emitted / self.total_seconds if self.total_seconds else 0.0
 
     def merge(self, other: DecodeStats) -> DecodeStats:
+        self.fold()
+        other.fold()
         merged = DecodeStats()
         merged._grow(max(len(self.reached_per_position), len(other.reached_per_position)))
         for stats in (self, other):
@@ -99,7 +117,8 @@ class DecodeStats:
         return merged
 
     def to_dict(self) -> dict[str, object]:
-        data = asdict(self)
+        self.fold()
+        data = {k: v for k, v in asdict(self).items() if not k.startswith("_")}
         data.update(
             tau=self.tau,
             predicted_tau=self.predicted_tau,
