@@ -17,23 +17,7 @@ def tiny_llama(
     """A 2-layer Llama with random weights; float64 so argmax ties cannot flip between paths."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(dtype).eval()
-    _sharpen(model, seed)
-    return model
+    return _tiny(LlamaConfig, LlamaForCausalLM, vocab_size, hidden_size, num_layers, seed, dtype)
 
 
 def tiny_qwen2(
@@ -46,7 +30,11 @@ def tiny_qwen2(
     """A 2-layer Qwen2 (attention biases, a second architecture) with random weights."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(
+    return _tiny(Qwen2Config, Qwen2ForCausalLM, vocab_size, hidden_size, num_layers, seed, dtype)
+
+
+def _tiny(config_class, model_class, vocab_size, hidden_size, num_layers, seed, dtype):
+    config = config_class(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
@@ -60,7 +48,7 @@ def tiny_qwen2(
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).to(dtype).eval()
+    model = model_class(config).to(dtype).eval()
     _sharpen(model, seed)
     return model
 
