@@ -20,6 +20,7 @@ Every model this project trains (the demo target, every drafter kind) goes throu
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -257,7 +258,7 @@ def make_accelerator(
     kwargs: dict[str, Any] = {}
     if cpu is not None:
         kwargs["cpu"] = cpu
-    return Accelerator(
+    accelerator = Accelerator(
         gradient_accumulation_steps=gradient_accumulation_steps,
         mixed_precision=mixed_precision,
         step_scheduler_with_optimizer=False,
@@ -265,6 +266,16 @@ def make_accelerator(
         project_dir=str(project_dir) if project_dir is not None else None,
         **kwargs,
     )
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > accelerator.num_processes:
+        # Measured: `accelerate launch` with a CPU config but without ACCELERATE_USE_CPU=true
+        # starts N processes that each believe they are alone and overwrite each other's files.
+        raise RuntimeError(
+            f"{launched} processes were launched but this one sees a world of "
+            f"{accelerator.num_processes}: they formed no process group. On CPU launch with "
+            "ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes N ..."
+        )
+    return accelerator
 
 
 def build_optimizer(module: torch.nn.Module, config: LoopConfig) -> torch.optim.AdamW:

@@ -1,0 +1,371 @@
+"""Typed configuration of ``train/distill.py``: one default per field, YAML recipes, flags.
+
+Seven sections, one dataclass each: target, drafter, data, loss, optim, logging, output. Field
+names are unique across sections, so every field is also a command-line flag of the same name
+(``--learning_rate 3e-4``). A recipe YAML groups them by section::
+
+    target:
+      target: demo
+    loss:
+      loss: tv
+      loss_temperature: 1.0
+
+``--config recipe.yaml`` sets values, flags override them, and an unknown section or key is
+an error that lists the valid ones (parsed with ``transformers.HfArgumentParser``). The
+defaults are the demo recipe (``configs/demo.yaml``): ``python train/distill.py`` with no
+argument distils a one-layer draft LM from the demo target on the embedded corpus.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DEMO_TARGET_PRESETS = ("demo", "bench", "tiny")
+TARGET_OUTPUTS = ("online", "cache")
+DATA_FORMATS = ("auto", "text", "conversations", "prompt_response")
+EVAL_SOURCES = ("target_samples", "data")
+DRAFTER_INITS = ("random", "embeddings", "target_layers")
+REPORTERS = ("wandb", "tensorboard", "none")
+MIXED_PRECISION = ("no", "bf16", "fp16")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _f(default: Any, help: str, **kwargs: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kwargs})
+
+
+@dataclass
+class TargetConfig:
+    """The frozen model the drafter imitates."""
+
+    target: str = _f(
+        "demo",
+        "a demo-target preset (demo, bench, tiny: taken from the user cache, built if missing), "
+        "a local model folder, or a hub id; write ./demo for a local folder named demo",
+    )
+    target_dtype: str = _f("float32", f"dtype the target runs in: {', '.join(DTYPES)}")
+    trust_remote_code: bool = _f(False, "allow custom modelling code of a hub target")
+
+
+@dataclass
+class DrafterConfig:
+    """The drafter: its kind (registry key) and architecture."""
+
+    drafter_kind: str = _f("draft_lm", "registry key of the drafter/objective kind")
+    drafter_path: str | None = _f(
+        None, "initialise from this causal-LM folder instead of building from the target config"
+    )
+    drafter_num_layers: int = _f(1, "layers of a draft LM built from the target's config")
+    drafter_hidden_size: int | None = _f(None, "hidden size (default: the target's)")
+    drafter_intermediate_size: int | None = _f(None, "MLP size (default: the target's)")
+    drafter_num_heads: int | None = _f(None, "attention heads (default: the target's)")
+    drafter_init: str = _f(
+        "embeddings",
+        "random; embeddings (copy the target's embeddings, final norm and LM head); "
+        "target_layers (also copy its first drafter_num_layers layers)",
+    )
+    freeze_embeddings: bool = _f(False, "keep copied input embeddings and LM head frozen")
+    lora_rank: int = _f(0, "LoRA rank through peft (0 = train every parameter); merged on export")
+    lora_alpha: float = _f(16.0, "LoRA scaling numerator")
+    lora_dropout: float = _f(0.0, "LoRA dropout")
+    lora_target_modules: str = _f("all-linear", "peft target_modules (comma list or all-linear)")
+    draft_vocab_size: int | None = _f(
+        None, "eagle3: keep the N most frequent training tokens in the head (default: all)"
+    )
+    aux_hidden_state_layer_ids: list[int] | None = field(
+        default=None,
+        metadata={"help": "eagle3: target hidden-state ids fused by the head (default 2,L//2,L-3)"},
+    )
+    medusa_num_heads: int = _f(4, "medusa: heads, head i guessing the token i+2 ahead")
+    medusa_num_layers: int = _f(1, "medusa: residual blocks per head")
+
+
+@dataclass
+class DataConfig:
+    """What the drafter trains on, and where the target's distributions come from."""
+
+    dataset: str = _f(
+        "stdlib",
+        "stdlib (the embedded corpus), a .jsonl/.json file (e.g. from "
+        "scripts/regenerate_data.py), a text file or folder of them, or a datasets name",
+    )
+    data_format: str = _f("auto", f"how rows are read: {', '.join(DATA_FORMATS)}")
+    text_field: str = _f("text", "JSONL field holding text")
+    messages_field: str = _f("messages", "JSONL field holding a conversation")
+    block_size: int = _f(256, "tokens per training sequence")
+    max_files: int | None = _f(None, "stdlib only: cap on corpus files (tests, quick runs)")
+    max_train_sequences: int | None = _f(None, "cap on training sequences after packing")
+    validation_fraction: float = _f(0.02, "held-out share of user data (stdlib: fixed split)")
+    target_outputs: str = _f(
+        "online",
+        "online: the target scores every batch; cache: score once into a top-k cache first",
+    )
+    cache_dir: str | None = _f(None, "offline cache folder (default: <output_dir>/target_cache)")
+    cache_top_k: int = _f(32, "log-probs kept per token in the offline cache")
+    on_policy_fraction: float = _f(
+        0.0, "share of batches continued by the drafter itself, then scored by the target"
+    )
+    on_policy_prompt_tokens: int = _f(32, "tokens of each sequence kept as the prompt")
+    on_policy_temperature: float = _f(1.0, "temperature the drafter samples at on-policy")
+    eval_source: str = _f(
+        "target_samples",
+        "held-out sequences: target_samples (held-out prompts continued by the target, where "
+        "acceptance is measured) or data (held-out text as is)",
+    )
+    eval_sequences: int = _f(32, "held-out sequences")
+    eval_prompt_tokens: int = _f(32, "prompt tokens of each held-out sequence")
+    eval_new_tokens: int = _f(96, "tokens the target samples after each held-out prompt")
+
+
+@dataclass
+class LossConfig:
+    """The distillation objective (train.losses)."""
+
+    loss: str = _f("tv", "loss spec: tv, fkl, rkl, jsd:0.5, ce, or a mix like 0.5*fkl+0.5*tv")
+    loss_temperature: float = _f(1.0, "temperature both distributions are taken at in the loss")
+    eval_temperature: float = _f(1.0, "decoding temperature the held-out overlap is measured at")
+    unroll_steps: int = _f(4, "eagle3: training-time-test steps (draft positions trained)")
+    position_weights: list[float] | None = field(
+        default=None,
+        metadata={"help": "eagle3/medusa: loss weight per draft position (default decay^(j-1))"},
+    )
+    position_weight_decay: float = _f(0.8, "eagle3/medusa: geometric per-position weight")
+
+
+@dataclass
+class OptimConfig:
+    """Optimisation (train.loop.LoopConfig)."""
+
+    learning_rate: float = _f(1e-3, "peak AdamW learning rate")
+    weight_decay: float = _f(0.0, "AdamW weight decay on matrices")
+    adam_beta1: float = _f(0.9, "AdamW beta1")
+    adam_beta2: float = _f(0.95, "AdamW beta2")
+    warmup_steps: int = _f(20, "linear warmup steps")
+    lr_scheduler: str = _f("cosine", "cosine, linear or constant after warmup")
+    min_lr_ratio: float = _f(0.1, "final learning rate / peak")
+    max_grad_norm: float = _f(1.0, "gradient clipping norm (0 disables)")
+    max_steps: int = _f(400, "optimizer steps")
+    max_minutes: float | None = _f(None, "wall-clock budget; stops cleanly and checkpoints")
+    per_device_batch_size: int = _f(8, "sequences per process per micro-batch")
+    gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step")
+    mixed_precision: str = _f("no", f"accelerate mixed precision: {', '.join(MIXED_PRECISION)}")
+    seed: int = _f(0, "seed of initialisation, data order and sampling")
+
+
+@dataclass
+class LoggingConfig:
+    """Tracking, progress and evaluation cadence."""
+
+    report_to: str = _f(
+        "wandb",
+        "wandb (offline by itself without API key or network), tensorboard, none, or a comma list",
+    )
+    project: str = _f("draftsmith", "tracker project name")
+    run_name: str | None = _f(None, "run name (default: the output folder's name)")
+    log_every: int = _f(10, "steps between logged training metrics")
+    eval_every: int = _f(100, "steps between held-out evaluations (0: only at the end)")
+    progress_bar: bool = _f(True, "tqdm progress bar on the main process")
+
+
+@dataclass
+class OutputConfig:
+    """Checkpoints and the exported drafter."""
+
+    output_dir: str = _f("outputs/distill-demo", "run folder: checkpoints, logs, drafter/")
+    checkpoint_every: int = _f(100, "steps between checkpoints (0: only at the end)")
+    keep_checkpoints: int = _f(2, "checkpoints kept (the newest)")
+    resume_from_checkpoint: str | None = _f(None, "latest or a checkpoint-<step> folder")
+    overwrite_output_dir: bool = _f(False, "start afresh in an output_dir that has checkpoints")
+    push_to_hub: str | None = _f(None, "hub repo id to upload the exported drafter to")
+    export_format: str | None = _f(
+        None, "eagle3/medusa: also write vllm and/or sglang layouts (comma list) in drafter/<fmt>/"
+    )
+
+
+SECTIONS: dict[str, type] = {
+    "target": TargetConfig,
+    "drafter": DrafterConfig,
+    "data": DataConfig,
+    "loss": LossConfig,
+    "optim": OptimConfig,
+    "logging": LoggingConfig,
+    "output": OutputConfig,
+}
+
+
+@dataclass
+class DistillConfig:
+    """All sections of one run."""
+
+    target: TargetConfig = field(default_factory=TargetConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    config_file: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Section -> field -> value (what provenance.json and the trackers record)."""
+        out: dict[str, Any] = {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+        out["config_file"] = self.config_file
+        return out
+
+    def flat(self) -> dict[str, Any]:
+        """Field -> value over all sections."""
+        return {
+            k: v for name in SECTIONS for k, v in dataclasses.asdict(getattr(self, name)).items()
+        }
+
+    def validate(self) -> None:
+        """Check values that do not need any file or model; raise naming the fix."""
+        checks = [
+            (self.target.target_dtype, DTYPES, "target_dtype"),
+            (self.drafter.drafter_init, DRAFTER_INITS, "drafter_init"),
+            (self.data.data_format, DATA_FORMATS, "data_format"),
+            (self.data.target_outputs, TARGET_OUTPUTS, "target_outputs"),
+            (self.data.eval_source, EVAL_SOURCES, "eval_source"),
+            (self.optim.mixed_precision, MIXED_PRECISION, "mixed_precision"),
+        ]
+        for value, allowed, name in checks:
+            if value not in allowed:
+                raise ValueError(
+                    f"--{name} {value!r} is not valid; choose one of {', '.join(allowed)}"
+                )
+        for reporter in self.logging_reporters():
+            if reporter not in REPORTERS:
+                raise ValueError(
+                    f"--report_to {self.logging.report_to!r}: unknown tracker {reporter!r}; use "
+                    f"{', '.join(REPORTERS)} or a comma list of them"
+                )
+        if not 0.0 <= self.data.on_policy_fraction <= 1.0:
+            raise ValueError(
+                f"--on_policy_fraction must lie in [0, 1], got {self.data.on_policy_fraction}"
+            )
+        if self.data.on_policy_fraction > 0 and (
+            self.data.on_policy_prompt_tokens < 1
+            or self.data.on_policy_prompt_tokens >= self.data.block_size
+        ):
+            raise ValueError(
+                f"--on_policy_prompt_tokens must lie in [1, block_size={self.data.block_size}), "
+                f"got {self.data.on_policy_prompt_tokens}"
+            )
+        if not 0.0 < self.data.validation_fraction < 1.0:
+            raise ValueError(
+                f"--validation_fraction must lie in (0, 1), got {self.data.validation_fraction}"
+            )
+        positive = {
+            "block_size": self.data.block_size,
+            "cache_top_k": self.data.cache_top_k,
+            "eval_sequences": self.data.eval_sequences,
+            "eval_prompt_tokens": self.data.eval_prompt_tokens,
+            "eval_new_tokens": self.data.eval_new_tokens,
+            "per_device_batch_size": self.optim.per_device_batch_size,
+            "gradient_accumulation_steps": self.optim.gradient_accumulation_steps,
+            "keep_checkpoints": self.output.keep_checkpoints,
+            "drafter_num_layers": self.drafter.drafter_num_layers,
+            "unroll_steps": self.loss.unroll_steps,
+            "medusa_num_heads": self.drafter.medusa_num_heads,
+            "medusa_num_layers": self.drafter.medusa_num_layers,
+        }
+        for name, value in positive.items():
+            if value < 1:
+                raise ValueError(f"--{name} must be >= 1, got {value}")
+        if self.loss.loss_temperature <= 0:
+            raise ValueError(f"--loss_temperature must be > 0, got {self.loss.loss_temperature}")
+        if self.loss.eval_temperature < 0:
+            raise ValueError(f"--eval_temperature must be >= 0, got {self.loss.eval_temperature}")
+        if self.drafter.lora_rank < 0:
+            raise ValueError(
+                f"--lora_rank must be >= 0 (0 disables LoRA), got {self.drafter.lora_rank}"
+            )
+
+    def logging_reporters(self) -> list[str]:
+        return [part.strip() for part in self.logging.report_to.split(",") if part.strip()]
+
+
+def make_parser() -> Any:
+    """The ``HfArgumentParser`` over all sections, plus ``--config``."""
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser(tuple(SECTIONS.values()))
+    parser.add_argument("--config", default=None, help="recipe YAML; flags override its values")
+    return parser
+
+
+def read_recipe(path: str | Path) -> dict[str, Any]:
+    """Flatten a sectioned recipe YAML into field -> value, checking every key."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"--config {path}: no such file; pass a recipe YAML such as configs/demo.yaml"
+        )
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a recipe is a mapping of sections ({', '.join(SECTIONS)})")
+    flat: dict[str, Any] = {}
+    for section, values in data.items():
+        if section not in SECTIONS:
+            raise ValueError(
+                f"{path}: unknown section {section!r}; valid sections: {', '.join(SECTIONS)}"
+            )
+        if values is None:
+            continue
+        if not isinstance(values, dict):
+            raise ValueError(f"{path}: section {section!r} must be a mapping of field: value")
+        valid = [f.name for f in dataclasses.fields(SECTIONS[section])]
+        for key, value in values.items():
+            if key not in valid:
+                home = _section_of(key)
+                hint = f" (it belongs in section {home!r})" if home else ""
+                raise ValueError(
+                    f"{path}: unknown key {key!r} in section {section!r}{hint}; valid keys: "
+                    f"{', '.join(valid)}"
+                )
+            flat[key] = value
+    return flat
+
+
+def parse_config(argv: list[str] | None = None) -> DistillConfig:
+    """``--config recipe.yaml`` then flags; unknown keys or flags raise ``ValueError``."""
+    parser = make_parser()
+    args = list(argv) if argv is not None else []
+    config_file = _pop_config_flag(args)
+    if config_file is not None:
+        parser.set_defaults(**read_recipe(config_file))
+    try:
+        parsed = parser.parse_args_into_dataclasses(args=args, look_for_args_file=False)
+    except ValueError as error:
+        valid = sorted(f.name for cls in SECTIONS.values() for f in dataclasses.fields(cls))
+        raise ValueError(f"{error}; valid flags: --{', --'.join(valid)}") from error
+    sections = dict(zip(SECTIONS, parsed[: len(SECTIONS)], strict=True))
+    config = DistillConfig(**sections, config_file=config_file)
+    config.validate()
+    return config
+
+
+def _pop_config_flag(args: list[str]) -> str | None:
+    for i, arg in enumerate(args):
+        if arg == "--config":
+            if i + 1 >= len(args):
+                raise ValueError("--config needs a path to a recipe YAML")
+            value = args[i + 1]
+            del args[i : i + 2]
+            return value
+        if arg.startswith("--config="):
+            del args[i]
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _section_of(key: str) -> str | None:
+    for name, cls in SECTIONS.items():
+        if key in {f.name for f in dataclasses.fields(cls)}:
+            return name
+    return None

@@ -1,0 +1,229 @@
+"""Export a trained drafter as the folder ``decode`` loads, with a model card and provenance.
+
+Layout (docs/interfaces.md, "The drafter folder"): the kind-specific files written by the
+objective (for ``draft_lm`` a normal Hugging Face causal-LM folder with its tokenizer, LoRA
+merged) and ``drafter.json``, plus ``README.md`` (target, data, loss, held-out acceptance per
+position) and ``provenance.json`` (resolved config, git revision, package versions). The folder
+is assembled under a temporary name and renamed into place.
+
+``push_to_hub`` uploads an exported folder with ``huggingface_hub``; it is called only after the
+local export, and fails fast with a message naming the saved folder when the hub is offline or
+unreachable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import subprocess
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+PACKAGES = (
+    "draftsmith",
+    "torch",
+    "transformers",
+    "accelerate",
+    "peft",
+    "datasets",
+    "tokenizers",
+    "safetensors",
+    "huggingface_hub",
+    "wandb",
+)
+
+
+class HubUploadError(RuntimeError):
+    """The drafter was saved locally but could not be uploaded."""
+
+
+def export_drafter(
+    objective: Any,
+    folder: Path,
+    tokenizer: Any,
+    resolved_config: dict[str, Any],
+    summary: dict[str, Any],
+) -> Path:
+    """Write the drafter folder atomically and return it.
+
+    ``summary`` carries the facts for the card: ``target``, ``data``, ``loss``, ``steps``,
+    ``tokens_seen``, ``held_out`` (metric -> value, e.g. ``overlap@1``), ``eval_temperature``,
+    and optionally ``cache`` (offline cache statistics).
+    """
+    folder = Path(folder)
+    temp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
+    shutil.rmtree(temp, ignore_errors=True)
+    temp.mkdir(parents=True)
+    try:
+        objective.save_drafter(temp, tokenizer)
+        provenance = build_provenance(resolved_config)
+        (temp / "provenance.json").write_text(json.dumps(provenance, indent=2) + "\n")
+        card = model_card(objective.kind, summary, describe(objective), provenance)
+        (temp / "README.md").write_text(card)
+        old = folder.parent / f".{folder.name}.old-{os.getpid()}"
+        if folder.exists():
+            os.replace(folder, old)
+        os.replace(temp, folder)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    return folder
+
+
+def describe(objective: Any) -> dict[str, Any]:
+    return objective.describe() if hasattr(objective, "describe") else {}
+
+
+def build_provenance(resolved_config: dict[str, Any]) -> dict[str, Any]:
+    """Resolved config, git revision of the code, package versions, platform, time."""
+    return {
+        "config": resolved_config,
+        "git": git_revision(),
+        "packages": package_versions(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def git_revision(start: Path | None = None) -> dict[str, Any] | None:
+    """``{"commit", "dirty"}`` of the checkout holding this package, or None outside git."""
+    root = start or Path(__file__).resolve().parents[1]
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
+        )
+        if commit.returncode != 0:
+            return None
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {"commit": commit.stdout.strip(), "dirty": bool(status.stdout.strip())}
+
+
+def package_versions() -> dict[str, str | None]:
+    versions: dict[str, str | None] = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def model_card(
+    kind: str, summary: dict[str, Any], architecture: dict[str, Any], provenance: dict[str, Any]
+) -> str:
+    """The README.md of a drafter folder."""
+    held_out = summary.get("held_out", {})
+    positions = sorted(
+        (key for key in held_out if key.startswith("overlap@")), key=lambda k: int(k.split("@")[1])
+    )
+    rows = "\n".join(
+        f"| {key.split('@')[1]} | {held_out[key]:.4f} | "
+        f"{held_out.get(key.replace('overlap', 'greedy_match'), float('nan')):.4f} |"
+        for key in positions
+    )
+    other = {k: v for k, v in held_out.items() if "@" not in k}
+    git = provenance.get("git") or {}
+    lines = [
+        "---",
+        "library_name: transformers" if kind == "draft_lm" else "library_name: draftsmith",
+        "tags:",
+        "  - speculative-decoding",
+        f"  - {kind}",
+        "  - draftsmith",
+        "---",
+        "",
+        f"# {kind} drafter for `{summary.get('target', '?')}`",
+        "",
+        "A speculative-decoding drafter trained with draftsmith against a frozen target. "
+        "Speculative sampling keeps the output distribution exactly the target's; the drafter "
+        "only decides the speed.",
+        "",
+        "## Training",
+        "",
+        f"- target: `{summary.get('target', '?')}`",
+        f"- data: {summary.get('data', '?')}",
+        f"- target outputs: {summary.get('target_outputs', 'online')}",
+        f"- on-policy fraction: {summary.get('on_policy_fraction', 0.0)}",
+        f"- loss: `{summary.get('loss', '?')}` at temperature {summary.get('loss_temperature', 1.0)}",
+        f"- steps: {summary.get('steps', '?')}, tokens seen: {summary.get('tokens_seen', '?')}",
+        f"- architecture: {json.dumps(architecture)}",
+    ]
+    cache = summary.get("cache")
+    if cache:
+        lines.append(
+            f"- offline cache: top-{cache['k']}, {cache['bytes_per_token']:.1f} bytes/token "
+            f"vs {cache['full_fp16_bytes_per_token']} for full fp16 logits"
+        )
+    lines += [
+        "",
+        "## Held-out acceptance",
+        "",
+        f"Measured on {summary.get('eval_description', 'held-out sequences')}. `overlap` is the "
+        "mean of sum_x min(p(x), q(x)) at decoding temperature "
+        f"{summary.get('eval_temperature', 1.0)}: the probability that speculative sampling "
+        "accepts the draft token at that position (Leviathan et al. 2023). `greedy match` is "
+        "the same at temperature 0 (argmax agreement).",
+        "",
+        "| draft position | overlap | greedy match |",
+        "|---|---|---|",
+        rows or "| - | - | - |",
+        "",
+    ]
+    if other:
+        lines += ["Other held-out metrics: " + ", ".join(f"{k} {v:.4f}" for k, v in other.items())]
+        lines.append("")
+    lines += [
+        "## Use",
+        "",
+        "```python",
+        "from decode.drafters import load_drafter",
+        "drafter = load_drafter(path, target)",
+        "```",
+        "",
+        "## Provenance",
+        "",
+        f"- git commit: `{git.get('commit', 'unknown')}`"
+        + (" (uncommitted changes)" if git.get("dirty") else ""),
+        "- packages: "
+        + ", ".join(f"{k} {v}" for k, v in provenance.get("packages", {}).items() if v),
+        "- the resolved training config is in `provenance.json`.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def push_to_hub(folder: Path, repo_id: str, private: bool = True) -> str:
+    """Upload ``folder`` to ``repo_id``; raise ``HubUploadError`` fast when offline."""
+    from huggingface_hub import HfApi
+
+    folder = Path(folder)
+    hint = f"the drafter is saved at {folder}; upload it later with `hf upload {repo_id} {folder}`"
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        raise HubUploadError(
+            f"--push_to_hub {repo_id}: HF_HUB_OFFLINE is set, so nothing was uploaded; {hint} "
+            "(unset HF_HUB_OFFLINE and log in with `hf auth login` first)"
+        )
+    api = HfApi()
+    try:
+        # create_repo fails in well under a second without network, while upload_folder
+        # would retry for tens of seconds (FACTS.md): probe with it first.
+        api.create_repo(repo_id, exist_ok=True, private=private)
+        info = api.upload_folder(repo_id=repo_id, folder_path=str(folder))
+    except Exception as error:  # httpx, requests and hub errors share no base class
+        raise HubUploadError(
+            f"--push_to_hub {repo_id} failed ({type(error).__name__}: {error}); {hint}"
+        ) from error
+    return str(getattr(info, "commit_url", repo_id))
