@@ -1,0 +1,104 @@
+"""Serve a target with a trained drafter behind OpenAI's API.
+
+    python decode/serve.py --target PATH --drafter PATH [--drafter-kind KIND]
+        [--host 127.0.0.1] [--port 8000] [--num-draft-tokens 4] [--api-key KEY]
+    python decode/serve.py --target PATH --drafter-kind ngram      # prompt lookup, no weights
+
+Then any OpenAI client works against ``http://127.0.0.1:8000/v1`` (completions, chat
+completions through the tokenizer's chat template, ``stream: true``); ``GET /metrics`` gives
+Prometheus totals (tau, acceptance per position) and ``GET /health`` liveness. Binds loopback
+unless ``--host`` says otherwise; ``--api-key`` (or ``$DRAFTSMITH_API_KEY``) requires a bearer
+key; ``--trust-remote-code`` is off by default; weights load from safetensors only. All flags:
+``--help``; the routes and limits: decode/serving/app.py.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from decode.serving.app import OpenAIServer
+    from decode.serving.config import ServeConfig
+
+logger = logging.getLogger("draftsmith.serve")
+
+
+def build_server(config: ServeConfig) -> OpenAIServer:
+    """Load the models named by a ``ServeConfig`` and wrap them in an ``OpenAIServer``."""
+    from decode.serving.app import OpenAIServer, ServingLimits
+    from decode.serving.loading import load_components
+
+    target, tokenizer, drafter = load_components(config)
+    context = config.max_context_length or getattr(target.config, "max_position_embeddings", None)
+    if context is None:
+        raise ValueError(
+            "the target's config has no max_position_embeddings: pass --max-context-length"
+        )
+    limits = ServingLimits(
+        max_tokens_limit=config.max_tokens_limit,
+        max_context_length=int(context),
+        default_max_tokens=config.default_max_tokens,
+        max_request_bytes=config.max_request_bytes,
+    )
+    return OpenAIServer(
+        target,
+        tokenizer,
+        drafter,
+        model_name=config.served_model_name or Path(config.target).resolve().name,
+        num_draft_tokens=config.num_draft_tokens,
+        limits=limits,
+        api_key=config.api_key,
+        max_batch_size=config.max_batch_size,
+        max_queue=config.max_queue,
+        seed=config.seed,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    import uvicorn
+
+    from decode.serving.config import parse_serve_args
+
+    config = parse_serve_args(argv)
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s"
+    )
+    if not _is_loopback(config.host) and config.api_key is None:
+        logger.warning(
+            "binding %s without an API key: anyone who can reach this port can use the model "
+            "(pass --api-key or set $DRAFTSMITH_API_KEY)",
+            config.host,
+        )
+    server = build_server(config)
+    logger.info(
+        "serving %s with a %s drafter (%d draft tokens) on http://%s:%d/v1",
+        server.model_name,
+        server.drafter_kind,
+        server.num_draft_tokens,
+        config.host,
+        config.port,
+    )
+    uvicorn.run(
+        server.app(),
+        host=config.host,
+        port=config.port,
+        log_level=config.log_level,
+        timeout_graceful_shutdown=10,
+    )
+    return 0
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,13 @@
+"""The OpenAI-compatible server behind ``decode/serve.py``, one module per job.
+
+- ``config``: the typed ``ServeConfig`` and its command line (``--config`` YAML, then flags);
+- ``protocol``: request bodies as strict pydantic models, OpenAI's error schema;
+- ``text``: generated token ids -> text deltas, ``stop`` strings, EOS;
+- ``scheduler``: the bounded queue and the one worker thread that batches compatible requests
+  into ``SpeculativeDecoder.generate`` calls;
+- ``metrics``: counters and their Prometheus text exposition;
+- ``app``: the FastAPI routes (completions, chat, models, health, metrics);
+- ``loading``: target, tokenizer and drafter from folders (safetensors only).
+
+Nothing here is imported by ``decode`` itself: inference never needs the web stack.
+"""

@@ -1,0 +1,126 @@
+"""Typed configuration of the server: one default per field, a YAML file, then flags.
+
+``--config serve.yaml`` (a flat mapping of field: value) sets values and command-line flags
+override them; unknown keys are errors that list the valid ones. Every field is a flag with
+dashes or underscores (``--num-draft-tokens 4`` or ``--num_draft_tokens 4``), parsed with
+``transformers.HfArgumentParser``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
+API_KEY_ENV = "DRAFTSMITH_API_KEY"
+
+
+def _f(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class ServeConfig:
+    """What to serve, where, and the limits every request is checked against."""
+
+    target: str = field(metadata={"help": "target model folder (Hugging Face layout)"})
+    drafter: str | None = _f(None, "drafter folder written by training (not needed for ngram)")
+    drafter_kind: str | None = _f(
+        None, "registry key (draft_lm, ngram, medusa, eagle3); default: read from the folder"
+    )
+    tokenizer: str | None = _f(None, "tokenizer folder (default: the target folder)")
+    served_model_name: str | None = _f(None, "the `model` clients ask for (default: folder name)")
+    host: str = _f("127.0.0.1", "interface to bind; loopback unless you mean to expose it")
+    port: int = _f(8000, "TCP port")
+    api_key: str | None = _f(
+        None, f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV} if set, else none)"
+    )
+    num_draft_tokens: int = _f(4, "tokens drafted per round")
+    trust_remote_code: bool = _f(False, "allow custom modelling code shipped with the target")
+    dtype: str = _f("auto", f"dtype of the target: {', '.join(DTYPES)}")
+    device: str = _f("auto", "cpu, cuda, cuda:1 ... (auto: cuda when available)")
+    num_threads: int | None = _f(
+        None, "torch intra-op CPU threads (default: torch's choice; 1 on a busy machine)"
+    )
+    max_batch_size: int = _f(8, "compatible queued requests decoded together in one call")
+    max_queue: int = _f(64, "requests waiting for the decoder; more are answered 429")
+    max_tokens_limit: int = _f(1024, "largest max_tokens a request may ask for")
+    max_context_length: int | None = _f(
+        None, "prompt + max_tokens limit (default: the target's max_position_embeddings)"
+    )
+    default_max_tokens: int = _f(16, "max_tokens of a completion that gives none (OpenAI: 16)")
+    max_request_bytes: int = _f(1 << 20, "largest request body accepted")
+    seed: int = _f(0, "seed of the generator that draws per-batch seeds of unseeded sampling")
+    log_level: str = _f("info", "uvicorn log level")
+
+    def validate(self) -> None:
+        """Check values that need no model; raise naming the flag and the fix."""
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype {self.dtype!r} is not valid; choose one of {DTYPES}")
+        positive = {
+            "num_draft_tokens": self.num_draft_tokens,
+            "max_batch_size": self.max_batch_size,
+            "max_queue": self.max_queue,
+            "max_tokens_limit": self.max_tokens_limit,
+            "default_max_tokens": self.default_max_tokens,
+            "max_request_bytes": self.max_request_bytes,
+        }
+        for name, value in positive.items():
+            if value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"--num-threads must be >= 1, got {self.num_threads}")
+        if self.max_context_length is not None and self.max_context_length < 2:
+            raise ValueError(f"--max-context-length must be >= 2, got {self.max_context_length}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must lie in [0, 65535], got {self.port}")
+        if self.drafter is None and self.drafter_kind is None:
+            raise ValueError(
+                "no drafter: pass --drafter PATH (a trained drafter folder) or "
+                "--drafter-kind ngram (prompt lookup, no weights)"
+            )
+
+
+def parse_serve_args(argv: list[str] | None = None) -> ServeConfig:
+    """Parse ``--config FILE`` first, then the flags on top of it; fill the API key from env."""
+    from transformers import HfArgumentParser
+
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=None)
+    known, _ = pre.parse_known_args(argv)
+    parser = HfArgumentParser(ServeConfig)
+    parser.add_argument("--config", default=None, help="YAML of field: value; flags override")
+    if known.config is not None:
+        values = read_config_file(known.config)
+        parser.set_defaults(**values)
+        for action in parser._actions:
+            if action.dest in values:
+                action.required = False
+    namespace = parser.parse_args(argv)
+    del namespace.config
+    config = ServeConfig(**vars(namespace))
+    if config.api_key is None:
+        config.api_key = os.environ.get(API_KEY_ENV) or None
+    config.validate()
+    return config
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """A flat YAML mapping of ``ServeConfig`` fields, every key checked."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"--config {path}: no such file")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: the server config is a mapping of field: value")
+    valid = {f.name for f in dataclasses.fields(ServeConfig)}
+    unknown = sorted(set(data) - valid)
+    if unknown:
+        raise ValueError(f"{path}: unknown keys {unknown}; valid keys: {', '.join(sorted(valid))}")
+    return data

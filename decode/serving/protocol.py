@@ -1,0 +1,226 @@
+"""OpenAI's request bodies, checked strictly, and its error schema.
+
+Bodies are parsed by hand (size cap, then JSON, then a strict pydantic model) so that every
+problem, malformed JSON included, is answered as ``{"error": {"message", "type", "param",
+"code"}}`` with a 4xx status, never a crash. Types are strict: ``"0.5"`` is not a number and
+``true`` is not an integer. Parameters the server cannot honour (``n > 1``, penalties,
+``logprobs``, ``echo``, ...) are rejected by name instead of being silently ignored; unknown
+fields are rejected as OpenAI does.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+MAX_STOP_SEQUENCES = 4
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's schema with an HTTP status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(
+    message: str, type: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _GenerationRequest(_Strict):
+    """Fields shared by completions and chat completions."""
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1)  # vLLM's extension; -1 and 0 disable it
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens tokens
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    def stop_strings(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise APIError(
+                400, f"'stop' holds at most {MAX_STOP_SEQUENCES} sequences", param="stop"
+            )
+        if any(stop == "" for stop in stops):
+            raise APIError(400, "'stop' sequences must be non-empty strings", param="stop")
+        return stops
+
+    def check_supported(self) -> None:
+        """Reject parameters this server does not implement, naming each."""
+        if self.n != 1:
+            raise APIError(400, f"only n=1 is supported, got n={self.n}", param="n")
+        if self.presence_penalty != 0.0 or self.frequency_penalty != 0.0:
+            param = "presence_penalty" if self.presence_penalty != 0.0 else "frequency_penalty"
+            raise APIError(400, f"'{param}' is not supported: leave it at 0", param=param)
+        if self.logit_bias:
+            raise APIError(400, "'logit_bias' is not supported", param="logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(
+                400, "'stream_options' is only allowed with stream=true", param="stream_options"
+            )
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise APIError(400, "'seed' must fit in 64 bits", param="seed")
+        self.stop_strings()
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_GenerationRequest):
+    """``POST /v1/completions``: one prompt, as text or token ids."""
+
+    prompt: str | list[int] | list[str]
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.logprobs is not None:
+            raise APIError(400, "'logprobs' is not supported", param="logprobs")
+        if self.echo:
+            raise APIError(400, "'echo' is not supported", param="echo")
+        if self.best_of not in (None, 1):
+            raise APIError(400, "only best_of=1 is supported", param="best_of")
+        if self.suffix is not None:
+            raise APIError(400, "'suffix' is not supported", param="suffix")
+        self.prompt_text_or_ids()
+
+    def prompt_text_or_ids(self) -> str | list[int]:
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise APIError(
+                    400,
+                    f"one prompt per request is supported, got a list of {len(prompt)}: send "
+                    "them as separate requests (they are batched on the server)",
+                    param="prompt",
+                )
+            return prompt[0]
+        return prompt  # type: ignore[return-value]
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def as_template_input(self) -> dict[str, str]:
+        content = self.content
+        text = content if isinstance(content, str) else "".join(part.text for part in content)
+        return {"role": self.role, "content": text}
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    """``POST /v1/chat/completions``: messages rendered by the tokenizer's chat template."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.logprobs or self.top_logprobs is not None:
+            raise APIError(400, "'logprobs' is not supported", param="logprobs")
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise APIError(
+                400,
+                "give either 'max_tokens' or 'max_completion_tokens', not both",
+                param="max_completion_tokens",
+            )
+
+    @property
+    def requested_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+RequestT = TypeVar("RequestT", bound=_GenerationRequest)
+
+
+def parse_body(body: bytes, model: type[RequestT]) -> RequestT:
+    """JSON bytes -> a checked request, or an ``APIError`` naming the parameter at fault."""
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise APIError(
+            400,
+            f"We could not parse the JSON body of your request ({error}). The body must be a "
+            "JSON object.",
+        ) from None
+    if not isinstance(data, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    try:
+        request = model.model_validate(data)
+    except ValidationError as error:
+        raise _validation_error(error) from None
+    request.check_supported()
+    return request
+
+
+def _is_type_tag(part: str) -> bool:
+    return "[" in part or part in {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def _validation_error(error: ValidationError) -> APIError:
+    first = error.errors()[0]
+    location = [str(part) for part in first["loc"]]
+    # Union branches add their type to the location ("prompt.str"): keep the field path only.
+    param = ".".join(part for part in location if not _is_type_tag(part))
+    kind = first["type"]
+    if kind == "missing":
+        return APIError(400, f"Missing required parameter: '{param}'.", param=param)
+    if kind == "extra_forbidden":
+        return APIError(400, f"Unrecognized request argument supplied: {param}", param=param)
+    return APIError(
+        400,
+        f"Invalid value for '{param}': {first['msg']} (got {first.get('input')!r}).",
+        param=param,
+        code="invalid_type" if kind.endswith(("_type", "_parsing")) else "invalid_value",
+    )

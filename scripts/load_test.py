@@ -1,0 +1,279 @@
+"""Load-test a draftsmith server: N concurrent streaming clients for a bounded time.
+
+    python decode/serve.py --target PATH --drafter-kind ngram &          # the server
+    python scripts/load_test.py --clients 16 --duration 60               # this script
+
+Each client sends streaming requests back to back (``stream: true`` with
+``stream_options.include_usage``) until ``--duration`` seconds have passed; requests still
+running then get ``--grace`` seconds to finish and are cut off after that, so the run always
+ends by itself. Printed: requests/s and completion tokens/s over the run, p50/p99 latency
+(request sent -> ``[DONE]``), p50/p99 time to first token (request sent -> first non-empty
+text), and errors (any non-200 answer, an ``error`` event, a stream without ``[DONE]``;
+expected: 0). Exit status 1 when there were errors. Only loopback servers unless
+``--allow-remote``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+from urllib.parse import urlparse
+
+if TYPE_CHECKING:
+    import httpx
+
+PROMPTS = (
+    "import os\n\n\ndef ",
+    "class Config:\n    def __init__(self",
+    "def read_lines(path):\n    with open(path) as f:\n",
+    "import sys\nimport json\n\n\ndef main(argv",
+    "    for key, value in sorted(items.items()):\n",
+    "def _check(name, value):\n    if not isinstance(value, ",
+    "try:\n    import ssl\nexcept ImportError:\n",
+    "    def __repr__(self):\n        return ",
+)
+
+
+@dataclass
+class Result:
+    ok: bool
+    latency_s: float = 0.0
+    ttft_s: float | None = None
+    completion_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class Summary:
+    url: str
+    model: str
+    endpoint: str
+    clients: int
+    duration_s: float
+    elapsed_s: float
+    completed: int
+    errors: int
+    cut_off: int
+    requests_per_s: float
+    tokens_per_s: float
+    latency_p50_s: float
+    latency_p99_s: float
+    ttft_p50_s: float
+    ttft_p99_s: float
+    mean_completion_tokens: float
+    error_examples: list[str] = field(default_factory=list)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="server root URL")
+    parser.add_argument("--model", default=None, help="model name (default: GET /v1/models)")
+    parser.add_argument("--clients", type=int, default=16, help="concurrent clients")
+    parser.add_argument(
+        "--duration", "--seconds", type=float, default=60.0, help="seconds to send requests"
+    )
+    parser.add_argument("--grace", type=float, default=30.0, help="seconds to let the last finish")
+    parser.add_argument("--max-tokens", type=int, default=64, help="max_tokens per request")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--chat", action="store_true", help="use /v1/chat/completions")
+    parser.add_argument(
+        "--api-key", default=os.environ.get("DRAFTSMITH_API_KEY"), help="bearer key, if any"
+    )
+    parser.add_argument("--json", type=Path, default=None, help="also write the summary here")
+    parser.add_argument(
+        "--allow-remote", action="store_true", help="allow a server that is not on loopback"
+    )
+    args = parser.parse_args(argv)
+    if args.clients < 1 or args.duration <= 0 or args.grace < 0 or args.max_tokens < 1:
+        parser.error("need --clients >= 1, --duration > 0, --grace >= 0, --max-tokens >= 1")
+    host = urlparse(args.url).hostname or ""
+    if not args.allow_remote and not _is_loopback(host):
+        parser.error(f"{args.url} is not a loopback address; pass --allow-remote to load it")
+    return args
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default); NaN when empty."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q
+    low, high = math.floor(position), math.ceil(position)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def request_body(args: argparse.Namespace, model: str, index: int) -> dict[str, object]:
+    prompt = PROMPTS[index % len(PROMPTS)]
+    body: dict[str, object] = {
+        "model": model,
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if args.chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    return body
+
+
+async def one_request(client: httpx.AsyncClient, path: str, body: dict[str, object]) -> Result:
+    """Send one streaming request and time it."""
+    start = time.perf_counter()
+    ttft = None
+    tokens = 0
+    async with client.stream("POST", path, json=body) as response:
+        if response.status_code != 200:
+            text = (await response.aread()).decode(errors="replace")
+            return Result(False, error=f"HTTP {response.status_code}: {text[:200]}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: ") :]
+            if data == "[DONE]":
+                latency = time.perf_counter() - start
+                return Result(True, latency, ttft if ttft is not None else latency, tokens)
+            chunk = json.loads(data)
+            if "error" in chunk:
+                return Result(False, error=f"error event: {chunk['error'].get('message')}")
+            for choice in chunk.get("choices") or []:
+                delta = choice.get("text") or (choice.get("delta") or {}).get("content")
+                if delta and ttft is None:
+                    ttft = time.perf_counter() - start
+            if chunk.get("usage"):
+                tokens = int(chunk["usage"]["completion_tokens"])
+    return Result(False, error="the stream ended without [DONE]")
+
+
+async def client_loop(
+    client: httpx.AsyncClient,
+    args: argparse.Namespace,
+    model: str,
+    client_id: int,
+    deadline: float,
+    results: list[Result],
+) -> None:
+    path = "/v1/chat/completions" if args.chat else "/v1/completions"
+    sent = 0
+    while time.monotonic() < deadline:
+        body = request_body(args, model, client_id + sent * args.clients)
+        sent += 1
+        try:
+            result = await one_request(client, path, body)
+        except Exception as error:  # connection refused, reset, bad JSON: all count as errors
+            result = Result(False, error=f"{type(error).__name__}: {error}")
+        results.append(result)
+        if not result.ok:
+            await asyncio.sleep(0.1)  # do not spin on a failing server
+
+
+async def run(args: argparse.Namespace) -> Summary:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=args.clients + 1)
+    timeout = httpx.Timeout(args.duration + args.grace + 10.0)
+    async with httpx.AsyncClient(
+        base_url=args.url, headers=headers, limits=limits, timeout=timeout
+    ) as client:
+        model = args.model or await first_model(client)
+        results: list[Result] = []
+        start = time.monotonic()
+        deadline = start + args.duration
+        tasks = [
+            asyncio.create_task(client_loop(client, args, model, i, deadline, results))
+            for i in range(args.clients)
+        ]
+        _, pending = await asyncio.wait(tasks, timeout=args.duration + args.grace)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        elapsed = time.monotonic() - start
+    return summarize(args, model, results, len(pending), elapsed)
+
+
+async def first_model(client: httpx.AsyncClient) -> str:
+    response = await client.get("/v1/models")
+    if response.status_code != 200:
+        raise SystemExit(f"GET /v1/models answered {response.status_code}: {response.text}")
+    return response.json()["data"][0]["id"]
+
+
+def summarize(
+    args: argparse.Namespace, model: str, results: list[Result], cut_off: int, elapsed: float
+) -> Summary:
+    done = [r for r in results if r.ok]
+    failed = [r for r in results if not r.ok]
+    latencies = [r.latency_s for r in done]
+    ttfts = [r.ttft_s for r in done if r.ttft_s is not None]
+    tokens = sum(r.completion_tokens for r in done)
+    return Summary(
+        url=args.url,
+        model=model,
+        endpoint="chat" if args.chat else "completions",
+        clients=args.clients,
+        duration_s=args.duration,
+        elapsed_s=elapsed,
+        completed=len(done),
+        errors=len(failed),
+        cut_off=cut_off,
+        requests_per_s=len(done) / elapsed,
+        tokens_per_s=tokens / elapsed,
+        latency_p50_s=percentile(latencies, 0.5),
+        latency_p99_s=percentile(latencies, 0.99),
+        ttft_p50_s=percentile(ttfts, 0.5),
+        ttft_p99_s=percentile(ttfts, 0.99),
+        mean_completion_tokens=tokens / len(done) if done else 0.0,
+        error_examples=sorted({r.error or "" for r in failed})[:5],
+    )
+
+
+def report(summary: Summary, args: argparse.Namespace) -> str:
+    lines = [
+        f"load test: {summary.clients} streaming clients x {summary.duration_s:g} s against "
+        f"{summary.url} (model {summary.model}, {summary.endpoint}, max_tokens "
+        f"{args.max_tokens}, temperature {args.temperature:g})",
+        f"elapsed:          {summary.elapsed_s:.1f} s",
+        f"requests:         {summary.completed} completed, {summary.errors} errors, "
+        f"{summary.cut_off} cut off at the time limit",
+        f"requests/s:       {summary.requests_per_s:.2f}",
+        f"tokens/s:         {summary.tokens_per_s:.1f} (completion tokens, "
+        f"{summary.mean_completion_tokens:.1f} per request)",
+        f"latency p50/p99:  {summary.latency_p50_s:.3f} / {summary.latency_p99_s:.3f} s",
+        f"ttft p50/p99:     {summary.ttft_p50_s:.3f} / {summary.ttft_p99_s:.3f} s",
+        f"errors:           {summary.errors}",
+    ]
+    lines += [f"  {example}" for example in summary.error_examples]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    summary = asyncio.run(run(args))
+    print(report(summary, args), flush=True)
+    if args.json is not None:
+        args.json.write_text(json.dumps(asdict(summary), indent=2) + "\n")
+    return 1 if summary.errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

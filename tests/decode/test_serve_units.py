@@ -1,0 +1,377 @@
+"""The server's parts without HTTP: text assembly, the queue, the batch worker, config, loading."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+from decode_helpers import noisy_copy
+from tiny_models import tiny_llama
+from transformers import PreTrainedTokenizerFast
+
+from data.tokenizer import train_byte_level_bpe
+from decode import SpeculativeDecoder
+from decode.drafters.draft_lm import DraftModelDrafter
+from decode.serve import _is_loopback
+from decode.serving.config import ServeConfig, parse_serve_args
+from decode.serving.loading import load_target
+from decode.serving.metrics import ServerMetrics
+from decode.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body
+from decode.serving.scheduler import (
+    BatchWorker,
+    DoneEvent,
+    ErrorEvent,
+    Event,
+    GenerationJob,
+    QueueFull,
+    RequestQueue,
+    SamplingParams,
+    TokensEvent,
+)
+from decode.serving.text import TextStream
+from decode.stats import DecodeStats
+
+TEXTS = ["def add(a, b):\n    return a + b\n", "hello world, stop here", "import os\n"] * 10
+
+
+Models = tuple[torch.nn.Module, torch.nn.Module]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> PreTrainedTokenizerFast:
+    return train_byte_level_bpe(TEXTS, vocab_size=300)
+
+
+def stream_text(
+    tokenizer: PreTrainedTokenizerFast, text: str, stop: list[str]
+) -> tuple[TextStream, list[str], int | None]:
+    """Push ``text``'s tokens one by one; return the stream, deltas and the stopping index."""
+    ids = tokenizer(text)["input_ids"]
+    stream = TextStream(tokenizer, [], stop)
+    deltas, stopped_at = [], None
+    for i, token in enumerate(ids):
+        if stream.push(token):
+            stopped_at = i
+            deltas.append(stream.take())
+            break
+        deltas.append(stream.take())
+    deltas.append(stream.finish())
+    return stream, deltas, stopped_at
+
+
+# -- text ------------------------------------------------------------------------------------
+
+
+def test_text_stream_equals_full_decode_and_holds_split_characters(
+    tokenizer: PreTrainedTokenizerFast,
+) -> None:
+    text = "naïve café: 東京 -> ok"
+    ids = tokenizer(text)["input_ids"]
+    stream = TextStream(tokenizer, [], ())
+    deltas = []
+    for token in ids:
+        assert not stream.push(token)
+        deltas.append(stream.take())
+    deltas.append(stream.finish())
+    assert "".join(deltas) == tokenizer.decode(ids) == text
+    assert all("\ufffd" not in delta for delta in deltas)
+    assert "" in deltas[:-1]  # a 3-byte character spans byte tokens: held until complete
+    assert stream.num_tokens == len(ids) and stream.finish_reason is None
+
+
+def test_stop_string_ends_the_text_before_it_and_is_never_streamed(
+    tokenizer: PreTrainedTokenizerFast,
+) -> None:
+    stream, deltas, stopped_at = stream_text(tokenizer, "hello world, stop here", ["stop"])
+    assert "".join(deltas) == stream.text == "hello world, "
+    assert stream.finish_reason == "stop"
+    ids = tokenizer("hello world, stop here")["input_ids"]
+    prefix = tokenizer.decode(ids[: stopped_at + 1])
+    assert "stop" in prefix and "stop" not in tokenizer.decode(ids[:stopped_at])
+    assert stream.num_tokens == stopped_at + 1
+
+
+def test_stop_prefix_is_held_then_released(tokenizer: PreTrainedTokenizerFast) -> None:
+    ids = tokenizer("a sto b")["input_ids"]
+    stream = TextStream(tokenizer, [], ["stop"])
+    released = ""
+    for token in ids:
+        assert not stream.push(token)
+        released += stream.take()
+        assert not released.endswith(("s", "st", "sto"))  # could still become "stop"
+    assert released + stream.finish() == "a sto b"
+    two = TextStream(tokenizer, [], ["xx", "hello w"])
+    for token in tokenizer("hello world")["input_ids"]:
+        if two.push(token):
+            break
+    assert two.finish() == "" and two.text == ""
+
+
+def test_eos_ends_the_text_and_counts_as_a_token(tokenizer: PreTrainedTokenizerFast) -> None:
+    eos = tokenizer.eos_token_id
+    ids = [*tokenizer("import os")["input_ids"], eos, *tokenizer("more")["input_ids"]]
+    stream = TextStream(tokenizer, tokenizer("def")["input_ids"], (), eos_token_ids=[eos])
+    for token in ids:
+        if stream.push(token):
+            break
+    assert stream.finish() == "import os" and stream.num_tokens == ids.index(eos) + 1
+    with pytest.raises(RuntimeError, match="after the answer stopped"):
+        stream.push(5)
+
+
+# -- queue -----------------------------------------------------------------------------------
+
+
+def test_queue_batches_compatible_jobs_in_order_and_is_bounded() -> None:
+    async def scenario() -> None:
+        greedy = SamplingParams()
+        hot = SamplingParams(temperature=0.7)
+        jobs = {
+            "g1": GenerationJob([1], 4, greedy),
+            "s1": GenerationJob([1], 4, hot),
+            "g2": GenerationJob([1], 4, SamplingParams(top_p=0.5, seed=3)),  # greedy: knobs moot
+            "seeded": GenerationJob([1], 4, SamplingParams(temperature=0.7, seed=1)),
+            "g_raw": GenerationJob([1], 4, SamplingParams(ignore_eos=True)),
+            "s2": GenerationJob([1], 4, hot),
+        }
+        queue = RequestQueue(capacity=len(jobs))
+        for job in jobs.values():
+            queue.put(job)
+        with pytest.raises(QueueFull):
+            queue.put(GenerationJob([1], 4, greedy))
+        names = {id(job): name for name, job in jobs.items()}
+
+        def take(max_size: int = 8) -> list[str]:
+            return [names[id(job)] for job in queue.take_batch(max_size, timeout=0.01)]
+
+        assert take() == ["g1", "g2"]
+        assert take(max_size=1) == ["s1"]
+        jobs["s2"].cancel()
+        assert take() == ["seeded"]  # a seeded sampled request runs alone
+        assert take() == ["g_raw"]
+        assert take() == [] and len(queue) == 0  # the cancelled one was dropped
+
+        late = GenerationJob([1], 4, greedy)
+        queue.put(late)
+        assert queue.discard(late) and not queue.discard(late)
+        assert queue.close() == [] and take() == []
+        with pytest.raises(QueueFull, match="shutting down"):
+            queue.put(late)
+
+    asyncio.run(scenario())
+
+
+def test_sampling_params_reject_bad_values() -> None:
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(temperature=1.0, top_p=0.0)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1.0)
+
+
+# -- the batch worker ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def models() -> Models:
+    target = tiny_llama(seed=0)
+    return target, noisy_copy(target, scale=0.3)
+
+
+def make_worker(models: Models, batches: list[DecodeStats] | None = None) -> BatchWorker:
+    target, draft = models
+    return BatchWorker(
+        target,
+        DraftModelDrafter(draft),
+        RequestQueue(8),
+        num_draft_tokens=4,
+        max_batch_size=8,
+        eos_token_ids=[2],
+        pad_token_id=0,
+        seed=0,
+        on_batch=None if batches is None else lambda stats, rows: batches.append(stats),
+    )
+
+
+def run_jobs(
+    worker: BatchWorker,
+    specs: list[tuple[list[int], int, SamplingParams]],
+    cancel: tuple[int, ...] = (),
+) -> list[list[Event]]:
+    """Run one batch through ``worker.run_batch`` and collect every job's events."""
+
+    async def scenario() -> list[list[Event]]:
+        jobs = [GenerationJob(ids, max_tokens, params) for ids, max_tokens, params in specs]
+        for index in cancel:
+            jobs[index].cancel()
+        await asyncio.to_thread(worker.run_batch, jobs)
+        await asyncio.sleep(0)
+        events = []
+        for job in jobs:
+            received = []
+            while not job.events.empty():
+                received.append(job.events.get_nowait())
+            events.append(received)
+        return events
+
+    return asyncio.run(scenario())
+
+
+def tokens_of(events: list[Event]) -> list[int]:
+    assert isinstance(events[-1], DoneEvent), events[-1]
+    assert sum(isinstance(event, DoneEvent) for event in events) == 1
+    return [token for event in events if isinstance(event, TokensEvent) for token in event.tokens]
+
+
+def greedy_reference(target: torch.nn.Module, prompt: list[int], max_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = target.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_tokens,
+        do_sample=False,
+        eos_token_id=[2],
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def test_batched_rows_each_get_their_own_greedy_answer_and_max_tokens(models: Models) -> None:
+    specs = [([5, 9, 11], 6, SamplingParams()), ([7], 20, SamplingParams()),
+             ([3, 4, 5, 6, 7, 8, 9], 13, SamplingParams())]  # fmt: skip
+    events = run_jobs(make_worker(models), specs)
+    for (prompt, max_tokens, _), received in zip(specs, events, strict=True):
+        assert tokens_of(received) == greedy_reference(models[0], prompt, max_tokens)
+        assert received[-1].batch_size == 3
+
+
+def test_per_request_stats_add_up_to_the_batch_stats(models: Models) -> None:
+    batches: list[DecodeStats] = []
+    raw = SamplingParams(ignore_eos=True)
+    specs = [([5, 9, 11], 24, raw), ([7], 24, raw), ([3, 4, 5, 6], 24, raw)]
+    events = run_jobs(make_worker(models, batches), specs)
+    rows = [received[-1].stats for received in events]
+    (batch,) = batches
+    assert sum(row.rounds for row in rows) == batch.rounds
+    for j in range(4):
+        assert sum(row.accepted_per_position[j] for row in rows) == batch.accepted_per_position[j]
+        assert sum(row.reached_per_position[j] for row in rows) == batch.reached_per_position[j]
+    assert all(row.tokens_emitted == 24 for row in rows)
+    assert 1.0 < batch.tau < 5.0  # the noisy draft is right only sometimes
+
+
+def test_a_cancelled_row_is_dropped_and_the_others_finish(models: Models) -> None:
+    specs = [([5, 9, 11], 10, SamplingParams()), ([7], 10, SamplingParams())]
+    events = run_jobs(make_worker(models), specs, cancel=(0,))
+    assert tokens_of(events[0]) == []
+    assert tokens_of(events[1]) == greedy_reference(models[0], [7], 10)
+
+
+def test_a_seed_fixes_the_sampled_answer(models: Models) -> None:
+    worker = make_worker(models)
+    params = SamplingParams(temperature=0.9, seed=11, ignore_eos=True)
+    first = tokens_of(run_jobs(worker, [([5, 9], 16, params)])[0])
+    again = tokens_of(run_jobs(worker, [([5, 9], 16, params)])[0])
+    target, draft = models
+    direct = SpeculativeDecoder(target, DraftModelDrafter(draft), 4).generate(
+        torch.tensor([[5, 9]]),
+        max_new_tokens=16,
+        temperature=0.9,
+        eos_token_id=[],
+        generator=torch.Generator().manual_seed(11),
+    )
+    assert first == again == direct.sequences[0, 2:].tolist()
+
+
+def test_a_failing_batch_answers_with_an_error_and_the_worker_goes_on(models: Models) -> None:
+    worker = make_worker(models)
+    (events,) = run_jobs(worker, [([10**6], 4, SamplingParams())])
+    assert isinstance(events[-1], ErrorEvent) and events[-1].status == 500
+    assert "outside" in events[-1].message
+    assert len(tokens_of(run_jobs(worker, [([7], 4, SamplingParams())])[0])) == 4
+
+
+# -- config, loading, protocol, metrics --------------------------------------------------------
+
+
+def test_config_defaults_are_safe(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DRAFTSMITH_API_KEY", raising=False)
+    config = parse_serve_args(["--target", "t", "--drafter-kind", "ngram"])
+    assert config.host == "127.0.0.1" and config.port == 8000
+    assert config.trust_remote_code is False and config.api_key is None
+    monkeypatch.setenv("DRAFTSMITH_API_KEY", "from-env")
+    assert parse_serve_args(["--target", "t", "--drafter", "d"]).api_key == "from-env"
+    assert parse_serve_args(["--target", "t", "--drafter", "d", "--api_key", "k"]).api_key == "k"
+    assert _is_loopback("127.0.0.1") and _is_loopback("::1") and _is_loopback("localhost")
+    assert not _is_loopback("0.0.0.0") and not _is_loopback("example.org")
+
+
+def test_config_file_then_flags(tmp_path: Path) -> None:
+    path = tmp_path / "serve.yaml"
+    path.write_text("target: /models/t\ndrafter_kind: ngram\nport: 9000\nmax_batch_size: 2\n")
+    config = parse_serve_args(["--config", str(path), "--port", "9001"])
+    assert (config.target, config.port, config.max_batch_size) == ("/models/t", 9001, 2)
+    path.write_text("target: t\nbatch: 2\n")
+    with pytest.raises(ValueError, match="unknown keys \\['batch'\\]"):
+        parse_serve_args(["--config", str(path)])
+
+
+def test_config_errors_name_the_fix() -> None:
+    with pytest.raises(ValueError, match="--drafter-kind ngram"):
+        ServeConfig(target="t").validate()
+    with pytest.raises(ValueError, match="--max-queue must be >= 1"):
+        ServeConfig(target="t", drafter_kind="ngram", max_queue=0).validate()
+    with pytest.raises(ValueError, match="--dtype"):
+        ServeConfig(target="t", drafter_kind="ngram", dtype="int8").validate()
+
+
+def test_only_safetensors_weights_load(tmp_path: Path) -> None:
+    model = tiny_llama()
+    model.config.save_pretrained(tmp_path)
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")  # pickled weights only
+    with pytest.raises(OSError, match="safetensors"):
+        load_target(tmp_path, "auto", torch.device("cpu"), trust_remote_code=False)
+    with pytest.raises(FileNotFoundError, match="no such folder"):
+        load_target(tmp_path / "missing", "auto", torch.device("cpu"), trust_remote_code=False)
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "fragment"),
+    [
+        (b'{"model": "m", "prompt": ["a", "b"]}', "prompt", "one prompt per request"),
+        (b'{"model": "m", "prompt": "a", "stream_options": {"include_usage": true}}',
+         "stream_options", "only allowed with stream=true"),
+        (b'{"model": "m", "prompt": "a", "logprobs": 2}', "logprobs", "not supported"),
+        (b'{"model": "m", "prompt": "a", "presence_penalty": 0.5}', "presence_penalty", "leave it"),
+        (b'{"model": "m", "prompt": "a", "seed": 36893488147419103232}', "seed", "64 bits"),
+        (b'{"model": "m", "prompt": "a", "stop": ["1", "2", "3", "4", "5"]}', "stop", "at most 4"),
+    ],
+)  # fmt: skip
+def test_unsupported_parameters_are_named(body: bytes, param: str, fragment: str) -> None:
+    with pytest.raises(APIError, match=fragment) as caught:
+        parse_body(body, CompletionRequest)
+    assert caught.value.status == 400 and caught.value.param == param
+
+
+def test_chat_content_parts_and_max_completion_tokens() -> None:
+    body = (
+        b'{"model": "m", "max_completion_tokens": 7, "messages": [{"role": "user", "content": '
+        b'[{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}'
+    )
+    request = parse_body(body, ChatCompletionRequest)
+    assert request.messages[0].as_template_input() == {"role": "user", "content": "ab"}
+    assert request.requested_tokens == 7
+
+
+def test_metrics_text_escapes_labels_and_folds_batches() -> None:
+    metrics = ServerMetrics('we"ird\\name', "ngram", 4)
+    stats = DecodeStats()
+    stats.record_round(torch.tensor([2, 0]), 3, torch.tensor([True, True]))
+    metrics.record_batch(stats.fold(), rows=2)
+    text = metrics.render(queue_depth=1, running=0)
+    assert 'model="we\\"ird\\\\name"' in text
+    assert "draftsmith_tau 2.0\n" in text  # 1 + 2 accepted / 2 row-rounds
+    assert 'draftsmith_acceptance_rate{position="2"} 1.0' in text  # reached 1, accepted 1
+    assert 'draftsmith_acceptance_rate{position="3"} 0.0' in text
+    assert "draftsmith_queue_depth 1\n" in text
