@@ -1,0 +1,303 @@
+"""EAGLE-3 objective: alignment, training-time test learns, pruned vocabulary, cache == online,
+exports decode the target's greedy output, and train/distill.py end to end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import tiny_llama
+
+from decode.drafters.base import TreeSpec
+from decode.drafters.eagle import Eagle3Config, Eagle3Head
+from decode.drafters.registry import load_drafter
+from decode.engine import SpeculativeDecoder
+from decode.sampling import SamplingConfig
+from train.generation import sample_continuations
+from train.loop import make_accelerator
+from train.losses import build_loss
+from train.objectives.eagle3 import (
+    Eagle3Objective,
+    cached_target_logprobs,
+    count_tokens,
+    future_mask,
+    parse_export_formats,
+    position_weights,
+)
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def sampled_batch(
+    target: torch.nn.Module, rows: int, length: int, seed: int, temperature: float = 1.0
+) -> dict[str, torch.Tensor]:
+    """Sequences the target writes itself from 4 random prompt tokens; the continuation counts."""
+    generator = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(3, target.config.vocab_size, (rows, 4), generator=generator)
+    out = sample_continuations(
+        target,
+        prompt,
+        torch.ones_like(prompt),
+        length - 4,
+        SamplingConfig(temperature=temperature),
+        generator,
+    )
+    input_ids = torch.cat((prompt, out.tokens), dim=1)
+    loss_mask = torch.ones_like(input_ids)
+    loss_mask[:, :4] = 0
+    return {
+        "input_ids": input_ids,
+        "attention_mask": torch.ones_like(input_ids),
+        "loss_mask": loss_mask,
+    }
+
+
+def make_objective(target: torch.nn.Module, loss: str = "fkl", **kwargs) -> Eagle3Objective:
+    config_overrides = {
+        k: kwargs.pop(k) for k in ("draft_vocab_size", "aux_hidden_state_layer_ids") if k in kwargs
+    }
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        head = Eagle3Head(Eagle3Config.for_target(target.config, **config_overrides))
+    objective = Eagle3Objective(head, target, build_loss(loss), **kwargs)
+    return objective
+
+
+def bind(objective: Eagle3Objective) -> Eagle3Objective:
+    module = objective.trainable_module()
+    objective.bind(module, make_accelerator(cpu=True))
+    return objective
+
+
+def train(objective: Eagle3Objective, batch: dict, steps: int, lr: float = 3e-3) -> list[float]:
+    params = [p for p in objective.trainable_module().parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr)
+    losses = []
+    for _ in range(steps):
+        loss, _ = objective.compute_loss(batch)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def means(sums: dict[str, tuple[float, float]]) -> dict[str, float]:
+    return {name: total / weight for name, (total, weight) in sums.items()}
+
+
+# -- helpers ------------------------------------------------------------------------------------
+def test_position_weights_and_export_formats() -> None:
+    assert position_weights(3) == pytest.approx((1.0, 0.8, 0.64))
+    assert position_weights(2, decay=0.5) == (1.0, 0.5)
+    assert position_weights(2, [1, 3]) == (1.0, 3.0)
+    with pytest.raises(ValueError, match="gives 1 weights for 3 draft positions"):
+        position_weights(3, [1.0])
+    with pytest.raises(ValueError, match="not all 0"):
+        position_weights(2, [0.0, 0.0])
+    with pytest.raises(ValueError, match="position_weight_decay"):
+        position_weights(2, decay=0.0)
+    assert parse_export_formats(None) == ()
+    assert parse_export_formats("vllm, sglang,vllm") == ("vllm", "sglang")
+    with pytest.raises(ValueError, match=r"unknown format\(s\) \['onnx'\]"):
+        parse_export_formats("vllm,onnx")
+
+
+def test_future_mask_needs_both_ends_real_and_the_label_counted() -> None:
+    batch = {
+        "input_ids": torch.zeros(2, 6, dtype=torch.long),
+        "attention_mask": torch.tensor([[1, 1, 1, 1, 1, 0], [0, 1, 1, 1, 1, 1]]),
+        "loss_mask": torch.tensor([[0, 0, 1, 1, 1, 0], [0, 1, 1, 1, 0, 1]]),
+    }
+    mask = future_mask(batch, 2)  # position t trains the prediction of x_{t+2}
+    assert mask.tolist() == [
+        [True, True, True, False],
+        [False, True, False, True],
+    ]
+    assert future_mask(batch, 6).shape == (2, 0)
+
+
+def test_cached_logprobs_are_the_caches_distribution_in_log_space() -> None:
+    from data.cache import compress_logits, topk_to_probs
+
+    logits = torch.randn(2, 3, 50, generator=torch.Generator().manual_seed(0)) * 3
+    for k in (5, 50):
+        ids, logprobs, rest = compress_logits(logits, k)
+        ours = torch.softmax(cached_target_logprobs(ids, logprobs.half(), rest, 50), -1)
+        torch.testing.assert_close(ours, topk_to_probs(ids, logprobs.half(), rest, 50))
+
+
+def test_count_tokens_counts_labels_only_and_rejects_foreign_ids() -> None:
+    rows = [{"input_ids": [1, 2, 2, 3], "loss_mask": [0, 1, 1, 0]}, {"input_ids": [3, 3]}]
+    assert count_tokens(rows, 5).tolist() == [0, 0, 2, 2, 0]
+    with pytest.raises(ValueError, match="another tokenizer"):
+        count_tokens([{"input_ids": [7]}], 5)
+
+
+# -- alignment and learning ---------------------------------------------------------------------
+def test_step_k_targets_are_the_targets_law_of_the_label_it_predicts() -> None:
+    """On the target's own greedy text the target's argmax at t+1+k is exactly x_{t+2+k}."""
+    target = tiny_llama(num_layers=4)
+    batch = sampled_batch(target, rows=3, length=20, seed=1, temperature=0.0)
+    objective = bind(make_objective(target, unroll_steps=3))
+    _, target_logits = objective._target_outputs(batch)
+    steps = objective._unroll(batch, objective._target_outputs(batch)[0])
+    seen = 0
+    for k, (_, draft, target_k, mask, labels) in enumerate(
+        objective._aligned(batch, steps, target_logits)
+    ):
+        assert draft.shape[:2] == target_k.shape[:2] == mask.shape == labels.shape
+        assert draft.shape[1] == 20 - 2 - k
+        assert torch.equal(target_k.argmax(-1)[mask], labels[mask])
+        seen += 1
+    assert seen == 3
+
+
+def test_training_time_test_lowers_the_loss_and_raises_held_out_overlap_per_step() -> None:
+    target = tiny_llama(num_layers=4, dtype=torch.float32)
+    train_batch = sampled_batch(target, rows=16, length=32, seed=1)
+    held_out = sampled_batch(target, rows=8, length=32, seed=2)
+    objective = bind(make_objective(target, loss="tv", unroll_steps=3))
+    before = means(objective.evaluate(held_out))
+    losses = train(objective, train_batch, steps=40)
+    after = means(objective.evaluate(held_out))
+    assert losses[-1] < 0.7 * losses[0]
+    assert after["loss"] < before["loss"]
+    for j in (1, 2, 3):
+        assert after[f"overlap@{j}"] > before[f"overlap@{j}"] + 0.1, (j, before, after)
+        assert 0.0 <= after[f"greedy_match@{j}"] <= 1.0
+    # Weighted loss: the mean of the per-step losses under weights 1, 0.8, 0.64.
+    loss, metrics = objective.compute_loss(held_out)
+    per_step = [metrics[f"loss@{j}"] for j in (1, 2, 3)]
+    expected = sum(w * v for w, v in zip((1, 0.8, 0.64), per_step, strict=True)) / 2.44
+    assert float(loss.detach()) == pytest.approx(expected, rel=1e-5)
+
+
+def test_pruned_vocabulary_comes_from_label_counts_and_overlap_stays_in_target_vocab() -> None:
+    target = tiny_llama(num_layers=4, dtype=torch.float32)
+    batch = sampled_batch(target, rows=8, length=24, seed=3)
+    objective = make_objective(target, loss="fkl+0.1*ce", draft_vocab_size=20, unroll_steps=2)
+    rows = [
+        {"input_ids": ids.tolist(), "loss_mask": mask.tolist()}
+        for ids, mask in zip(batch["input_ids"], batch["loss_mask"], strict=True)
+    ]
+    objective.prepare(rows)
+    head = objective.head
+    counts = count_tokens(rows, 64)
+    kept = head.draft_to_target_ids
+    assert kept.tolist() == sorted(kept.tolist())
+    assert counts[kept].min() >= counts[~head.t2d].max()
+    assert objective.vocab_coverage == pytest.approx(float(counts[kept].sum() / counts.sum()))
+    # The LM head starts as the target's rows of the kept tokens.
+    torch.testing.assert_close(head.lm_head.weight, target.lm_head.weight[kept])
+    bind(objective)
+    train(objective, batch, steps=5)
+    metrics = means(objective.evaluate(batch))
+    # q is zero outside the draft vocabulary, so the overlap cannot exceed p's mass inside it.
+    _, target_logits = objective._target_outputs(batch)
+    inside = torch.softmax(target_logits, -1)[..., kept].sum(-1)  # [B, T]
+    mask = torch.zeros_like(inside, dtype=torch.bool)
+    mask[:, 1:-1] = future_mask(batch, 2)
+    assert 0 < metrics["overlap@1"] <= float(inside[mask].mean()) + 1e-6
+    assert objective.describe()["draft_vocab_size"] == 20
+
+
+def test_offline_cache_gives_the_online_loss(tmp_path: Path) -> None:
+    from data.cache import TargetCache, TargetCacheWriter, collate_cached
+
+    target = tiny_llama(num_layers=4, dtype=torch.float32)
+    batch = sampled_batch(target, rows=4, length=20, seed=4)
+    objective = bind(make_objective(target, loss="0.5*fkl+0.5*tv", unroll_steps=2))
+    layers = objective.target_cache_hidden_layers()
+    assert layers == sorted(set(objective.head.config.aux_hidden_state_layer_ids))
+    for k, folder in ((64, tmp_path / "full"), (16, tmp_path / "top16")):
+        with torch.no_grad(), TargetCacheWriter(folder, k, hidden_layer_ids=layers) as writer:
+            out = target(batch["input_ids"], output_hidden_states=True)
+            for row in range(4):
+                hidden = torch.stack([out.hidden_states[i][row] for i in layers])
+                writer.add(batch["input_ids"][row], out.logits[row], hidden)
+        cache = TargetCache(folder)
+        cached = collate_cached([cache[i] for i in range(4)], pad_token_id=0)
+        cached["loss_mask"] = batch["loss_mask"]
+        online, _ = objective.compute_loss(batch)
+        offline, _ = objective.compute_loss(cached)
+        tolerance = 1e-3 if k == 64 else 0.02  # fp16 storage; top-16 also flattens the tail
+        assert float(offline.detach()) == pytest.approx(float(online.detach()), rel=tolerance)
+    del cached["hidden_states"]
+    with pytest.raises(ValueError, match="without hidden states"):
+        objective.compute_loss(cached)
+
+
+def test_bad_settings_name_the_problem() -> None:
+    target = tiny_llama(num_layers=4)
+    with pytest.raises(ValueError, match="unroll_steps must be >= 1"):
+        make_objective(target, unroll_steps=0)
+    with pytest.raises(ValueError, match="gives 2 weights for 3"):
+        make_objective(target, unroll_steps=3, step_weights=[1.0, 0.5])
+    with pytest.raises(ValueError, match="built for another target"):
+        head = Eagle3Head(Eagle3Config.for_target(tiny_llama(num_layers=6).config))
+        Eagle3Objective(head, target, build_loss("tv"))
+
+
+# -- export and decoding ------------------------------------------------------------------------
+def test_exported_heads_decode_exactly_the_targets_greedy_output(tmp_path: Path) -> None:
+    target = tiny_llama(num_layers=4)  # float64: no argmax ties between decoding paths
+    batch = sampled_batch(target, rows=8, length=32, seed=5)
+    objective = bind(make_objective(target, export_formats=("vllm", "sglang"), unroll_steps=3))
+    train(objective, batch, steps=20)
+    folder = tmp_path / "drafter"
+    objective.save_drafter(folder)
+    assert json.loads((folder / "drafter.json").read_text())["kind"] == "eagle3"
+    prompt = torch.tensor([[5, 9, 11, 3, 7, 8], [0, 0, 4, 13, 6, 21]])
+    mask = (prompt != 0).long()
+    with torch.no_grad():
+        expected = target.generate(
+            input_ids=prompt, attention_mask=mask, max_new_tokens=20, do_sample=False
+        )
+    for path in (folder, folder / "vllm", folder / "sglang"):
+        drafter = load_drafter(path, target)
+        assert drafter.kind == "eagle3"
+        for tree in (None, TreeSpec(top_k=3, total_tokens=10)):
+            decoder = SpeculativeDecoder(target, drafter, num_draft_tokens=3, tree=tree)
+            out = decoder.generate(prompt, mask, max_new_tokens=20)
+            assert torch.equal(out.sequences, expected), (path, tree)
+
+
+def test_distill_main_trains_and_exports_an_eagle3_head(tiny_argv, tmp_path: Path) -> None:
+    from train.distill import main
+
+    argv = tiny_argv(tmp_path / "run", "--max_steps", "6", "--export_format", "vllm")
+    summary = main(["--config", str(CONFIGS / "tiny_eagle3.yaml"), *argv[2:]])
+    held_out = summary["held_out"]
+    assert {f"overlap@{j}" for j in (1, 2, 3)} <= set(held_out)
+    assert all(0.0 < held_out[f"overlap@{j}"] <= 1.0 for j in (1, 2, 3))
+    folder = Path(summary["drafter_dir"])
+    card = (folder / "README.md").read_text()
+    assert "| 3 |" in card and "eagle3" in card
+    config = json.loads((folder / "vllm" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+
+    cached = main(
+        [
+            "--config",
+            str(CONFIGS / "tiny_eagle3.yaml"),
+            *argv[2:4],
+            "--output_dir",
+            str(tmp_path / "cached"),
+            "--max_steps",
+            "4",
+            "--target_outputs",
+            "cache",
+            "--draft_vocab_size",
+            "300",
+            "--eval_sequences",
+            "4",
+        ]
+    )
+    assert cached["cache"]["num_sequences"] > 0
+    meta = json.loads((tmp_path / "cached" / "target_cache" / "cache.json").read_text())
+    assert meta["has_hidden_states"] and meta["hidden_layer_ids"] == [1]
+    head = Eagle3Head.from_pretrained(cached["drafter_dir"])
+    assert head.config.draft_vocab_size == 300 and int(head.t2d.sum()) == 300
