@@ -47,19 +47,21 @@ def export_drafter(
     tokenizer: Any,
     resolved_config: dict[str, Any],
     summary: dict[str, Any],
+    state_dict: dict[str, Any] | None = None,
 ) -> Path:
     """Write the drafter folder atomically and return it.
 
     ``summary`` carries the facts for the card: ``target``, ``data``, ``loss``, ``steps``,
     ``tokens_seen``, ``held_out`` (metric -> value, e.g. ``overlap@1``), ``eval_temperature``,
-    and optionally ``cache`` (offline cache statistics).
+    and optionally ``cache`` (offline cache statistics). ``state_dict`` is the gathered
+    trainable state (see ``Objective.save_drafter``).
     """
     folder = Path(folder)
     temp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
     shutil.rmtree(temp, ignore_errors=True)
     temp.mkdir(parents=True)
     try:
-        objective.save_drafter(temp, tokenizer)
+        objective.save_drafter(temp, tokenizer, state_dict)
         provenance = build_provenance(resolved_config)
         (temp / "provenance.json").write_text(json.dumps(provenance, indent=2) + "\n")
         card = model_card(objective.kind, summary, describe(objective), provenance)

@@ -115,10 +115,18 @@ class Objective(ABC):
                 f"{sorted(state)}: resume with the objective that wrote the checkpoint"
             )
 
-    def save_drafter(self, folder: Path) -> None:
+    def save_drafter(
+        self,
+        folder: Path,
+        tokenizer: Any = None,
+        state_dict: dict[str, torch.Tensor] | None = None,
+    ) -> None:
         """Write the drafter folder's kind-specific files (weights, config, ``drafter.json``).
 
-        Drafter objectives override this; the export step adds the model card and provenance.
+        ``state_dict`` is the full trainable state gathered on every process with
+        ``accelerator.get_state_dict`` (a collective under FSDP/DeepSpeed); ``save_drafter``
+        itself runs on the main process only. Drafter objectives override this; the export step
+        (``train.export``) adds the model card and provenance.
         """
         raise NotImplementedError(f"objective kind {self.kind!r} does not export a drafter")
 

@@ -1,0 +1,330 @@
+"""Distil a speculative-decoding drafter from a frozen target.
+
+    python train/distill.py                                   # the demo recipe (configs/demo.yaml)
+    python train/distill.py --config configs/tiny.yaml --max_steps 20
+    accelerate launch train/distill.py --config configs/qwen2.5-0.5b-draft.yaml
+    ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 \\
+        train/distill.py --config configs/tiny.yaml           # two CPU ranks over gloo
+
+Tests call ``train.distill.main(argv)``. The run folder (``--output_dir``) receives
+``checkpoints/`` (every ``--checkpoint_every`` steps and at the end, the last
+``--keep_checkpoints`` kept), ``logs/metrics.jsonl``, the tracker runs, ``summary.json`` and the
+exported ``drafter/`` that ``decode.drafters.load_drafter`` reads. Everything that can be
+checked without training (target path, loss name, drafter kind, vocabularies, data) is checked
+before the first step.
+
+Runs as a script with ``train/`` first on ``sys.path``, so this file imports the project as
+``train.*`` only, and module-level imports stay in the standard library.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+    from train.config import DistillConfig
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Parse ``argv`` (default: ``sys.argv[1:]``), train, export; return the run summary."""
+    from train.config import parse_config
+
+    config = parse_config(sys.argv[1:] if argv is None else argv)
+    return distill(config)
+
+
+def distill(config: DistillConfig) -> dict[str, Any]:
+    """Run one distillation described by a resolved config."""
+    from train.batches import ShardedBatches, shard_list
+    from train.checkpoint import CheckpointManager
+    from train.distill_data import collate_rows, load_sequences
+    from train.export import export_drafter, push_to_hub
+    from train.loop import LoopConfig, make_accelerator, run_training
+    from train.losses import build_loss
+    from train.objectives import get_objective_class
+    from train.target_model import load_model, load_tokenizer, resolve_target, target_location
+    from train.tracking import RunTracker
+
+    # ---- checks that need no model: fail before anything is loaded or trained
+    build_loss(config.loss.loss)
+    objective_cls = get_objective_class(config.drafter.drafter_kind)
+    target_ref = resolve_target(config.target.target)
+    output_dir = Path(config.output.output_dir).expanduser()
+    checkpoints = CheckpointManager(output_dir / "checkpoints", config.output.keep_checkpoints)
+    resume = _resume_point(config, checkpoints)
+
+    reporters = [name for name in config.logging_reporters() if name != "none"]
+    accelerator = make_accelerator(
+        gradient_accumulation_steps=config.optim.gradient_accumulation_steps,
+        mixed_precision=config.optim.mixed_precision,
+        log_with=reporters,
+        project_dir=output_dir,
+    )
+    if resume is None and config.output.overwrite_output_dir and accelerator.is_main_process:
+        shutil.rmtree(output_dir / "checkpoints", ignore_errors=True)
+        (output_dir / "logs" / "metrics.jsonl").unlink(missing_ok=True)
+    accelerator.wait_for_everyone()
+
+    with accelerator.main_process_first():  # a missing demo target is built once
+        location, target_name = target_location(target_ref)
+    remote = config.target.trust_remote_code
+    tokenizer = load_tokenizer(location, remote)
+    sets = load_sequences(config.data, tokenizer, config.optim.seed)  # data errors before the model
+    target = load_model(location, config.target.target_dtype, remote).to(accelerator.device)
+    objective = objective_cls.from_config(config, target, tokenizer)
+    objective.prepare(sets.train)
+    pad_id = tokenizer.pad_token_id
+
+    train_rows = sets.train
+    cache_stats = None
+    if config.data.target_outputs == "cache":
+        train_rows, cache_stats = _cached_training_rows(
+            config, accelerator, objective, target, target_name, train_rows, pad_id, output_dir
+        )
+    eval_rows = _eval_rows(config, target, tokenizer, sets.held_out, accelerator)
+
+    def collate(rows: list[dict[str, Any]]) -> dict[str, Any]:
+        batch = collate_rows(rows, pad_id)
+        if "hidden_states" in rows[0] and "hidden_states" not in batch:  # eagle3/medusa caches
+            from data.cache import collate_cached
+
+            batch["hidden_states"] = collate_cached(rows, pad_id)["hidden_states"]
+        return batch
+
+    batch_size = config.optim.per_device_batch_size
+    local_eval = shard_list(eval_rows, accelerator.process_index, accelerator.num_processes)
+    eval_batches = [
+        collate(local_eval[i : i + batch_size]) for i in range(0, len(local_eval), batch_size)
+    ]
+    train_batches = ShardedBatches(
+        train_rows,
+        batch_size,
+        collate,
+        seed=config.optim.seed,
+        process_index=accelerator.process_index,
+        num_processes=accelerator.num_processes,
+    )
+    tracker = RunTracker(
+        accelerator,
+        reporters,
+        config.logging.project,
+        config.logging.run_name or output_dir.name,
+        config.to_dict(),
+        output_dir,
+    )
+    if cache_stats is not None:
+        tracker.log({"cache/bytes_per_token": cache_stats.bytes_per_token}, 0)
+    loop_config = LoopConfig(
+        max_steps=config.optim.max_steps,
+        learning_rate=config.optim.learning_rate,
+        weight_decay=config.optim.weight_decay,
+        adam_beta1=config.optim.adam_beta1,
+        adam_beta2=config.optim.adam_beta2,
+        warmup_steps=config.optim.warmup_steps,
+        lr_scheduler=config.optim.lr_scheduler,
+        min_lr_ratio=config.optim.min_lr_ratio,
+        max_grad_norm=config.optim.max_grad_norm,
+        max_minutes=config.optim.max_minutes,
+        eval_every=config.logging.eval_every,
+        checkpoint_every=config.output.checkpoint_every,
+        log_every=config.logging.log_every,
+        progress_bar=config.logging.progress_bar,
+        description=f"distil {config.drafter.drafter_kind}",
+    )
+    result = run_training(
+        objective,
+        train_batches,
+        loop_config,
+        accelerator,
+        eval_batches=eval_batches,
+        log=tracker.log,
+        checkpoints=checkpoints,
+        resume_from=resume,
+    )
+
+    summary = {
+        "target": target_name,
+        "drafter_kind": config.drafter.drafter_kind,
+        "data": sets.description,
+        "target_outputs": config.data.target_outputs,
+        "on_policy_fraction": config.data.on_policy_fraction,
+        "loss": config.loss.loss,
+        "loss_temperature": config.loss.loss_temperature,
+        "eval_temperature": config.loss.eval_temperature,
+        "eval_description": _eval_description(config, len(eval_rows)),
+        "held_out": result.final_eval,
+        "steps": result.steps,
+        "stop_reason": result.stop_reason,
+        "tokens_seen": result.tokens_seen,
+        "minutes": result.minutes,
+        "tokens_per_s": result.tokens_per_second,
+        "world_size": result.world_size,
+        "params_in_sync": result.params_in_sync,
+        "train_sequences": len(train_rows),
+        "last_checkpoint": str(result.last_checkpoint) if result.last_checkpoint else None,
+        "cache": None if cache_stats is None else _cache_summary(cache_stats),
+        "drafter_dir": str(output_dir / "drafter"),
+        "wandb_mode": tracker.wandb_mode,
+    }
+    state_dict = accelerator.get_state_dict(objective.module)  # a collective under FSDP
+    if accelerator.is_main_process:
+        export_drafter(
+            objective, output_dir / "drafter", tokenizer, config.to_dict(), summary, state_dict
+        )
+        (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        _print_summary(summary)
+    accelerator.wait_for_everyone()
+    tracker.finish()
+    if config.output.push_to_hub and accelerator.is_main_process:
+        summary["hub_url"] = push_to_hub(output_dir / "drafter", config.output.push_to_hub)
+    return summary
+
+
+def _resume_point(config: DistillConfig, checkpoints: Any) -> Path | None:
+    spec = config.output.resume_from_checkpoint
+    if spec:
+        return checkpoints.resolve(spec)
+    if checkpoints.checkpoints() and not config.output.overwrite_output_dir:
+        raise FileExistsError(
+            f"{checkpoints.root} already holds checkpoints of an earlier run: pass "
+            "--resume_from_checkpoint latest to continue it, --overwrite_output_dir to start "
+            "afresh, or another --output_dir"
+        )
+    return None
+
+
+def _cached_training_rows(
+    config: DistillConfig,
+    accelerator: Accelerator,
+    objective: Any,
+    target: Any,
+    target_name: str,
+    train_rows: Any,
+    pad_id: int,
+    output_dir: Path,
+) -> tuple[Any, Any]:
+    """Limit the rows to what the run will read, cache the target on them, join the two."""
+    from train.distill_data import _take
+    from train.target_cache import build_or_reuse_cache, open_cached_rows
+
+    needed = (
+        config.optim.max_steps
+        * config.optim.per_device_batch_size
+        * config.optim.gradient_accumulation_steps
+        * accelerator.num_processes
+    )
+    rows = _take(train_rows, needed) if len(train_rows) > needed else train_rows
+    folder = Path(config.data.cache_dir or output_dir / "target_cache").expanduser()
+    hidden = getattr(objective, "target_cache_hidden_layers", lambda: None)()
+    key = {
+        "target": target_name,
+        "dataset": config.data.dataset,
+        "block_size": config.data.block_size,
+        "data_format": config.data.data_format,
+        "max_files": config.data.max_files,
+        "seed": config.optim.seed,
+    }
+    stats = None
+    with accelerator.main_process_first():
+        stats = build_or_reuse_cache(
+            target,
+            rows,
+            folder,
+            config.data.cache_top_k,
+            key,
+            pad_id,
+            accelerator.device,
+            batch_size=config.optim.per_device_batch_size,
+            hidden_layer_ids=hidden,
+            progress=accelerator.is_local_main_process and config.logging.progress_bar,
+        )
+    return open_cached_rows(rows, folder), stats
+
+
+def _eval_rows(
+    config: DistillConfig,
+    target: Any,
+    tokenizer: Any,
+    held_out: Any,
+    accelerator: Accelerator,
+) -> list[dict[str, Any]]:
+    from train.distill_data import held_out_rows, target_continued_rows
+
+    data = config.data
+    if data.eval_source == "data":
+        return held_out_rows(held_out, data.eval_sequences)
+    return target_continued_rows(
+        target,
+        held_out,
+        num_sequences=data.eval_sequences,
+        prompt_tokens=data.eval_prompt_tokens,
+        new_tokens=data.eval_new_tokens,
+        temperature=config.loss.eval_temperature,
+        seed=config.optim.seed + 12345,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        device=accelerator.device,
+    )
+
+
+def _eval_description(config: DistillConfig, count: int) -> str:
+    data = config.data
+    if data.eval_source == "data":
+        return f"{count} held-out sequences of the training source"
+    return (
+        f"{count} held-out prompts of {data.eval_prompt_tokens} tokens continued by the target "
+        f"for up to {data.eval_new_tokens} tokens at temperature {config.loss.eval_temperature}"
+    )
+
+
+def _cache_summary(stats: Any) -> dict[str, Any]:
+    return {
+        "folder": stats.folder,
+        "k": stats.k,
+        "num_sequences": stats.num_sequences,
+        "num_tokens": stats.num_tokens,
+        "bytes_per_token": stats.bytes_per_token,
+        "full_fp16_bytes_per_token": stats.full_fp16_bytes_per_token,
+        "compression": stats.compression,
+    }
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    held = ", ".join(f"{k} {v:.4f}" for k, v in summary["held_out"].items())
+    print(f"distilled {summary['drafter_kind']} from {summary['target']}")
+    print(
+        f"  steps {summary['steps']} ({summary['stop_reason']}), tokens {summary['tokens_seen']:,}"
+    )
+    print(f"  held-out: {held}")
+    if summary["cache"]:
+        cache = summary["cache"]
+        print(
+            f"  target cache: top-{cache['k']}, {cache['bytes_per_token']:.1f} bytes/token vs "
+            f"{cache['full_fp16_bytes_per_token']} for fp16 logits ({cache['compression']:.0f}x)"
+        )
+    print(f"  drafter: {summary['drafter_dir']}")
+
+
+def _run_as_script() -> int:
+    from train.export import HubUploadError
+
+    try:
+        main()
+    except (ValueError, FileNotFoundError, FileExistsError, HubUploadError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    # libgomp's default busy-waiting collapses throughput 10-40x when cores are shared;
+    # it must be set before torch loads OpenMP (the imports above are stdlib only).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    sys.exit(_run_as_script())

@@ -1,0 +1,133 @@
+"""Building the ``draft_lm`` drafter: from a folder, or a thin copy of the target's architecture.
+
+A draft LM must share the target's tokenizer, so the natural small draft is the target's own
+architecture with fewer layers (and optionally narrower). Copying the target's input
+embeddings, final norm and LM head gives it the target's token geometry from step 0 (as
+EAGLE reuses the target's embedding and head, Li et al. 2024); ``target_layers`` also copies the
+target's first layers, so a one-layer draft starts as the target's first block followed by its
+head. LoRA (Hu et al. 2022, through peft) trains low-rank deltas only and is merged on export.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from train.objectives.draft_lm import check_same_vocab
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from train.config import DrafterConfig
+
+
+def build_draft_lm(config: DrafterConfig, target: PreTrainedModel, seed: int) -> torch.nn.Module:
+    """The trainable draft LM described by ``config`` (a peft model when ``lora_rank > 0``)."""
+    from transformers import AutoModelForCausalLM
+
+    if config.drafter_path is not None:
+        try:
+            drafter = AutoModelForCausalLM.from_pretrained(config.drafter_path, dtype=torch.float32)
+        except OSError as error:
+            raise FileNotFoundError(
+                f"--drafter_path {config.drafter_path}: not a loadable causal-LM folder ({error}); "
+                "pass a folder with config.json and weights, or drop it to build the draft from "
+                "the target's config"
+            ) from error
+        check_same_vocab(drafter, target)
+    else:
+        drafter = _thin_copy(config, target, seed)
+    if config.freeze_embeddings:
+        drafter.get_input_embeddings().requires_grad_(False)
+        drafter.get_output_embeddings().requires_grad_(False)
+    if config.lora_rank > 0:
+        drafter = _with_lora(drafter, config)
+    return drafter
+
+
+def _thin_copy(config: DrafterConfig, target: PreTrainedModel, seed: int) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    overrides = {"num_hidden_layers": config.drafter_num_layers}
+    if config.drafter_hidden_size is not None:
+        overrides["hidden_size"] = config.drafter_hidden_size
+    if config.drafter_intermediate_size is not None:
+        overrides["intermediate_size"] = config.drafter_intermediate_size
+    if config.drafter_num_heads is not None:
+        overrides["num_attention_heads"] = config.drafter_num_heads
+        overrides["num_key_value_heads"] = config.drafter_num_heads
+    values = target.config.to_dict()
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    if "head_dim" in values and (
+        config.drafter_hidden_size is not None or config.drafter_num_heads is not None
+    ):
+        values["head_dim"] = values["hidden_size"] // values["num_attention_heads"]
+    for key in ("layer_types", "max_window_layers"):
+        if isinstance(values.get(key), list):
+            values[key] = values[key][: config.drafter_num_layers]
+    draft_config = type(target.config).from_dict(values)
+    draft_config.dtype = torch.float32
+    # transformers initialises from the global RNG: fork it so only ``seed`` matters.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        drafter = AutoModelForCausalLM.from_config(draft_config, dtype=torch.float32)
+    if config.drafter_init != "random":
+        _copy_from_target(drafter, target, config.drafter_init, config.drafter_num_layers)
+    return drafter
+
+
+def _copy_from_target(
+    drafter: torch.nn.Module, target: torch.nn.Module, init: str, num_layers: int
+) -> None:
+    target_hidden = target.get_input_embeddings().weight.shape[1]
+    draft_hidden = drafter.get_input_embeddings().weight.shape[1]
+    if draft_hidden != target_hidden:
+        raise ValueError(
+            f"--drafter_init {init} copies the target's embeddings, which needs the target's "
+            f"hidden size {target_hidden}, but --drafter_hidden_size is {draft_hidden}; drop "
+            "--drafter_hidden_size or use --drafter_init random"
+        )
+    with torch.no_grad():
+        drafter.get_input_embeddings().weight.copy_(target.get_input_embeddings().weight)
+        draft_head, target_head = drafter.get_output_embeddings(), target.get_output_embeddings()
+        if draft_head.weight.data_ptr() != drafter.get_input_embeddings().weight.data_ptr():
+            draft_head.weight.copy_(target_head.weight)
+        inner_draft, inner_target = _inner(drafter), _inner(target)
+        if hasattr(inner_draft, "norm") and hasattr(inner_target, "norm"):
+            inner_draft.norm.load_state_dict(inner_target.norm.state_dict())
+        if init == "target_layers":
+            if not (hasattr(inner_draft, "layers") and hasattr(inner_target, "layers")):
+                raise ValueError(
+                    "--drafter_init target_layers needs a Llama-like model (model.layers); use "
+                    "--drafter_init embeddings"
+                )
+            if num_layers > len(inner_target.layers):
+                raise ValueError(
+                    f"--drafter_num_layers {num_layers} exceeds the target's "
+                    f"{len(inner_target.layers)} layers; lower it or use --drafter_init embeddings"
+                )
+            for draft_layer, target_layer in zip(
+                inner_draft.layers, inner_target.layers, strict=False
+            ):
+                draft_layer.load_state_dict(target_layer.state_dict())
+
+
+def _inner(model: torch.nn.Module) -> torch.nn.Module:
+    return getattr(model, getattr(model, "base_model_prefix", "model"), model)
+
+
+def _with_lora(drafter: torch.nn.Module, config: DrafterConfig) -> torch.nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    modules: str | list[str] = config.lora_target_modules
+    if modules != "all-linear":
+        modules = [name.strip() for name in modules.split(",") if name.strip()]
+    lora = LoraConfig(
+        r=config.lora_rank,
+        lora_alpha=config.lora_alpha,
+        lora_dropout=config.lora_dropout,
+        target_modules=modules,
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(drafter, lora)
