@@ -1,0 +1,72 @@
+"""Bad input fails before training starts, with a message that says what to change."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from tiny_models import tiny_llama
+
+from train.distill import main
+
+Argv = Callable[..., list[str]]
+
+
+def _nothing_trained(output_dir: Path) -> bool:
+    return not (output_dir / "checkpoints").exists() and not (output_dir / "logs").exists()
+
+
+def test_missing_target_path(tmp_path: Path, tiny_argv: Argv) -> None:
+    argv = [*tiny_argv(tmp_path), "--target", str(tmp_path / "no-such-model")]
+    with pytest.raises(FileNotFoundError, match="no such folder; pass an existing model folder"):
+        main(argv)
+    not_a_model = tmp_path / "empty"
+    not_a_model.mkdir()
+    with pytest.raises(FileNotFoundError, match=r"no config\.json"):
+        main([*tiny_argv(tmp_path / "out"), "--target", str(not_a_model)])
+    assert _nothing_trained(tmp_path / "out")
+
+
+def test_unknown_loss_name(tmp_path: Path, tiny_argv: Argv) -> None:
+    with pytest.raises(ValueError, match=r"unknown loss .kl.*valid names: fkl, rkl, jsd, tv, ce"):
+        main(tiny_argv(tmp_path, "--loss", "kl"))
+    assert _nothing_trained(tmp_path)
+
+
+def test_unknown_drafter_kind(tmp_path: Path, tiny_argv: Argv) -> None:
+    with pytest.raises(ValueError, match="unknown objective/drafter kind 'ngram'; known kinds"):
+        main(tiny_argv(tmp_path, "--drafter_kind", "ngram"))
+
+
+def test_drafter_vocab_differs_from_target(tmp_path: Path, tiny_argv: Argv) -> None:
+    other = tmp_path / "other-vocab"
+    tiny_llama(vocab_size=64).save_pretrained(other)
+    with pytest.raises(ValueError, match="predicts over 64 tokens but the target over 512"):
+        main(tiny_argv(tmp_path / "out", "--drafter_path", str(other)))
+    assert _nothing_trained(tmp_path / "out")
+
+
+def test_empty_dataset(tmp_path: Path, tiny_argv: Argv) -> None:
+    data = tmp_path / "short.jsonl"
+    data.write_text('{"text": "x = 1"}\n{"text": "y = 2"}\n{"text": "z"}\n')
+    with pytest.raises(ValueError, match=r"yields no training sequence.*lower --block_size"):
+        main(tiny_argv(tmp_path / "out", "--dataset", str(data)))
+    assert _nothing_trained(tmp_path / "out")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ValueError, match="holds no records"):
+        main(tiny_argv(tmp_path / "out", "--dataset", str(empty)))
+    with pytest.raises(ValueError, match=r"none of 'messages'.*set --messages_field"):
+        wrong = tmp_path / "wrong.jsonl"
+        wrong.write_text('{"body": "a"}\n{"body": "b"}\n')
+        main(tiny_argv(tmp_path / "out", "--dataset", str(wrong)))
+
+
+def test_existing_run_needs_resume_or_overwrite(tmp_path: Path, tiny_argv: Argv) -> None:
+    (tmp_path / "checkpoints" / "checkpoint-0000002").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "checkpoint-0000002" / "trainer_state.json").write_text("{}")
+    with pytest.raises(FileExistsError, match="--resume_from_checkpoint latest"):
+        main(tiny_argv(tmp_path))
+    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+        main(tiny_argv(tmp_path, "--resume_from_checkpoint", str(tmp_path / "nope")))
