@@ -47,6 +47,19 @@ def test_tiny_run_exports_the_drafter_folder(
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 6
 
 
+def test_decode_loads_the_exported_drafter(
+    tmp_path: Path, tiny_argv: Argv, tiny_target: Path
+) -> None:
+    from decode.drafters.registry import detect_drafter_kind, load_drafter
+
+    main(tiny_argv(tmp_path, "--max_steps", "2"))
+    target = AutoModelForCausalLM.from_pretrained(tiny_target).eval()
+    assert detect_drafter_kind(tmp_path / "drafter") == "draft_lm"
+    drafter = load_drafter(tmp_path / "drafter", target)
+    assert drafter.kind == "draft_lm"
+    assert drafter.vocab_size == target.get_output_embeddings().weight.shape[0]
+
+
 def test_distillation_raises_held_out_overlap(tmp_path: Path, tiny_argv: Argv) -> None:
     main(
         tiny_argv(
