@@ -6,6 +6,7 @@
 - ``scheduler``: the bounded queue and the one worker thread that batches compatible requests
   into ``SpeculativeDecoder.generate`` calls;
 - ``metrics``: counters and their Prometheus text exposition;
+- ``responses``: OpenAI's response and chunk objects, server-sent-event framing;
 - ``app``: the FastAPI routes (completions, chat, models, health, metrics);
 - ``loading``: target, tokenizer and drafter from folders (safetensors only).
 

@@ -16,10 +16,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +36,7 @@ from decode.serving.protocol import (
     error_body,
     parse_body,
 )
+from decode.serving.responses import DONE, Answer, ChunkShape, sse
 from decode.serving.scheduler import (
     BatchWorker,
     DoneEvent,
@@ -49,7 +48,6 @@ from decode.serving.scheduler import (
     TokensEvent,
 )
 from decode.serving.text import TextStream
-from decode.stats import DecodeStats
 
 logger = logging.getLogger(__name__)
 
@@ -61,32 +59,16 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the 
 
 @dataclass(frozen=True)
 class ServingLimits:
+    """What one request may ask for; beyond it the answer is a 400 (413 for the body)."""
+
     max_tokens_limit: int = 1024
     max_context_length: int = 2048
     default_max_tokens: int = 16
     max_request_bytes: int = 1 << 20
 
 
-@dataclass
-class _Answer:
-    """How one request ended: the numbers its response reports."""
-
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    stats: DecodeStats
-    batch_size: int
-
-    def usage(self) -> dict[str, int]:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-        }
-
-
 class _ClientGone(Exception):
-    pass
+    """The client hung up before its answer was complete."""
 
 
 def stop_token_ids(tokenizer: Any, target: torch.nn.Module) -> list[int]:
@@ -341,14 +323,14 @@ class OpenAIServer:
                 type="rate_limit_error",
                 code="queue_full",
             ) from None
-        shape = _ChunkShape(chat, self.model_name)
+        shape = ChunkShape(chat, self.model_name)
         if body.stream:
             events = self._stream(request, job, text, shape, body.include_usage)
             return StreamingResponse(
                 events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
             )
         pieces: list[str] = []
-        answer: _Answer | None = None
+        answer: Answer | None = None
         try:
             async with contextlib.aclosing(self._run(request, job, text)) as deltas:
                 async for delta, last in deltas:
@@ -361,7 +343,7 @@ class OpenAIServer:
 
     async def _run(
         self, request: Request, job: GenerationJob, text: TextStream
-    ) -> AsyncIterator[tuple[str, _Answer | None]]:
+    ) -> AsyncIterator[tuple[str, Answer | None]]:
         """Text deltas as tokens arrive; the last pair carries the finished answer."""
         done = False
         try:
@@ -387,7 +369,7 @@ class OpenAIServer:
                     continue
                 assert isinstance(event, DoneEvent)
                 done = True
-                answer = _Answer(
+                answer = Answer(
                     finish_reason=text.finish_reason or "length",
                     prompt_tokens=len(job.prompt_ids),
                     completion_tokens=text.num_tokens,
@@ -408,30 +390,30 @@ class OpenAIServer:
         request: Request,
         job: GenerationJob,
         text: TextStream,
-        shape: _ChunkShape,
+        shape: ChunkShape,
         include_usage: bool,
     ) -> AsyncIterator[str]:
         """Server-sent events: a chunk per round, the finish chunk, usage, then [DONE]."""
         if shape.chat:
-            yield _sse(shape.chunk({"role": "assistant", "content": ""}))
+            yield sse(shape.chunk({"role": "assistant", "content": ""}))
         try:
             async with contextlib.aclosing(self._run(request, job, text)) as deltas:
                 async for delta, answer in deltas:
                     if delta:
-                        yield _sse(shape.chunk(shape.delta(delta)))
+                        yield sse(shape.chunk(shape.delta(delta)))
                     if answer is not None:
                         final = shape.chunk(shape.delta(None), answer.finish_reason)
                         final["draftsmith"] = self._extra(answer)
-                        yield _sse(final)
+                        yield sse(final)
                         if include_usage:
-                            yield _sse(shape.usage_chunk(answer.usage()))
+                            yield sse(shape.usage_chunk(answer.usage()))
         except APIError as error:
-            yield _sse(error.body())
+            yield sse(error.body())
         except _ClientGone:
             return
-        yield "data: [DONE]\n\n"
+        yield DONE
 
-    def _extra(self, answer: _Answer) -> dict[str, Any]:
+    def _extra(self, answer: Answer) -> dict[str, Any]:
         """This request's acceptance statistics (its own rows of the batch)."""
         stats = answer.stats
         return {
@@ -452,59 +434,6 @@ class OpenAIServer:
             "created": self.created,
             "owned_by": "draftsmith",
         }
-
-
-class _ChunkShape:
-    """OpenAI's response and chunk objects for completions or chat completions."""
-
-    def __init__(self, chat: bool, model: str) -> None:
-        self.chat = chat
-        self.model = model
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-
-    def delta(self, text: str | None) -> dict[str, Any] | str:
-        if not self.chat:
-            return text or ""
-        return {} if text is None else {"content": text}
-
-    def chunk(
-        self, delta: dict[str, Any] | str, finish_reason: str | None = None
-    ) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
-        choice["delta" if self.chat else "text"] = delta
-        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", choice)
-
-    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
-        envelope = self._envelope("chat.completion.chunk" if self.chat else "text_completion")
-        envelope["usage"] = usage
-        return envelope
-
-    def response(self, text: str, answer: _Answer, extra: dict[str, Any]) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "logprobs": None}
-        choice["finish_reason"] = answer.finish_reason
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        body = self._envelope("chat.completion" if self.chat else "text_completion", choice)
-        body["usage"] = answer.usage()
-        body["draftsmith"] = extra
-        return body
-
-    def _envelope(self, kind: str, choice: dict[str, Any] | None = None) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": kind,
-            "created": self.created,
-            "model": self.model,
-            "system_fingerprint": None,
-            "choices": [choice] if choice is not None else [],
-        }
-
-
-def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
 class _CountResponses:
