@@ -83,12 +83,24 @@ class NgramDrafter(Drafter):
             history.append(token)
 
     def _lookup(self, history: list[int], num_tokens: int) -> list[int]:
-        """Tokens after the most recent earlier occurrence of the longest matching suffix."""
+        """Tokens after an earlier occurrence of the longest matching suffix.
+
+        The most recent occurrence that still has ``num_tokens`` tokens after it wins (on a
+        repeated pattern the nearest match would leave only one token to copy); failing that,
+        the occurrence with the longest continuation.
+        """
         length = len(history)
         for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
             suffix = history[length - n :]
+            best: list[int] = []
             # Scan from the right: the most recent occurrence best predicts what comes next.
             for start in range(length - n - 1, -1, -1):
                 if history[start : start + n] == suffix:
-                    return history[start + n : start + n + num_tokens]
+                    continuation = history[start + n : start + n + num_tokens]
+                    if len(continuation) == num_tokens:
+                        return continuation
+                    if len(continuation) > len(best):
+                        best = continuation
+            if best:
+                return best
         return []

@@ -62,3 +62,12 @@ def test_bonus_token_only_when_every_draft_is_accepted() -> None:
             torch.tensor([[1]]), None, target_probs, torch.Generator().manual_seed(seed)
         )
         assert (accepted.item(), next_tokens.item()) in {(1, 2), (0, 0)}
+
+
+def test_ngram_lookup_copies_a_full_continuation_on_repeats() -> None:
+    from decode import NgramDrafter
+
+    drafter = NgramDrafter(vocab_size=10, max_ngram=2)
+    assert drafter._lookup([5, 5, 5, 5, 5, 5], 3) == [5, 5, 5]
+    assert drafter._lookup([1, 2, 3, 4, 1, 2], 3) == [3, 4, 1]
+    assert drafter._lookup([1, 2, 3, 4, 9], 3) == []
