@@ -59,6 +59,9 @@ def distill(config: DistillConfig) -> dict[str, Any]:
     output_dir = Path(config.output.output_dir).expanduser()
     checkpoints = CheckpointManager(output_dir / "checkpoints", config.output.keep_checkpoints)
     resume = _resume_point(config, checkpoints)
+    # Before the run's Accelerator exists: a demo-target build trains through its own one.
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    location, target_name = target_location(target_ref, allow_build=launched == 1)
 
     reporters = [name for name in config.logging_reporters() if name != "none"]
     accelerator = make_accelerator(
@@ -72,8 +75,6 @@ def distill(config: DistillConfig) -> dict[str, Any]:
         (output_dir / "logs" / "metrics.jsonl").unlink(missing_ok=True)
     accelerator.wait_for_everyone()
 
-    with accelerator.main_process_first():  # a missing demo target is built once
-        location, target_name = target_location(target_ref)
     remote = config.target.trust_remote_code
     tokenizer = load_tokenizer(location, remote)
     sets = load_sequences(config.data, tokenizer, config.optim.seed)  # data errors before the model
@@ -151,6 +152,7 @@ def distill(config: DistillConfig) -> dict[str, Any]:
 
     summary = {
         "target": target_name,
+        "target_path": location,
         "drafter_kind": config.drafter.drafter_kind,
         "data": sets.description,
         "target_outputs": config.data.target_outputs,

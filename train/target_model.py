@@ -46,11 +46,18 @@ def resolve_target(spec: str) -> TargetRef:
     )
 
 
-def target_location(ref: TargetRef) -> tuple[str, str]:
-    """``(where to load from, display name)``; builds a missing demo target first."""
+def target_location(ref: TargetRef, allow_build: bool = True) -> tuple[str, str]:
+    """``(where to load from, display name)``; builds a missing demo target when allowed."""
     if ref.kind == "preset":
-        from train.demo_target import build_demo_target
+        from train.demo_target import build_demo_target, default_target_path, is_complete
 
+        folder = default_target_path(str(ref))
+        if not is_complete(folder) and not allow_build:
+            raise FileNotFoundError(
+                f"--target {ref}: the demo target is not built yet ({folder}) and a "
+                "multi-process run cannot build it; build it once first with "
+                f"`python scripts/build_demo_target.py --preset {ref}`"
+            )
         location = str(build_demo_target(preset=str(ref)))
         return location, f"demo target '{ref}' ({location})"
     return str(ref), str(ref)

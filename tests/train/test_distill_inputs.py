@@ -70,3 +70,13 @@ def test_existing_run_needs_resume_or_overwrite(tmp_path: Path, tiny_argv: Argv)
         main(tiny_argv(tmp_path))
     with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
         main(tiny_argv(tmp_path, "--resume_from_checkpoint", str(tmp_path / "nope")))
+
+
+def test_multi_process_run_does_not_build_a_missing_demo_target(
+    tmp_path: Path, tiny_argv: Argv, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(FileNotFoundError, match=r"build it once first with .*--preset tiny"):
+        main([*tiny_argv(tmp_path / "out"), "--target", "tiny"])
+    assert not (tmp_path / "cache").exists()
