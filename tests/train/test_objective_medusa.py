@@ -78,9 +78,10 @@ def test_head_i_is_compared_with_the_targets_law_of_the_token_it_guesses() -> No
     batch = sampled_batch(target, rows=3, length=20, seed=1, temperature=0.0)
     objective = make_objective(target)
     hidden, target_logits = objective._target_outputs(batch)
-    logits = objective.module(hidden)  # [B, T, K, V]
+    logits = objective.module(hidden)  # 3 x [B, T-2-i, V]
     for i in range(3):  # zero residual blocks: each head starts as the target's own head
-        torch.testing.assert_close(logits[:, :, i].double(), target_logits, rtol=1e-4, atol=1e-4)
+        expected = target_logits[:, : 20 - 2 - i]
+        torch.testing.assert_close(logits[i].double(), expected, rtol=1e-4, atol=1e-4)
     seen = 0
     for i, (weight, draft, target_i, mask, labels) in enumerate(
         objective._aligned(batch, logits, target_logits)

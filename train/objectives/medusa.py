@@ -49,6 +49,31 @@ if TYPE_CHECKING:
     from train.config import DistillConfig
 
 
+class SpanHeads(torch.nn.Module):
+    """The trainable module: :class:`MedusaHeads` run, per head, only where it is trained.
+
+    Head i is evaluated on positions ``0 .. T-3-i`` (the ones whose token ``t+2+i`` exists),
+    so no full ``[B, T, K, V]`` tensor is built and sliced: its backward would allocate that
+    much zeros per head.
+    """
+
+    def __init__(self, heads: MedusaHeads) -> None:
+        super().__init__()
+        self.heads = heads
+
+    def forward(self, hidden: torch.Tensor) -> list[torch.Tensor]:  # [B, T, H] -> K x [B, S_i, V]
+        length = hidden.shape[1]
+        out = []
+        for i, (block, lm_head) in enumerate(
+            zip(self.heads.blocks, self.heads.lm_heads, strict=True)
+        ):
+            span = length - 2 - i
+            if span < 1:
+                break
+            out.append(lm_head(block(hidden[:, :span])))
+        return out
+
+
 class MedusaObjective(Objective):
     """Train :class:`MedusaHeads` on a frozen target; see the module docstring for the math."""
 
@@ -80,6 +105,7 @@ class MedusaObjective(Objective):
                 "with --export_format vllm"
             )
         self.heads = heads
+        self.span_heads = SpanHeads(heads)
         self.target = target.eval().requires_grad_(False)
         self.loss = loss
         self.head_weights = position_weights(heads.config.num_heads, head_weights)
@@ -119,7 +145,12 @@ class MedusaObjective(Objective):
     # ------------------------------------------------------------------ loop protocol
 
     def trainable_module(self) -> torch.nn.Module:
-        return self.heads
+        return self.span_heads
+
+    @property
+    def trained_heads(self) -> MedusaHeads:
+        """The heads being trained (unwrapped from DDP/compile wrappers)."""
+        return self.unwrapped_module.heads
 
     def bind(self, module: torch.nn.Module, accelerator: Any) -> None:
         super().bind(module, accelerator)
@@ -127,7 +158,7 @@ class MedusaObjective(Objective):
 
     def compute_loss(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         hidden, target = self._target_outputs(batch)
-        logits = self.module(hidden)  # [B, T, K, V]
+        logits = self.module(hidden)  # K x [B, T-2-i, V]
         total: torch.Tensor | None = None
         used = 0.0
         metrics: dict[str, float] = {}
@@ -147,16 +178,16 @@ class MedusaObjective(Objective):
             total = weight * value if total is None else total + weight * value
             used += weight
             metrics[f"loss@{i + 1}"] = float(value.detach())
-            alpha = overlap_at(draft.detach(), target_i, mask, self.loss_temperature)
-            metrics[f"overlap@{i + 1}"] = float(alpha.sum() / mask.sum())
+            if "tv" in parts:  # the overlap is free with a TV term (a full pass over V is not)
+                metrics[f"overlap@{i + 1}"] = 1.0 - float(parts["tv"].detach())
         if total is None:  # no position of this batch reaches any head: a zero step
-            return logits.sum() * 0.0, metrics
+            return sum(p.sum() for p in self.module.parameters()) * 0.0, metrics
         return total / used, metrics
 
     @torch.no_grad()
     def evaluate(self, batch: Batch) -> MetricSums:
         hidden, target = self._target_outputs(batch)
-        logits = self.module(hidden)  # [B, T, K, V]
+        logits = self.module(hidden)  # K x [B, T-2-i, V]
         out: MetricSums = {}
         weighted_loss = weighted_count = 0.0
         for i, (weight, draft, target_i, mask, labels) in enumerate(
@@ -199,10 +230,10 @@ class MedusaObjective(Objective):
         """
         from train.export_formats import export_medusa
 
-        heads = self.unwrapped_module
+        heads = self.trained_heads
         if state_dict is not None:
             heads = MedusaHeads(heads.config)
-            heads.load_state_dict(state_dict)
+            heads.load_state_dict({k.removeprefix("heads."): v for k, v in state_dict.items()})
         folder = Path(folder)
         heads.save_pretrained(folder)
         for _fmt in self.export_formats:  # only vllm: checked in __init__
@@ -210,7 +241,7 @@ class MedusaObjective(Objective):
 
     def describe(self) -> dict[str, Any]:
         """Architecture facts for the model card."""
-        heads = self.unwrapped_module
+        heads = self.trained_heads
         config = heads.config
         return {
             "architecture": "Medusa heads (vLLM MedusaModel weight layout)",
@@ -229,7 +260,7 @@ class MedusaObjective(Objective):
     @torch.no_grad()
     def _target_outputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's last hidden state [B, T, H] and its logits or log-probs [B, T, V]."""
-        dtype = self.unwrapped_module.lm_heads[0].weight.dtype
+        dtype = self.trained_heads.lm_heads[0].weight.dtype
         if "topk_ids" in batch:
             if "hidden_states" not in batch:
                 raise ValueError(
@@ -259,22 +290,20 @@ class MedusaObjective(Objective):
         return outputs.hidden_states[-1].to(dtype), outputs.logits
 
     def _aligned(
-        self, batch: Batch, logits: torch.Tensor, target: torch.Tensor
+        self, batch: Batch, logits: list[torch.Tensor], target: torch.Tensor
     ) -> Iterable[tuple[float, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Per head i: weight, logits [B, S, V], target [B, S, V], mask and labels [B, S].
 
         ``S = T - 2 - i``: head i at position t predicts ``x_{t+2+i}`` against the target's
-        distribution at ``t+1+i``. Heads that no position reaches are skipped.
+        distribution at ``t+1+i`` (``logits`` from :class:`SpanHeads`). Heads that no position
+        reaches are skipped.
         """
         input_ids = batch["input_ids"]
-        length = input_ids.shape[1]
-        for i, weight in enumerate(self.head_weights):
-            span = length - 2 - i
-            if span < 1:
-                break
+        for i, (weight, draft) in enumerate(zip(self.head_weights, logits, strict=False)):
+            span = draft.shape[1]
             yield (
                 weight,
-                logits[:, :span, i],
+                draft,
                 target[:, 1 + i : 1 + i + span],
                 future_mask(batch, 2 + i),
                 input_ids[:, 2 + i :],
