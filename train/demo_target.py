@@ -45,7 +45,7 @@ class DemoPreset:
     vocab_size: int = 8192
     block_size: int = 256
     batch_size: int = 8
-    learning_rate: float = 2e-3
+    learning_rate: float = 1e-3
     warmup_steps: int = 30
     min_lr_ratio: float = 0.05
     weight_decay: float = 0.1
@@ -68,7 +68,7 @@ PRESETS: dict[str, DemoPreset] = {
         hidden_size=512,
         intermediate_size=1376,
         num_heads=8,
-        learning_rate=1.5e-3,
+        learning_rate=7e-4,
         batch_size=4,
     ),
     # Seconds: a few files, a small vocabulary, a few dozen steps. For tests.
