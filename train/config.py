@@ -187,6 +187,22 @@ class OutputConfig:
     )
 
 
+@dataclass
+class SpeedEvalConfig:
+    """After export: decode held-out prompts with the drafter, side by side with plain decoding."""
+
+    speed_eval_prompts: int = _f(6, "held-out prompts decoded after training (0 skips the step)")
+    speed_eval_prompt_source: str = _f("demo", "'demo' (held-out stdlib code) or a prompt file")
+    speed_eval_new_tokens: int = _f(128, "tokens generated per prompt")
+    speed_eval_temperatures: list[float] = field(
+        default_factory=lambda: [0.0, 1.0],
+        metadata={"help": "decoding temperatures measured"},
+    )
+    speed_eval_draft_tokens: int = _f(4, "num_draft_tokens (chain length or tree depth)")
+    speed_eval_tree_top_k: int = _f(4, "eagle3/medusa trees: children per expanded node")
+    speed_eval_tree_total_tokens: int = _f(12, "eagle3/medusa trees: nodes per tree (0: chains)")
+
+
 SECTIONS: dict[str, type] = {
     "target": TargetConfig,
     "drafter": DrafterConfig,
@@ -195,6 +211,7 @@ SECTIONS: dict[str, type] = {
     "optim": OptimConfig,
     "logging": LoggingConfig,
     "output": OutputConfig,
+    "speed_eval": SpeedEvalConfig,
 }
 
 
@@ -209,6 +226,7 @@ class DistillConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    speed_eval: SpeedEvalConfig = field(default_factory=SpeedEvalConfig)
     config_file: str | None = None
 
     def to_dict(self) -> dict[str, Any]:

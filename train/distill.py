@@ -182,11 +182,43 @@ def distill(config: DistillConfig) -> dict[str, Any]:
         )
         (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         _print_summary(summary)
+        if config.speed_eval.speed_eval_prompts > 0:
+            summary["speed"] = _measure_speed(config, location, output_dir, result.final_eval)
+            (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     accelerator.wait_for_everyone()
     tracker.finish()
     if config.output.push_to_hub and accelerator.is_main_process:
         summary["hub_url"] = push_to_hub(output_dir / "drafter", config.output.push_to_hub)
     return summary
+
+
+def _measure_speed(
+    config: DistillConfig, target_path: Any, output_dir: Path, held_out: dict[str, float]
+) -> dict[str, Any]:
+    """Decode held-out prompts with the exported drafter against plain decoding (report.json)."""
+    from train.speed_report import measure_and_report
+
+    speed = config.speed_eval
+    tree = None
+    if speed.speed_eval_tree_total_tokens > 0:
+        tree = {
+            "top_k": speed.speed_eval_tree_top_k,
+            "total_tokens": speed.speed_eval_tree_total_tokens,
+        }
+    report = measure_and_report(
+        target_path,
+        output_dir / "drafter",
+        output_dir,
+        held_out,
+        num_prompts=speed.speed_eval_prompts,
+        max_new_tokens=speed.speed_eval_new_tokens,
+        num_draft_tokens=speed.speed_eval_draft_tokens,
+        temperatures=tuple(speed.speed_eval_temperatures),
+        tree=tree,
+        prompts=speed.speed_eval_prompt_source,
+    )
+    keys = ("tau", "predicted_tau", "speedup", "tokens_per_s_baseline", "tokens_per_s_speculative")
+    return {t: {k: r[k] for k in keys} for t, r in report["by_temperature"].items()}
 
 
 def _resume_point(config: DistillConfig, checkpoints: Any) -> Path | None:

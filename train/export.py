@@ -64,6 +64,9 @@ def export_drafter(
         objective.save_drafter(temp, tokenizer, state_dict)
         provenance = build_provenance(resolved_config)
         (temp / "provenance.json").write_text(json.dumps(provenance, indent=2) + "\n")
+        # Machine-readable held-out metrics (overlap@j ...) for benchmarks and dashboards.
+        held_out = summary.get("held_out", {})
+        (temp / "eval_results.json").write_text(json.dumps(held_out, indent=2) + "\n")
         card = model_card(objective.kind, summary, describe(objective), provenance)
         (temp / "README.md").write_text(card)
         old = folder.parent / f".{folder.name}.old-{os.getpid()}"

@@ -1,0 +1,42 @@
+"""After training, the run measures its drafter end to end: report.json, plots, summary table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from train.distill import main
+
+
+def test_distill_measures_the_exported_drafter(tiny_argv, tmp_path: Path, capsys) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def parse(self, text):\nclass Reader(object):\n")
+    out = tmp_path / "run"
+    summary = main(
+        tiny_argv(
+            out,
+            "--max_steps",
+            "4",
+            "--speed_eval_prompts",
+            "2",
+            "--speed_eval_prompt_source",
+            str(prompts),
+            "--speed_eval_new_tokens",
+            "12",
+            "--speed_eval_temperatures",
+            "0",
+            "1",
+        )
+    )
+    report = json.loads((out / "report.json").read_text())
+    assert set(report["by_temperature"]) == {"0", "1"}
+    greedy = report["by_temperature"]["0"]
+    assert greedy["greedy_equal_to_baseline"] == 2  # exact: same tokens as plain decoding
+    assert greedy["num_prompts"] == 2 and 1.0 <= greedy["tau"] <= 5.0
+    assert report["held_out_overlap"] == [summary["held_out"]["overlap@1"]]
+    assert summary["speed"]["0"]["speedup"] == greedy["speedup"]
+    for png in ("acceptance.png", "speedup.png"):
+        assert (out / png).stat().st_size > 1000
+    held = json.loads((out / "drafter" / "eval_results.json").read_text())
+    assert held["overlap@1"] == summary["held_out"]["overlap@1"]
+    assert "held-out overlap per position" in capsys.readouterr().out
