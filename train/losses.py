@@ -245,7 +245,10 @@ def overlap(
         out[keep] = agree.to(out.dtype)
         return out
     log_q, log_p = _prepare(draft_logits, target_logits, keep, temperature)
-    out[keep] = torch.minimum(log_q.exp(), log_p.exp()).sum(-1)
+    # A float32 head may be scored against a float64 target: compare in the wider dtype.
+    common = torch.promote_types(log_q.dtype, log_p.dtype)
+    overlaps = torch.minimum(log_q.to(common).exp(), log_p.to(common).exp()).sum(-1)
+    out[keep] = overlaps.to(out.dtype)
     return out
 
 

@@ -571,3 +571,12 @@ def test_minimising_each_loss_raises_the_overlap(spec: str) -> None:
     after = overlap(draft, target, mask)[mask].mean()
     assert loss(draft, target, mask).item() < 0.2 * first
     assert after > before + 0.2 and after > 0.85
+
+
+def test_overlap_accepts_mixed_precision_inputs() -> None:
+    draft = torch.randn(1, 3, 7, dtype=torch.float32)
+    target = draft.double()
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    assert torch.allclose(
+        overlap(draft, target, mask).double(), torch.ones(1, 3, dtype=torch.double)
+    )
