@@ -157,7 +157,8 @@ def run_training(
     clock.offset_s = state.elapsed_s
 
     bar = tqdm(
-        total=config.max_steps,
+        # A time-boxed run ends by the clock, not at max_steps: show a count, not a fraction.
+        total=None if config.max_minutes is not None else config.max_steps,
         initial=state.step,
         desc=config.description,
         disable=not (accelerator.is_local_main_process and config.progress_bar),
