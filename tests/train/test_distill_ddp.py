@@ -8,14 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow
 def test_two_process_cpu_ddp_run(tmp_path: Path, tiny_target: Path) -> None:
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "HF_HUB_OFFLINE": "1"}
     command = [

@@ -36,7 +36,6 @@ def _losses(log: Path) -> dict[int, float]:
     return {r["step"]: r["train/loss"] for r in read_metrics_log(log) if "train/loss" in r}
 
 
-@pytest.mark.slow
 def test_sigkill_then_resume_replays_the_uninterrupted_losses(
     tmp_path: Path, tiny_argv: Callable[..., list[str]]
 ) -> None:
