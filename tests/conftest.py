@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import os
 
+# OpenMP threads that busy-wait make every op crawl on a shared 2-core machine; this must be
+# set before torch loads its OpenMP runtime.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import pytest
 import torch
 from tiny_models import tiny_llama, tiny_qwen2
