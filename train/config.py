@@ -149,7 +149,7 @@ class OptimConfig:
     lr_scheduler: str = _f("cosine", "cosine, linear or constant after warmup")
     min_lr_ratio: float = _f(0.1, "final learning rate / peak")
     max_grad_norm: float = _f(1.0, "gradient clipping norm (0 disables)")
-    max_steps: int = _f(400, "optimizer steps")
+    max_steps: int = _f(150, "optimizer steps")
     max_minutes: float | None = _f(None, "wall-clock budget; stops cleanly and checkpoints")
     per_device_batch_size: int = _f(8, "sequences per process per micro-batch")
     gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step")
@@ -168,7 +168,7 @@ class LoggingConfig:
     project: str = _f("draftsmith", "tracker project name")
     run_name: str | None = _f(None, "run name (default: the output folder's name)")
     log_every: int = _f(10, "steps between logged training metrics")
-    eval_every: int = _f(100, "steps between held-out evaluations (0: only at the end)")
+    eval_every: int = _f(50, "steps between held-out evaluations (0: only at the end)")
     progress_bar: bool = _f(True, "tqdm progress bar on the main process")
 
 
@@ -177,7 +177,7 @@ class OutputConfig:
     """Checkpoints and the exported drafter."""
 
     output_dir: str = _f("outputs/distill-demo", "run folder: checkpoints, logs, drafter/")
-    checkpoint_every: int = _f(100, "steps between checkpoints (0: only at the end)")
+    checkpoint_every: int = _f(50, "steps between checkpoints (0: only at the end)")
     keep_checkpoints: int = _f(2, "checkpoints kept (the newest)")
     resume_from_checkpoint: str | None = _f(None, "latest or a checkpoint-<step> folder")
     overwrite_output_dir: bool = _f(False, "start afresh in an output_dir that has checkpoints")
