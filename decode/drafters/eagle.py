@@ -31,7 +31,6 @@ outputs and are ours minus one. The default, EAGLE-3's ``(2, L//2, L-3)``, is
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -39,15 +38,14 @@ from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from decode.drafters.base import Drafter, DraftProposal, TargetPass, TreeSpec
+from decode.drafters.folder import read_folder, save_native_folder
 from decode.sampling import SamplingConfig, select_tokens
 from decode.tree import Frontier, TreeProposal, TreeVerification, build_dynamic_tree
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
-FORMAT_VERSION = 1
 
 
 def default_aux_layer_ids(num_target_layers: int) -> tuple[int, int, int]:
@@ -470,16 +468,7 @@ class Eagle3Head(nn.Module):
     # -- folders --------------------------------------------------------------------------
     def save_pretrained(self, path: str | Path) -> None:
         """Write the native drafter folder: drafter.json, config.json, model.safetensors."""
-        folder = Path(path)
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "drafter.json").write_text(
-            json.dumps({"kind": "eagle3", "format_version": FORMAT_VERSION}, indent=2) + "\n"
-        )
-        (folder / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2) + "\n")
-        save_file(
-            {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()},
-            str(folder / "model.safetensors"),
-        )
+        save_native_folder(path, "eagle3", self.config.to_dict(), self)
 
     @classmethod
     def from_pretrained(
@@ -490,28 +479,11 @@ class Eagle3Head(nn.Module):
         Engine exports do not record the target's depth; pass ``target_num_hidden_layers``
         when the export names no aux layer ids (engines then use the EAGLE-3 default).
         """
-        folder = Path(path)
-        config_path = folder / "config.json"
-        if not config_path.is_file():
-            raise FileNotFoundError(f"{folder} has no config.json: not a drafter folder")
-        raw = json.loads(config_path.read_text())
-        marker = folder / "drafter.json"
-        if marker.is_file():
-            kind = json.loads(marker.read_text()).get("kind")
-            if kind != "eagle3":
-                raise ValueError(f"{folder} holds a {kind!r} drafter, not 'eagle3'")
+        raw, native, state = read_folder(path, "eagle3", EAGLE3_ARCHITECTURE)
+        if native:
             config = Eagle3Config.from_dict(raw)
-        elif EAGLE3_ARCHITECTURE in raw.get("architectures", []):
-            config = config_from_engine_dict(raw, target_num_hidden_layers)
         else:
-            raise ValueError(
-                f"{folder} is neither a native eagle3 folder (drafter.json) nor an export with "
-                f"architectures [{EAGLE3_ARCHITECTURE!r}]"
-            )
-        weights_path = folder / "model.safetensors"
-        if not weights_path.is_file():
-            raise FileNotFoundError(f"{folder} has no model.safetensors")
-        state = load_file(str(weights_path))
+            config = config_from_engine_dict(raw, target_num_hidden_layers)
         head = cls(config)
         head._load_weights(state)
         return head

@@ -16,22 +16,20 @@ vLLM reads the block bias only when ``medusa_fc_bias`` is set in config.json.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from decode.drafters.base import Drafter, DraftProposal, TargetPass, TreeSpec
+from decode.drafters.folder import read_folder, save_native_folder
 from decode.sampling import SamplingConfig, logits_to_probs, sample
 from decode.tree import StaticTree, TreeProposal, TreeVerification
 
 MEDUSA_ARCHITECTURE = "MedusaModel"
-FORMAT_VERSION = 1
 
 
 @dataclass
@@ -126,44 +124,15 @@ class MedusaHeads(nn.Module):
     # -- folders --------------------------------------------------------------------------
     def save_pretrained(self, path: str | Path) -> None:
         """Write the native drafter folder: drafter.json, config.json, model.safetensors."""
-        folder = Path(path)
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "drafter.json").write_text(
-            json.dumps({"kind": "medusa", "format_version": FORMAT_VERSION}, indent=2) + "\n"
-        )
-        (folder / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2) + "\n")
-        save_file(
-            {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()},
-            str(folder / "model.safetensors"),
-        )
+        save_native_folder(path, "medusa", self.config.to_dict(), self)
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> MedusaHeads:
         """Load a native folder or a vLLM ``MedusaModel`` export."""
         folder = Path(path)
-        config_path = folder / "config.json"
-        if not config_path.is_file():
-            raise FileNotFoundError(f"{folder} has no config.json: not a drafter folder")
-        raw = json.loads(config_path.read_text())
-        marker = folder / "drafter.json"
-        if marker.is_file():
-            kind = json.loads(marker.read_text()).get("kind")
-            if kind != "medusa":
-                raise ValueError(f"{folder} holds a {kind!r} drafter, not 'medusa'")
-            config = MedusaConfig.from_dict(raw)
-        elif MEDUSA_ARCHITECTURE in raw.get("architectures", []):
-            config = config_from_vllm_dict(raw)
-        else:
-            raise ValueError(
-                f"{folder} is neither a native medusa folder (drafter.json) nor an export with "
-                f"architectures [{MEDUSA_ARCHITECTURE!r}]"
-            )
-        weights_path = folder / "model.safetensors"
-        if not weights_path.is_file():
-            raise FileNotFoundError(f"{folder} has no model.safetensors")
-        state = {
-            k.removeprefix("medusa_heads."): v for k, v in load_file(str(weights_path)).items()
-        }
+        raw, native, weights = read_folder(folder, "medusa", MEDUSA_ARCHITECTURE)
+        config = MedusaConfig.from_dict(raw) if native else config_from_vllm_dict(raw)
+        state = {k.removeprefix("medusa_heads."): v for k, v in weights.items()}
         heads = cls(config)
         expected = heads.state_dict()
         missing = sorted(set(expected) - set(state))
