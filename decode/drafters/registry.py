@@ -23,7 +23,7 @@ DRAFTER_LOADERS: dict[str, str] = {
     "draft_lm": "decode.drafters.registry:load_draft_lm",
     "ngram": "decode.drafters.registry:load_ngram",
     "medusa": "decode.drafters.medusa:load_runtime_drafter",
-    "eagle3": "decode.drafters.eagle:load_runtime_drafter",
+    "eagle3": "decode.drafters.eagle_drafter:load_runtime_drafter",
 }
 
 # Architectures written by other engines' export formats.

@@ -12,14 +12,13 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 from decode.drafters.base import TargetPass, TreeSpec
 from decode.drafters.eagle import (
     Eagle3Config,
-    Eagle3Drafter,
     Eagle3Head,
     block_visibility,
     build_vocab_maps,
     default_aux_layer_ids,
-    load_runtime_drafter,
     positions_from_mask,
 )
+from decode.drafters.eagle_drafter import Eagle3Drafter, load_runtime_drafter
 from decode.sampling import SamplingConfig, logits_to_probs
 from decode.tree import (
     TreeVerification,

@@ -9,7 +9,8 @@ from tiny_models import tiny_llama
 
 from decode import SpeculativeDecoder
 from decode.drafters.base import TreeSpec
-from decode.drafters.eagle import Eagle3Config, Eagle3Drafter, Eagle3Head
+from decode.drafters.eagle import Eagle3Config, Eagle3Head
+from decode.drafters.eagle_drafter import Eagle3Drafter
 from decode.drafters.medusa import MedusaDrafter, MedusaHeads
 from decode.sampling import SamplingConfig
 
