@@ -106,8 +106,8 @@ class SpeculativeDecoder:
         stats.prefill_seconds = _clock(self.device) - start
 
         round_fn = self._chain_round if self.tree is None else self._tree_round
-        while run.any_active():
-            pending = round_fn(target, pending, run, sampling, generator)
+        while (width := run.next_round_width()) > 0:
+            pending = round_fn(target, pending, width, run, sampling, generator)
 
         stats.total_seconds = _clock(self.device) - start
         stats.tokens_emitted = int(run.count.sum())
@@ -117,6 +117,7 @@ class SpeculativeDecoder:
         self,
         target: CachedSequence,
         pending: torch.Tensor,  # [B]
+        width: int,  # draft tokens (chain length or tree depth) this round
         run: _Run,
         sampling: SamplingConfig,
         generator: torch.Generator | None,
@@ -124,7 +125,7 @@ class SpeculativeDecoder:
         """Draft a chain, verify it in one target pass, roll both caches back, emit."""
         needs_hidden = self.drafter.needs_hidden_states
         round_start = _clock(self.device)
-        proposal = self.drafter.propose(run.round_width(), sampling, generator)
+        proposal = self.drafter.propose(width, sampling, generator)
         drafts = proposal.tokens  # [B, n]
         verify_start = _clock(self.device)
         verify = target.extend(
@@ -144,6 +145,7 @@ class SpeculativeDecoder:
         self,
         target: CachedSequence,
         pending: torch.Tensor,  # [B]
+        width: int,  # draft tokens (chain length or tree depth) this round
         run: _Run,
         sampling: SamplingConfig,
         generator: torch.Generator | None,
@@ -152,7 +154,7 @@ class SpeculativeDecoder:
         from decode.tree import verify_tree_greedy, verify_tree_stochastic
 
         round_start = _clock(self.device)
-        tree = self.drafter.propose_tree(self.tree, run.round_width())
+        tree = self.drafter.propose_tree(self.tree, width)
         verify_start = _clock(self.device)
         verify = target.extend(
             tree.input_ids(pending),
@@ -255,13 +257,15 @@ class _Run:
         self.active = torch.ones(batch, dtype=torch.bool, device=device)
         self._stopped = False
 
-    def any_active(self) -> bool:
-        return not self._stopped and bool(self.active.any())
+    def next_round_width(self) -> int:
+        """Drafts for the next round (0 when every row is done), in one host sync.
 
-    def round_width(self) -> int:
-        """Drafts for this round: no more than the most room any active row has left."""
-        room = int((self.max_new_tokens - self.count[self.active]).max())
-        return max(1, min(self.num_draft_tokens, room - 1))
+        No more than the most room any active row has left, and at least 1.
+        """
+        if self._stopped:
+            return 0
+        room = int(torch.where(self.active, self.max_new_tokens - self.count, 0).max())
+        return 0 if room <= 0 else max(1, min(self.num_draft_tokens, room - 1))
 
     def emit(
         self,
