@@ -113,16 +113,19 @@ def tree_depths(parents: torch.Tensor) -> torch.Tensor:  # [..., M] -> [..., M] 
 def tree_attention_mask(parents: torch.Tensor) -> torch.Tensor:  # [..., M] -> [..., M+1, M+1]
     """``mask[i, j]``: tree-space entry i may attend to j (j is i itself or an ancestor).
 
-    Index 0 is the root, which every node sees.
+    Index 0 is the root, which every node sees. Built as the transitive closure of the
+    parent relation: one boolean product per tree level, not one step per node.
     """
     check_parents(parents)
     size = parents.shape[-1] + 1
-    mask = torch.zeros((*parents.shape[:-1], size, size), dtype=torch.bool, device=parents.device)
-    mask[..., 0, 0] = True
-    for m in range(parents.shape[-1]):
-        parent_row = (parents[..., m] + 1)[..., None, None].expand(*parents.shape[:-1], 1, size)
-        mask[..., m + 1, :] = mask.gather(-2, parent_row).squeeze(-2)
-        mask[..., m + 1, m + 1] = True
+    batch_shape = parents.shape[:-1]
+    parent_of = torch.zeros((*batch_shape, size, size), dtype=torch.bool, device=parents.device)
+    parent_of[..., 1:, :].scatter_(-1, (parents + 1)[..., None], True)  # node -> its parent
+    mask = torch.eye(size, dtype=torch.bool, device=parents.device).expand_as(parent_of) | parent_of
+    levels = int(tree_depths(parents).max()) if parents.numel() else 0
+    step = parent_of.to(torch.float32)
+    for _ in range(levels - 1):  # extend every path by one more ancestor per pass
+        mask = mask | ((mask.to(torch.float32) @ step) > 0)
     return mask
 
 
