@@ -79,10 +79,22 @@ def sample(
     probs: torch.Tensor,  # [..., V]
     generator: torch.Generator | None,
 ) -> torch.Tensor:  # [...] int64
-    """Draw one token per row from ``probs`` with an explicit generator."""
-    flat = probs.reshape(-1, probs.shape[-1])
-    drawn = torch.multinomial(flat, 1, generator=generator)
-    return drawn.reshape(probs.shape[:-1])
+    """Draw one token per row from ``probs`` with an explicit generator (inverse CDF).
+
+    One uniform ``u`` per row picks the first token whose cumulative mass exceeds
+    ``u * total``; tokens of zero mass are never picked. ``torch.multinomial`` draws one
+    exponential per vocabulary entry instead, about 0.5 ms per row at V = 8192 on a CPU core:
+    more than a small draft model's whole layer.
+    """
+    flat = probs.reshape(-1, probs.shape[-1])  # [R, V]
+    cdf = flat.double().cumsum(-1)  # [R, V]
+    uniform = torch.rand(
+        flat.shape[0], 1, generator=generator, dtype=torch.float64, device=flat.device
+    )
+    drawn = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True)  # [R, 1]
+    # u * total rounds up to total only with probability ~1e-16; stay on a token with mass.
+    last_with_mass = flat.shape[-1] - 1 - (flat.flip(-1) > 0).long().argmax(-1, keepdim=True)
+    return torch.minimum(drawn, last_with_mass).reshape(probs.shape[:-1])
 
 
 def select_tokens(
