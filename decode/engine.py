@@ -17,6 +17,7 @@ import torch
 
 from decode.drafters.base import Drafter, TargetPass, TreeSpec
 from decode.kv_cache import CachedSequence
+from decode.output_head import OutputHead
 from decode.rejection import verify_chain
 from decode.sampling import SamplingConfig, logits_to_probs, select_tokens
 from decode.stats import DecodeStats
@@ -57,6 +58,7 @@ class SpeculativeDecoder:
             )
         self.tree = tree
         self.target = target.eval()
+        self._target_head = OutputHead.for_model(self.target)
         self.drafter = drafter
         self.num_draft_tokens = num_draft_tokens
 
@@ -94,7 +96,7 @@ class SpeculativeDecoder:
         needs_hidden = self.drafter.needs_hidden_states
         start = _clock(self.device)
 
-        target = CachedSequence(self.target, input_ids.shape[0], self.device)
+        target = CachedSequence(self.target, input_ids.shape[0], self.device, self._target_head)
         prefill = target.extend(
             input_ids, attention_mask.bool(), output_hidden_states=needs_hidden, logits_to_keep=1
         )

@@ -7,22 +7,37 @@ committed sequence. Slots past the longest kept row are cropped off for real, so
 never grows by more than what some row accepted.
 
 With ``transformers`` 5.x, ``DynamicCache.crop`` takes a negative count of tokens to drop, and
-the forward argument is ``cache`` (``past_key_values`` is deprecated).
+the forward argument is ``cache`` (``past_key_values`` is deprecated). Its ``DynamicLayer``
+concatenates every step's keys onto the whole cache, a copy that grows with the sequence; the
+full-attention layers here use ``PreallocatedLayer`` instead, which writes into spare capacity
+(doubling when full) and hands attention a view, so a step copies only its own keys.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from decode.output_head import OutputHead
 
 
 class CachedSequence:
     """Incremental forward passes of one model over a batch, with a rollback."""
 
-    def __init__(self, model: torch.nn.Module, batch_size: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        batch_size: int,
+        device: torch.device,
+        head: OutputHead | None = None,
+    ) -> None:
+        """``head`` (``OutputHead.for_model(model)``) projects the decoder's last hidden states
+        to logits; ``None`` runs the whole model."""
         self.model = model
-        self.cache = DynamicCache(config=model.config)
+        self.head = head
+        self.cache = preallocated_cache(model)
         self.valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)  # [B, S]
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)  # [B]
 
@@ -53,15 +68,23 @@ class CachedSequence:
             attention_mask = full_valid.long()
         else:
             attention_mask = _four_d_mask(self.valid, valid, tree_mask)
-        output = self.model(
-            input_ids=tokens,
-            attention_mask=attention_mask,
-            position_ids=positions,
-            cache=self.cache,
-            use_cache=True,
-            logits_to_keep=logits_to_keep,
-            output_hidden_states=output_hidden_states,
-        )
+        inputs = {
+            "input_ids": tokens,
+            "attention_mask": attention_mask,
+            "position_ids": positions,
+            "cache": self.cache,
+            "use_cache": True,
+            "output_hidden_states": output_hidden_states,
+        }
+        if self.head is None:
+            output = self.model(**inputs, logits_to_keep=logits_to_keep)
+        else:
+            decoded = self.model.get_decoder()(**inputs)
+            last = decoded.last_hidden_state  # [B, W, H]
+            output = CausalLMOutputWithPast(
+                logits=self.head(last[:, -logits_to_keep:] if logits_to_keep else last),
+                hidden_states=decoded.hidden_states,
+            )
         self.valid = full_valid
         self.lengths = self.lengths + valid.sum(-1)
         return output
@@ -102,12 +125,14 @@ class CachedSequence:
         start = self.num_slots - num_recent
         index = (start + path.clamp(min=0)).to(torch.long)  # [B, P]
         for layer in self.cache.layers:
+            if isinstance(layer, PreallocatedLayer):
+                layer.keep_slots(start, index)
+                continue
             for name in ("keys", "values"):
                 tensor = getattr(layer, name)  # [B, heads, S, d]
-                gathered = tensor.gather(
-                    2, index[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[3])
+                setattr(
+                    layer, name, torch.cat([tensor[:, :, :start], _gather_slots(tensor, index)], 2)
                 )
-                setattr(layer, name, torch.cat([tensor[:, :, :start], gathered], dim=2))
         self.valid = torch.cat([self.valid[:, :start], path_valid], dim=1)
         self.lengths = self.lengths - num_recent + path_valid.sum(-1)
 
@@ -122,3 +147,109 @@ def _four_d_mask(
     tree_mask = tree_mask.expand(batch, width, width)[:, None]
     new = tree_mask & new_valid[:, None, None, :]
     return torch.cat([past, new], dim=-1)
+
+
+def _gather_slots(
+    tensor: torch.Tensor,  # [B, heads, S, d]
+    index: torch.Tensor,  # [B, P] slot indices
+) -> torch.Tensor:  # [B, heads, P, d]
+    return tensor.gather(
+        2, index[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[3])
+    )
+
+
+def preallocated_cache(model: torch.nn.Module) -> DynamicCache:
+    """A ``DynamicCache`` for ``model`` whose full-attention layers are ``PreallocatedLayer``s.
+
+    Other layer kinds the config asks for (sliding windows, ...) keep their own classes.
+    """
+    cache = DynamicCache(config=model.config)
+    cache.layers = [
+        PreallocatedLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers
+    ]
+    return cache
+
+
+class PreallocatedLayer(DynamicLayer):
+    """One layer's keys and values in a buffer with spare capacity along the sequence.
+
+    ``keys`` / ``values`` are views of the first ``length`` slots ([B, heads, S, d]); ``update``
+    writes the new slots in place and ``crop`` only moves the end, so a decoding step costs a
+    copy of its own keys rather than of the whole cache. Capacity doubles when exhausted.
+    """
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.length = 0
+        self._key_buffer = key_states.new_empty(_buffer_shape(key_states, 0))
+        self._value_buffer = value_states.new_empty(_buffer_shape(value_states, 0))
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start, width = self.length, key_states.shape[2]
+        if start + width > self._key_buffer.shape[2]:
+            self._key_buffer = _grown(self._key_buffer, start, start + width)
+            self._value_buffer = _grown(self._value_buffer, start, start + width)
+        self._key_buffer[:, :, start : start + width] = key_states
+        self._value_buffer[:, :, start : start + width] = value_states
+        self._set_length(start + width)
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length if self.is_initialized else 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"crop takes a negative count of tokens to remove, got {tokens_to_remove}"
+            )
+        if tokens_to_remove == 0 or not self.is_initialized:
+            return
+        self._set_length(max(0, self.length + tokens_to_remove))
+
+    def keep_slots(
+        self,
+        start: int,
+        index: torch.Tensor,  # [B, P] slots (>= start) to move to start .. start + P, in order
+    ) -> None:
+        """Replace the slots from ``start`` on by the listed ones (a tree's accepted branch)."""
+        width = index.shape[1]
+        kept_keys = _gather_slots(self.keys, index)
+        kept_values = _gather_slots(self.values, index)
+        self._key_buffer[:, :, start : start + width] = kept_keys
+        self._value_buffer[:, :, start : start + width] = kept_values
+        self._set_length(start + width)
+
+    def reset(self) -> None:
+        self.length = 0
+        super().reset()
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("PreallocatedLayer serves the speculative decoder only")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("PreallocatedLayer serves the speculative decoder only")
+
+    def _set_length(self, length: int) -> None:
+        self.length = length
+        self.keys = self._key_buffer[:, :, :length]
+        self.values = self._value_buffer[:, :, :length]
+
+
+def _buffer_shape(states: torch.Tensor, needed: int) -> tuple[int, ...]:
+    batch, heads, _, dim = states.shape
+    return (batch, heads, max(256, 2 * needed), dim)
+
+
+def _grown(
+    buffer: torch.Tensor,  # [B, heads, C, d]
+    used: int,
+    needed: int,
+) -> torch.Tensor:  # [B, heads, C', d] with C' >= needed; the first ``used`` slots copied
+    grown = buffer.new_empty(_buffer_shape(buffer, needed))
+    grown[:, :, :used] = buffer[:, :, :used]
+    return grown

@@ -12,6 +12,7 @@ import torch
 
 from decode.drafters.base import Drafter, DraftProposal, TargetPass
 from decode.kv_cache import CachedSequence
+from decode.output_head import OutputHead
 from decode.sampling import SamplingConfig, select_tokens
 
 
@@ -22,6 +23,7 @@ class DraftModelDrafter(Drafter):
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model.eval()
+        self._head = OutputHead.for_model(self.model)
         self._sequence: CachedSequence | None = None
         self._unread: torch.Tensor | None = None  # [B, W] tokens the draft has not read
         self._unread_valid: torch.Tensor | None = None  # [B, W] bool
@@ -39,7 +41,7 @@ class DraftModelDrafter(Drafter):
         pending: torch.Tensor,  # [B]
     ) -> None:
         device = input_ids.device
-        self._sequence = CachedSequence(self.model, input_ids.shape[0], device)
+        self._sequence = CachedSequence(self.model, input_ids.shape[0], device, self._head)
         with torch.inference_mode():
             self._sequence.extend(input_ids, attention_mask.bool(), logits_to_keep=1)
         self._unread = pending[:, None]

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import torch
-from tiny_models import tiny_llama
+from tiny_models import tiny_llama, tiny_qwen2
 
-from decode.kv_cache import CachedSequence
+from decode.kv_cache import CachedSequence, PreallocatedLayer
+from decode.output_head import OutputHead
 
 
 def test_rollback_then_step_equals_fresh_prefill() -> None:
@@ -48,3 +49,36 @@ def test_keep_path_keeps_a_tree_branch() -> None:
         stepped = sequence.extend(torch.tensor([[20]])).logits[0, -1]
         fresh = model(torch.tensor([[5, 6, 7, 10, 12, 20]])).logits[0, -1]
     assert torch.allclose(stepped, fresh, atol=1e-10)
+
+
+def test_cache_growth_past_capacity_matches_fresh_prefill() -> None:
+    """Prefill and steps that cross the preallocated capacity (256, then doubling)."""
+    model = tiny_llama(seed=1)
+    generator = torch.Generator().manual_seed(1)
+    prompt = torch.randint(3, 64, (1, 250), generator=generator)
+    block = torch.randint(3, 64, (1, 12), generator=generator)
+    with torch.no_grad():
+        sequence = CachedSequence(model, 1, torch.device("cpu"), OutputHead.for_model(model))
+        sequence.extend(prompt)
+        stepped = sequence.extend(block).logits[0]
+        assert isinstance(sequence.cache.layers[0], PreallocatedLayer)
+        assert sequence.cache.get_seq_length() == 262
+        fresh = model(torch.cat([prompt, block], dim=1)).logits[0, -12:]
+    assert torch.allclose(stepped, fresh, atol=1e-10)
+
+
+def test_output_head_equals_the_model_head_and_follows_weight_updates() -> None:
+    model = tiny_qwen2(seed=2)
+    head = OutputHead.for_model(model)
+    assert head is not None
+    hidden = torch.randn(2, 3, model.config.hidden_size, dtype=model.dtype)
+    with torch.no_grad():
+        assert torch.allclose(head(hidden), model.lm_head(hidden), atol=1e-12)
+        model.lm_head.weight.mul_(2.0)  # an in-place update must not leave a stale copy
+        assert torch.allclose(head(hidden), model.lm_head(hidden), atol=1e-12)
+
+
+def test_output_head_falls_back_for_heads_it_does_not_know() -> None:
+    model = tiny_llama(seed=0)
+    model.config.model_type = "gemma2"  # logits soft-capped after the projection
+    assert OutputHead.for_model(model) is None
