@@ -193,19 +193,25 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _rope_tables(
+    positions: torch.Tensor,  # [B, T]
+    dim: int,
+    theta: float,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin [B, 1, T, D]
+    """Rotary angles (Su et al. 2021) in float64, for queries and keys alike."""
+    exponents = torch.arange(0, dim, 2, device=positions.device, dtype=torch.float64) / dim
+    angles = positions.to(torch.float64)[..., None] * theta**-exponents  # [B, T, D/2]
+    angles = torch.cat((angles, angles), dim=-1)[:, None]  # [B, 1, T, D]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
 def _apply_rope(
     x: torch.Tensor,  # [B, heads, T, D]
-    positions: torch.Tensor,  # [B, T]
-    theta: float,
+    cos: torch.Tensor,  # [B, 1, T, D]
+    sin: torch.Tensor,  # [B, 1, T, D]
 ) -> torch.Tensor:  # [B, heads, T, D]
-    """Rotary embedding (Su et al. 2021), Llama's half-split ("neox") layout."""
-    dim = x.shape[-1]
-    inv_freq = 1.0 / (
-        theta ** (torch.arange(0, dim, 2, device=x.device, dtype=torch.float64) / dim)
-    )
-    angles = positions.to(torch.float64)[..., None] * inv_freq  # [B, T, D/2]
-    angles = torch.cat((angles, angles), dim=-1)[:, None]  # [B, 1, T, D]
-    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    """Rotate ``x`` by the angles of ``_rope_tables``: Llama's half-split ("neox") layout."""
     return x * cos + _rotate_half(x) * sin
 
 
@@ -237,18 +243,15 @@ class _Attention(nn.Module):
         q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q = _apply_rope(q, positions, self.rope_theta)
-        k = _apply_rope(k, positions, self.rope_theta)
+        cos, sin = _rope_tables(positions, self.head_dim, self.rope_theta, q.dtype)
+        q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
         keys, values = (
             (k, v) if past is None else (torch.cat((past[0], k), 2), torch.cat((past[1], v), 2))
         )
         groups = self.num_heads // self.num_kv_heads
-        out = F.scaled_dot_product_attention(
-            q,
-            keys.repeat_interleave(groups, dim=1),
-            values.repeat_interleave(groups, dim=1),
-            attn_mask=visible[:, None],
-        )
+        if groups > 1:  # grouped-query attention: each key/value head serves `groups` queries
+            keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible[:, None])
         out = out.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim)
         return self.o_proj(out), (k, v)
 
