@@ -76,31 +76,46 @@ class PeakMemory:
         self.device = device
         self._proc = Path("/proc/self/clear_refs")
 
+        self.baseline_mb: float | None = None
+
     def reset(self) -> None:
+        """Start a new measurement; ``baseline_mb`` is what is held before it (the models)."""
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+            self.baseline_mb = torch.cuda.memory_allocated(self.device) / 2**20
         elif self._proc.exists():
             self._proc.write_text("5")  # resets VmHWM, the resident high-water mark
+            self.baseline_mb = _proc_status_mb("VmRSS")
 
     def read_mb(self) -> float | None:
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device) / 2**20
-        status = Path("/proc/self/status")
-        if not status.exists():
-            return None
-        for line in status.read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
+        return _proc_status_mb("VmHWM")
+
+
+def _proc_status_mb(field: str) -> float | None:
+    """A memory field of /proc/self/status (Linux), in MiB."""
+    status = Path("/proc/self/status")
+    if not status.exists():
         return None
+    for line in status.read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) / 1024
+    return None
 
 
-def with_peak_memory(method: Method, meter: PeakMemory, peaks: dict[str, float], name: str):
+def with_peak_memory(method: Method, meter: PeakMemory, peaks: dict[str, tuple], name: str):
+    """Record (peak, peak above what was held before the call) over the method's calls."""
+
     def run(ids: torch.Tensor):
         meter.reset()
         out = method(ids)
         peak = meter.read_mb()
         if peak is not None:
-            peaks[name] = max(peaks.get(name, 0.0), peak)
+            extra = peak - meter.baseline_mb if meter.baseline_mb is not None else None
+            old_peak, old_extra = peaks.get(name, (0.0, None))
+            extra = max(extra, old_extra) if None not in (extra, old_extra) else extra
+            peaks[name] = (max(old_peak, peak), extra)
         return out
 
     return run
@@ -126,6 +141,10 @@ def build_methods(args, target, drafters, settings: EvalSettings, meter, peaks):
     methods["draftsmith n-gram"] = speculative_method(target, drafters["ngram"], settings)
     if "draft_lm" in drafters:
         methods["draftsmith draft LM"] = speculative_method(target, drafters["draft_lm"], settings)
+    if "eagle3" in drafters:
+        methods["draftsmith EAGLE-3 chain"] = speculative_method(
+            target, drafters["eagle3"], settings
+        )
     for kind, label in (
         ("eagle3", "draftsmith EAGLE-3 tree"),
         ("medusa", "draftsmith Medusa tree"),
@@ -136,7 +155,7 @@ def build_methods(args, target, drafters, settings: EvalSettings, meter, peaks):
     return {name: with_peak_memory(m, meter, peaks, name) for name, m in methods.items()}
 
 
-def summarise(results: dict[str, MethodResult], peaks: dict[str, float], overlaps) -> list[dict]:
+def summarise(results: dict[str, MethodResult], peaks: dict[str, tuple], overlaps) -> list[dict]:
     plain = results["plain (HF generate)"]
     rows = []
     for name, result in results.items():
@@ -150,7 +169,8 @@ def summarise(results: dict[str, MethodResult], peaks: dict[str, float], overlap
                 "predicted_tau": stats.predicted_tau if stats else None,
                 "alpha_per_position": stats.alpha_per_position if stats else None,
                 "held_out_overlap": overlaps.get(name),
-                "peak_memory_mb": peaks.get(name),
+                "peak_memory_mb": peaks.get(name, (None, None))[0],
+                "extra_memory_mb": peaks.get(name, (None, None))[1],
                 "greedy_equal_to_plain": sum(
                     int(torch.equal(a, b))
                     for a, b in zip(result.outputs, plain.outputs, strict=True)
@@ -163,16 +183,36 @@ def summarise(results: dict[str, MethodResult], peaks: dict[str, float], overlap
 def format_rows(rows: list[dict], temperature: float) -> str:
     lines = [
         f"temperature {temperature:g}",
-        f"{'method':<28}{'tok/s':>8}{'speedup':>9}{'tau':>6}{'pred':>6}{'peak MB':>9}",
+        f"{'method':<28}{'tok/s':>8}{'speedup':>9}{'tau':>6}{'pred':>6}{'peak MB':>9}{'+MB':>6}",
     ]
     for row in rows:
         predicted = f"{row['predicted_tau']:.2f}" if row["predicted_tau"] else "-"
         peak = f"{row['peak_memory_mb']:.0f}" if row["peak_memory_mb"] else "-"
+        extra = f"{row['extra_memory_mb']:.1f}" if row["extra_memory_mb"] is not None else "-"
         lines.append(
             f"{row['method']:<28}{row['tokens_per_s']:>8.1f}{row['speedup']:>8.2f}x"
-            f"{row['tau']:>6.2f}{predicted:>6}{peak:>9}"
+            f"{row['tau']:>6.2f}{predicted:>6}{peak:>9}{extra:>6}"
         )
+    best = best_against_hf(rows)
+    lines.append(
+        f"best draftsmith ({best['draftsmith']}) / best HF ({best['hf']}): {best['ratio']:.2f}x"
+    )
     return "\n".join(lines)
+
+
+def best_against_hf(rows: list[dict]) -> dict:
+    """The fastest draftsmith method against the fastest Hugging Face one (plain included)."""
+    ours = max((r for r in rows if r["method"].startswith("draftsmith")), key=_speed)
+    theirs = max((r for r in rows if not r["method"].startswith("draftsmith")), key=_speed)
+    return {
+        "draftsmith": ours["method"],
+        "hf": theirs["method"],
+        "ratio": ours["tokens_per_s"] / theirs["tokens_per_s"],
+    }
+
+
+def _speed(row: dict) -> float:
+    return row["tokens_per_s"]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -213,6 +253,7 @@ def main(argv: list[str] | None = None) -> dict:
         results = measure_side_by_side(target, methods, prompts)
         rows = summarise(results, peaks, overlaps)
         report["by_temperature"][f"{temperature:g}"] = rows
+        report.setdefault("best_against_hf", {})[f"{temperature:g}"] = best_against_hf(rows)
         print(format_rows(rows, temperature), flush=True)
         suffix = f"t{temperature:g}"
         plot_acceptance_by_position(

@@ -56,6 +56,13 @@ def test_benchmark_writes_report_and_plots(tiny_pair_dirs, tmp_path) -> None:
     }
     for name in ("draftsmith n-gram", "draftsmith draft LM"):
         assert greedy[name]["greedy_equal_to_plain"] == 2  # exact at temperature 0
+    best = saved["best_against_hf"]["0"]
+    assert best["draftsmith"].startswith("draftsmith") and not best["hf"].startswith("draftsmith")
+    assert best["ratio"] == greedy[best["draftsmith"]]["tokens_per_s"] / max(
+        row["tokens_per_s"] for name, row in greedy.items() if not name.startswith("draftsmith")
+    )
+    for row in greedy.values():  # linux: the high-water mark, and what the call added to it
+        assert row["peak_memory_mb"] > 0 and 0 <= row["extra_memory_mb"] <= row["peak_memory_mb"]
     assert set(saved["sweep"]) == {"ngram", "draft_lm"}
     for png in ("acceptance_t0.png", "speedup_t1.png", "speedup_vs_draft_length.png"):
         assert (tmp_path / "plots" / png).stat().st_size > 1000
