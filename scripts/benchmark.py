@@ -227,6 +227,7 @@ def main(argv: list[str] | None = None) -> dict:
             drafters[kind] = load_drafter(folder, target, kind=kind)
     overlaps = {
         "draftsmith draft LM": held_out_overlap(args.draft_lm),
+        "draftsmith EAGLE-3 chain": held_out_overlap(args.eagle3),
         "draftsmith EAGLE-3 tree": held_out_overlap(args.eagle3),
         "draftsmith Medusa tree": held_out_overlap(args.medusa),
     }
