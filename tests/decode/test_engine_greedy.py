@@ -88,3 +88,17 @@ def test_eos_stops_row_and_max_new_tokens_is_respected() -> None:
         out = decoder.generate(ids, mask, max_new_tokens=max_new, eos_token_id=[])
         assert out.sequences.shape[1] == ids.shape[1] + max_new
         assert out.stats.tokens_emitted == 4 * max_new
+
+
+def test_greedy_equality_holds_on_the_whole_model_path() -> None:
+    """Architectures without a known plain head run the full model forward instead."""
+    target = tiny_llama(seed=0)
+    target.config.model_type = "unlisted"  # OutputHead.for_model declines it
+    ids, mask = _ragged_prompts(4)
+    reference = target.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False
+    )
+    decoder = SpeculativeDecoder(target, DraftModelDrafter(noisy_copy(target, 0.5)), 3)
+    assert decoder._target_head is None and decoder.drafter._head is None
+    out = decoder.generate(ids, attention_mask=mask, max_new_tokens=16)
+    assert torch.equal(out.sequences, reference)
