@@ -181,8 +181,9 @@ class PreallocatedLayer(DynamicLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
         self.length = 0
-        self._key_buffer = key_states.new_empty(_buffer_shape(key_states, 0))
-        self._value_buffer = value_states.new_empty(_buffer_shape(value_states, 0))
+        needed = key_states.shape[2]  # the first update (a prefill) sizes the buffer
+        self._key_buffer = key_states.new_empty(_buffer_shape(key_states, needed))
+        self._value_buffer = value_states.new_empty(_buffer_shape(value_states, needed))
         self.is_initialized = True
 
     def update(

@@ -91,10 +91,11 @@ def sample(
     uniform = torch.rand(
         flat.shape[0], 1, generator=generator, dtype=torch.float64, device=flat.device
     )
-    drawn = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True)  # [R, 1]
-    # u * total rounds up to total only with probability ~1e-16; stay on a token with mass.
-    last_with_mass = flat.shape[-1] - 1 - (flat.flip(-1) > 0).long().argmax(-1, keepdim=True)
-    return torch.minimum(drawn, last_with_mass).reshape(probs.shape[:-1])
+    # Scaling by the double just below the total keeps u * total strictly under it even after
+    # rounding (u < 1), so the search always lands on a token with mass, never past the last.
+    below_total = torch.nextafter(cdf[:, -1:], torch.zeros_like(cdf[:, -1:]))  # [R, 1]
+    drawn = torch.searchsorted(cdf, uniform * below_total, right=True)  # [R, 1]
+    return drawn.reshape(probs.shape[:-1])
 
 
 def select_tokens(

@@ -52,16 +52,18 @@ def test_keep_path_keeps_a_tree_branch() -> None:
 
 
 def test_cache_growth_past_capacity_matches_fresh_prefill() -> None:
-    """Prefill and steps that cross the preallocated capacity (256, then doubling)."""
+    """A block that crosses the capacity the prefill allocated (at least 256 slots) grows it."""
     model = tiny_llama(seed=1)
     generator = torch.Generator().manual_seed(1)
     prompt = torch.randint(3, 64, (1, 250), generator=generator)
     block = torch.randint(3, 64, (1, 12), generator=generator)
     with torch.no_grad():
         sequence = CachedSequence(model, 1, torch.device("cpu"), OutputHead.for_model(model))
-        sequence.extend(prompt)
-        stepped = sequence.extend(block).logits[0]
+        sequence.extend(prompt[:, :10])  # capacity 256
+        sequence.extend(prompt[:, 10:])  # 250 slots: fits
+        stepped = sequence.extend(block).logits[0]  # 262 slots: grows
         assert isinstance(sequence.cache.layers[0], PreallocatedLayer)
+        assert sequence.cache.layers[0]._key_buffer.shape[2] >= 262
         assert sequence.cache.get_seq_length() == 262
         fresh = model(torch.cat([prompt, block], dim=1)).logits[0, -12:]
     assert torch.allclose(stepped, fresh, atol=1e-10)
