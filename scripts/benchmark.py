@@ -75,22 +75,26 @@ class PeakMemory:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._proc = Path("/proc/self/clear_refs")
-
-        self.baseline_mb: float | None = None
+        self._baseline_mb: float | None = None
 
     def reset(self) -> None:
-        """Start a new measurement; ``baseline_mb`` is what is held before it (the models)."""
+        """Start a new measurement from what is held now (the loaded models)."""
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-            self.baseline_mb = torch.cuda.memory_allocated(self.device) / 2**20
+            self._baseline_mb = torch.cuda.memory_allocated(self.device) / 2**20
         elif self._proc.exists():
             self._proc.write_text("5")  # resets VmHWM, the resident high-water mark
-            self.baseline_mb = _proc_status_mb("VmRSS")
+            self._baseline_mb = _proc_status_mb("VmRSS")
 
-    def read_mb(self) -> float | None:
+    def read_mb(self) -> tuple[float, float] | None:
+        """``(peak, peak minus what was held at reset)`` in MiB, or None where unmeasurable."""
         if self.device.type == "cuda":
-            return torch.cuda.max_memory_allocated(self.device) / 2**20
-        return _proc_status_mb("VmHWM")
+            peak = torch.cuda.max_memory_allocated(self.device) / 2**20
+        else:
+            peak = _proc_status_mb("VmHWM")
+        if peak is None or self._baseline_mb is None:
+            return None
+        return peak, peak - self._baseline_mb
 
 
 def _proc_status_mb(field: str) -> float | None:
@@ -105,17 +109,15 @@ def _proc_status_mb(field: str) -> float | None:
 
 
 def with_peak_memory(method: Method, meter: PeakMemory, peaks: dict[str, tuple], name: str):
-    """Record (peak, peak above what was held before the call) over the method's calls."""
+    """Record, over the method's calls, the largest (peak, peak above the models) in MiB."""
 
     def run(ids: torch.Tensor):
         meter.reset()
         out = method(ids)
-        peak = meter.read_mb()
-        if peak is not None:
-            extra = peak - meter.baseline_mb if meter.baseline_mb is not None else None
-            old_peak, old_extra = peaks.get(name, (0.0, None))
-            extra = max(extra, old_extra) if None not in (extra, old_extra) else extra
-            peaks[name] = (max(old_peak, peak), extra)
+        reading = meter.read_mb()
+        if reading is not None:
+            old = peaks.get(name, reading)
+            peaks[name] = (max(old[0], reading[0]), max(old[1], reading[1]))
         return out
 
     return run
@@ -180,7 +182,7 @@ def summarise(results: dict[str, MethodResult], peaks: dict[str, tuple], overlap
     return rows
 
 
-def format_rows(rows: list[dict], temperature: float) -> str:
+def format_rows(rows: list[dict], temperature: float, best: dict) -> str:
     lines = [
         f"temperature {temperature:g}",
         f"{'method':<28}{'tok/s':>8}{'speedup':>9}{'tau':>6}{'pred':>6}{'peak MB':>9}{'+MB':>6}",
@@ -193,7 +195,6 @@ def format_rows(rows: list[dict], temperature: float) -> str:
             f"{row['method']:<28}{row['tokens_per_s']:>8.1f}{row['speedup']:>8.2f}x"
             f"{row['tau']:>6.2f}{predicted:>6}{peak:>9}{extra:>6}"
         )
-    best = best_against_hf(rows)
     lines.append(
         f"best draftsmith ({best['draftsmith']}) / best HF ({best['hf']}): {best['ratio']:.2f}x"
     )
@@ -253,9 +254,10 @@ def main(argv: list[str] | None = None) -> dict:
         methods = build_methods(args, target, drafters, settings, meter, peaks)
         results = measure_side_by_side(target, methods, prompts)
         rows = summarise(results, peaks, overlaps)
+        best = best_against_hf(rows)
         report["by_temperature"][f"{temperature:g}"] = rows
-        report.setdefault("best_against_hf", {})[f"{temperature:g}"] = best_against_hf(rows)
-        print(format_rows(rows, temperature), flush=True)
+        report.setdefault("best_against_hf", {})[f"{temperature:g}"] = best
+        print(format_rows(rows, temperature, best), flush=True)
         suffix = f"t{temperature:g}"
         plot_acceptance_by_position(
             {r["method"]: r["alpha_per_position"] for r in rows if r["alpha_per_position"]},
