@@ -15,6 +15,9 @@ full-attention layers here use ``PreallocatedLayer`` instead, which writes into 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
@@ -32,11 +35,14 @@ class CachedSequence:
         batch_size: int,
         device: torch.device,
         head: OutputHead | None = None,
+        decoder: Callable[..., Any] | None = None,
     ) -> None:
         """``head`` (``OutputHead.for_model(model)``) projects the decoder's last hidden states
-        to logits; ``None`` runs the whole model."""
+        to logits; ``None`` runs the whole model. ``decoder`` replaces ``model.get_decoder()``
+        on that path (a drafter's ``LeanDecoder``)."""
         self.model = model
         self.head = head
+        self.decoder = decoder
         self.cache = preallocated_cache(model)
         self.valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)  # [B, S]
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)  # [B]
@@ -79,7 +85,8 @@ class CachedSequence:
         if self.head is None:
             output = self.model(**inputs, logits_to_keep=logits_to_keep)
         else:
-            decoded = self.model.get_decoder()(**inputs)
+            decoder = self.decoder or self.model.get_decoder()
+            decoded = decoder(**inputs)
             last = decoded.last_hidden_state  # [B, W, H]
             output = CausalLMOutputWithPast(
                 logits=self.head(last[:, -logits_to_keep:] if logits_to_keep else last),

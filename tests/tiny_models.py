@@ -7,34 +7,30 @@ import torch
 TINY_VOCAB = 64
 
 
-def tiny_llama(
+# Architecture -> (config class, model class) in ``transformers``.
+_ARCHITECTURES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),  # attention biases
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),  # per-head query/key norms
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+}
+
+
+def tiny_causal_lm(
+    architecture: str,
     vocab_size: int = TINY_VOCAB,
     hidden_size: int = 32,
     num_layers: int = 2,
     seed: int = 0,
     dtype: torch.dtype = torch.float64,
+    **config_overrides: object,
 ) -> torch.nn.Module:
-    """A 2-layer Llama with random weights; float64 so argmax ties cannot flip between paths."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A small random causal LM of ``architecture``; float64 so argmax ties cannot flip between
+    paths. ``config_overrides`` go to the config (e.g. ``sliding_window`` for Mistral)."""
+    import transformers
 
-    return _tiny(LlamaConfig, LlamaForCausalLM, vocab_size, hidden_size, num_layers, seed, dtype)
-
-
-def tiny_qwen2(
-    vocab_size: int = TINY_VOCAB,
-    hidden_size: int = 32,
-    num_layers: int = 2,
-    seed: int = 0,
-    dtype: torch.dtype = torch.float64,
-) -> torch.nn.Module:
-    """A 2-layer Qwen2 (attention biases, a second architecture) with random weights."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    return _tiny(Qwen2Config, Qwen2ForCausalLM, vocab_size, hidden_size, num_layers, seed, dtype)
-
-
-def _tiny(config_class, model_class, vocab_size, hidden_size, num_layers, seed, dtype):
-    config = config_class(
+    config_name, model_name = _ARCHITECTURES[architecture]
+    config = getattr(transformers, config_name)(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
@@ -46,11 +42,22 @@ def _tiny(config_class, model_class, vocab_size, hidden_size, num_layers, seed, 
         eos_token_id=2,
         pad_token_id=0,
         tie_word_embeddings=False,
+        **config_overrides,
     )
     torch.manual_seed(seed)
-    model = model_class(config).to(dtype).eval()
+    model = getattr(transformers, model_name)(config).to(dtype).eval()
     _sharpen(model, seed)
     return model
+
+
+def tiny_llama(**kwargs: object) -> torch.nn.Module:
+    """A 2-layer Llama with random weights (see ``tiny_causal_lm``)."""
+    return tiny_causal_lm("llama", **kwargs)
+
+
+def tiny_qwen2(**kwargs: object) -> torch.nn.Module:
+    """A 2-layer Qwen2 (attention biases, a second architecture) with random weights."""
+    return tiny_causal_lm("qwen2", **kwargs)
 
 
 def _sharpen(model: torch.nn.Module, seed: int) -> None:

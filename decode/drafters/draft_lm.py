@@ -12,6 +12,7 @@ import torch
 
 from decode.drafters.base import Drafter, DraftProposal, TargetPass
 from decode.kv_cache import CachedSequence
+from decode.lean_decoder import LeanDecoder
 from decode.output_head import OutputHead
 from decode.sampling import SamplingConfig, select_tokens
 
@@ -24,6 +25,9 @@ class DraftModelDrafter(Drafter):
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model.eval()
         self._head = OutputHead.for_model(self.model)
+        # The draft's own forward may differ from the model's by float rounding: exactness only
+        # needs the q it reports, which is the q it sampled from.
+        self._decoder = LeanDecoder.for_model(self.model) if self._head is not None else None
         self._sequence: CachedSequence | None = None
         self._unread: torch.Tensor | None = None  # [B, W] tokens the draft has not read
         self._unread_valid: torch.Tensor | None = None  # [B, W] bool
@@ -41,7 +45,9 @@ class DraftModelDrafter(Drafter):
         pending: torch.Tensor,  # [B]
     ) -> None:
         device = input_ids.device
-        self._sequence = CachedSequence(self.model, input_ids.shape[0], device, self._head)
+        self._sequence = CachedSequence(
+            self.model, input_ids.shape[0], device, self._head, self._decoder
+        )
         with torch.inference_mode():
             self._sequence.extend(input_ids, attention_mask.bool(), logits_to_keep=1)
         self._unread = pending[:, None]

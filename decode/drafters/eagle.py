@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from decode.drafters.folder import read_folder, save_native_folder
+from decode.llama_math import apply_rope, rms_norm
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 
@@ -183,14 +184,7 @@ class _RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., H]
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def _rope_tables(
@@ -204,15 +198,6 @@ def _rope_tables(
     angles = positions.to(torch.float64)[..., None] * theta**-exponents  # [B, T, D/2]
     angles = torch.cat((angles, angles), dim=-1)[:, None]  # [B, 1, T, D]
     return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def _apply_rope(
-    x: torch.Tensor,  # [B, heads, T, D]
-    cos: torch.Tensor,  # [B, 1, T, D]
-    sin: torch.Tensor,  # [B, 1, T, D]
-) -> torch.Tensor:  # [B, heads, T, D]
-    """Rotate ``x`` by the angles of ``_rope_tables``: Llama's half-split ("neox") layout."""
-    return x * cos + _rotate_half(x) * sin
 
 
 class _Attention(nn.Module):
@@ -244,7 +229,7 @@ class _Attention(nn.Module):
         k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = _rope_tables(positions, self.head_dim, self.rope_theta, q.dtype)
-        q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         keys, values = (
             (k, v) if past is None else (torch.cat((past[0], k), 2), torch.cat((past[1], v), 2))
         )

@@ -1,0 +1,95 @@
+"""The lean CPU forward computes what the model's own forward computes, step after step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import tiny_causal_lm, tiny_llama
+
+from decode.kv_cache import CachedSequence
+from decode.lean_decoder import LeanDecoder
+from decode.output_head import OutputHead
+
+# Mistral with full attention; Qwen2 has q/k/v biases, Qwen3 per-head q/k norms.
+ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3"]
+
+
+def _pair(model: torch.nn.Module, batch: int) -> tuple[CachedSequence, CachedSequence]:
+    head = OutputHead.for_model(model)
+    lean = LeanDecoder.for_model(model)
+    assert head is not None and lean is not None
+    cpu = torch.device("cpu")
+    return CachedSequence(model, batch, cpu, head), CachedSequence(model, batch, cpu, head, lean)
+
+
+def _assert_same(reference, lean, valid: torch.Tensor | None = None) -> None:
+    """Equal outputs at the valid positions (padding and hole outputs are never read)."""
+    keep = slice(None) if valid is None else valid  # [B, W] bool
+    assert torch.allclose(lean.logits[keep], reference.logits[keep], atol=1e-9)
+    if reference.hidden_states is not None:
+        assert len(lean.hidden_states) == len(reference.hidden_states)
+        for mine, theirs in zip(lean.hidden_states, reference.hidden_states, strict=True):
+            assert torch.allclose(mine[keep], theirs[keep], atol=1e-9)
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_lean_forward_matches_the_model_through_holes_rollbacks_and_trees(
+    architecture: str,
+) -> None:
+    model = tiny_causal_lm(architecture, seed=3, sliding_window=None)
+    generator = torch.Generator().manual_seed(3)
+    prompt = torch.randint(3, 64, (2, 7), generator=generator)
+    prompt_mask = torch.ones_like(prompt, dtype=torch.bool)
+    prompt_mask[1, :3] = False  # left padding in row 1
+    reference, lean = _pair(model, 2)
+    with torch.no_grad():
+        steps = [
+            dict(tokens=prompt, valid=prompt_mask, output_hidden_states=True),
+            dict(tokens=torch.randint(3, 64, (2, 1), generator=generator)),
+            dict(
+                tokens=torch.randint(3, 64, (2, 2), generator=generator),
+                valid=torch.tensor([[True, True], [False, True]]),  # a hole in row 1
+            ),
+            dict(tokens=torch.randint(3, 64, (2, 4), generator=generator)),
+        ]
+        for step in steps:
+            _assert_same(reference.extend(**step), lean.extend(**step), step.get("valid"))
+        keep = torch.tensor([1, 3])
+        reference.rollback(4, keep)
+        lean.rollback(4, keep)
+        tree = dict(
+            tokens=torch.randint(3, 64, (2, 3), generator=generator),
+            tree_mask=torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool),
+            positions=lean.lengths[:, None] + torch.tensor([[0, 1, 1]]),
+            output_hidden_states=True,
+        )
+        _assert_same(reference.extend(**tree), lean.extend(**tree))
+        path, path_valid = torch.tensor([[0, 2], [0, 1]]), torch.ones(2, 2, dtype=torch.bool)
+        reference.keep_path(3, path, path_valid)
+        lean.keep_path(3, path, path_valid)
+        last = dict(tokens=torch.randint(3, 64, (2, 1), generator=generator))
+        _assert_same(reference.extend(**last), lean.extend(**last))
+
+
+def test_lean_forward_follows_in_place_weight_updates() -> None:
+    model = tiny_llama(seed=4)
+    head, lean = OutputHead.for_model(model), LeanDecoder.for_model(model)
+    tokens = torch.tensor([[5, 6, 7, 8]])
+    cpu = torch.device("cpu")
+    with torch.no_grad():
+        for _ in range(2):
+            _assert_same(
+                CachedSequence(model, 1, cpu, head).extend(tokens),
+                CachedSequence(model, 1, cpu, head, lean).extend(tokens),
+            )
+            model.model.layers[0].mlp.down_proj.weight.mul_(3.0)  # e.g. an optimizer step
+
+
+def test_lean_forward_declines_what_it_does_not_implement() -> None:
+    assert LeanDecoder.for_model(tiny_causal_lm("mistral", sliding_window=16)) is None
+    unknown = tiny_llama()
+    unknown.config.model_type = "gemma2"
+    assert LeanDecoder.for_model(unknown) is None
+    gelu = tiny_llama()
+    gelu.config.hidden_act = "gelu"
+    assert LeanDecoder.for_model(gelu) is None
