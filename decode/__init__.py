@@ -14,6 +14,7 @@ _EXPORTS = {
     "SamplingConfig": "decode.sampling",
     "DraftModelDrafter": "decode.drafters.draft_lm",
     "NgramDrafter": "decode.drafters.ngram",
+    "NoDrafter": "decode.drafters.none",
     "load_drafter": "decode.drafters.registry",
     "detect_drafter_kind": "decode.drafters.registry",
 }

@@ -17,6 +17,7 @@ import torch
 
 from decode.drafters.base import Drafter, TargetPass, TreeSpec
 from decode.kv_cache import CachedSequence
+from decode.lean_decoder import LeanDecoder
 from decode.output_head import OutputHead
 from decode.rejection import verify_chain
 from decode.sampling import SamplingConfig, logits_to_probs, select_tokens
@@ -41,9 +42,13 @@ class SpeculativeDecoder:
         drafter: Drafter,
         num_draft_tokens: int = 4,
         tree: TreeSpec | None = None,
+        lean_target: bool = True,
     ) -> None:
         """``tree`` switches to tree drafting (depth ``num_draft_tokens``) for drafters that
-        support it (EAGLE-3, Medusa); ``None`` drafts chains."""
+        support it (EAGLE-3, Medusa); ``None`` drafts chains. ``lean_target`` runs a
+        Llama-family target on CPU through ``LeanDecoder`` (the same weights and mathematics
+        with fused products: logits equal the model's own forward to float rounding); False
+        keeps the model's own forward."""
         if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int):
             raise TypeError(f"num_draft_tokens must be an int, got {num_draft_tokens!r}")
         if num_draft_tokens < 1:
@@ -59,6 +64,11 @@ class SpeculativeDecoder:
         self.tree = tree
         self.target = target.eval()
         self._target_head = OutputHead.for_model(self.target)
+        self._target_decoder = (
+            LeanDecoder.for_model(self.target)
+            if lean_target and self._target_head is not None
+            else None
+        )
         self.drafter = drafter
         self.num_draft_tokens = num_draft_tokens
 
@@ -96,7 +106,9 @@ class SpeculativeDecoder:
         needs_hidden = self.drafter.needs_hidden_states
         start = _clock(self.device)
 
-        target = CachedSequence(self.target, input_ids.shape[0], self.device, self._target_head)
+        target = CachedSequence(
+            self.target, input_ids.shape[0], self.device, self._target_head, self._target_decoder
+        )
         prefill = target.extend(
             input_ids, attention_mask.bool(), output_hidden_states=needs_hidden, logits_to_keep=1
         )

@@ -41,6 +41,7 @@ class EvalSettings:
     seed: int = 0
     peer: bool = True
     tree: TreeSpec | None = None  # tree drafting (EAGLE-3, Medusa); None drafts chains
+    lean_target: bool = True  # our CPU forward for Llama-family targets (SpeculativeDecoder)
 
 
 def load_target(path: str, device: str = "cpu", dtype: str = "float32", trust_remote_code=False):
@@ -170,7 +171,13 @@ def plain_method(target: torch.nn.Module, settings: EvalSettings, **hf_kwargs: o
 
 def speculative_method(target: torch.nn.Module, drafter: Drafter, settings: EvalSettings) -> Method:
     """Our decoder with ``drafter`` under ``settings`` (seeded once, then run in sequence)."""
-    decoder = SpeculativeDecoder(target, drafter, settings.num_draft_tokens, tree=settings.tree)
+    decoder = SpeculativeDecoder(
+        target,
+        drafter,
+        settings.num_draft_tokens,
+        tree=settings.tree,
+        lean_target=settings.lean_target,
+    )
     device = next(target.parameters()).device
     generator = torch.Generator(device=device).manual_seed(settings.seed)
 
@@ -271,6 +278,7 @@ def speculative_report(
         }
     return {
         "drafter_kind": drafter.kind,
+        "lean_target": settings.lean_target,
         "tree": None if settings.tree is None else settings.tree.__dict__,
         "num_draft_tokens": settings.num_draft_tokens,
         "temperature": settings.temperature,
@@ -288,7 +296,9 @@ def speculative_report(
         "speedup_over_predicted": speedup / predicted_speedup if predicted_speedup else 0.0,
         "target_forward_ms": verify_ms,
         "baseline_token_ms": baseline_token_ms,
-        "draft_step_ms": 1000 * stats.draft_seconds / max(stats.draft_positions, 1),
+        "draft_step_ms": (
+            1000 * stats.draft_seconds / stats.draft_positions if stats.draft_positions else 0.0
+        ),
         "greedy_equal_to_baseline": greedy_matches if settings.temperature == 0 else None,
         "peer": peer_report,
     }
@@ -338,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--drafter-kind",
         default=None,
-        help="draft_lm | ngram | medusa | eagle3 (default: read from the folder)",
+        help="draft_lm | ngram | medusa | eagle3 | none (default: read from the folder)",
     )
     parser.add_argument("--prompts", default="demo", help="'demo' or a .jsonl/.json/.txt file")
     parser.add_argument("--num-prompts", type=int, default=8)
@@ -356,6 +366,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tree-top-k", type=int, default=8, help="children per expanded node")
     parser.add_argument("--tree-total-tokens", type=int, default=32, help="nodes kept per tree")
     parser.add_argument("--no-peer", action="store_true", help="skip the Hugging Face peer")
+    parser.add_argument(
+        "--model-forward",
+        action="store_true",
+        help="verify with the target's own forward instead of the lean CPU forward",
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -384,6 +399,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         top_p=args.top_p,
         seed=args.seed,
         peer=not args.no_peer,
+        lean_target=not args.model_forward,
         tree=TreeSpec(top_k=args.tree_top_k, total_tokens=args.tree_total_tokens)
         if args.tree
         else None,

@@ -4,8 +4,9 @@
         --json OUT --plots DIR
 
 On the same prompts, interleaved per prompt: plain decoding (HF ``generate``), HF assisted
-generation with the same draft LM, HF prompt lookup, and draftsmith with the n-gram drafter,
-the draft LM (chain), EAGLE-3 (dynamic tree) and Medusa (static tree), at each temperature.
+generation with the same draft LM, HF prompt lookup, draftsmith's own plain decoding (the
+control: our decoder with no drafter), and draftsmith with the n-gram drafter, the draft LM
+(chain), EAGLE-3 (chain and dynamic tree) and Medusa (static tree), at each temperature.
 Reports tokens/s, speedup over plain, tau, predicted tau, acceptance per position, held-out
 overlap per position (from each drafter folder's ``eval_results.json``), and the peak resident
 memory of each method (Linux: the process's high-water mark, reset before each call; on a GPU,
@@ -41,6 +42,10 @@ from decode.plots import (
 )
 from decode.prompts import load_eval_prompts
 
+# Plain decoding through our own decoder (no drafter): the control that separates what the
+# decoder's forward adds from what drafting adds.
+CONTROL = "draftsmith plain (no drafter)"
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -61,6 +66,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         nargs="*",
         default=[1, 2, 3, 4, 6],
         help="num_draft_tokens values for the speedup-vs-N plot (temperature 0)",
+    )
+    parser.add_argument(
+        "--model-forward",
+        action="store_true",
+        help="verify with the target's own forward instead of the lean CPU forward (ablation)",
     )
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -140,6 +150,7 @@ def build_methods(args, target, drafters, settings: EvalSettings, meter, peaks):
         methods["HF assisted (draft LM)"] = plain_method(target, settings, **kwargs)
     _, kwargs = hf_peer(drafters["ngram"], settings)
     methods["HF prompt lookup"] = plain_method(target, settings, **kwargs)
+    methods[CONTROL] = speculative_method(target, drafters["none"], settings)
     methods["draftsmith n-gram"] = speculative_method(target, drafters["ngram"], settings)
     if "draft_lm" in drafters:
         methods["draftsmith draft LM"] = speculative_method(target, drafters["draft_lm"], settings)
@@ -196,19 +207,24 @@ def format_rows(rows: list[dict], temperature: float, best: dict) -> str:
             f"{row['tau']:>6.2f}{predicted:>6}{peak:>9}{extra:>6}"
         )
     lines.append(
-        f"best draftsmith ({best['draftsmith']}) / best HF ({best['hf']}): {best['ratio']:.2f}x"
+        f"best draftsmith ({best['draftsmith']}) / best HF ({best['hf']}): {best['ratio']:.2f}x;"
+        f" / draftsmith plain: {best['over_draftsmith_plain']:.2f}x"
     )
     return "\n".join(lines)
 
 
 def best_against_hf(rows: list[dict]) -> dict:
-    """The fastest draftsmith method against the fastest Hugging Face one (plain included)."""
-    ours = max((r for r in rows if r["method"].startswith("draftsmith")), key=_speed)
+    """The fastest draftsmith drafting method against the fastest Hugging Face one (plain
+    included), and against draftsmith's own plain decoding (what drafting alone adds)."""
+    drafting = [r for r in rows if r["method"].startswith("draftsmith") and r["method"] != CONTROL]
+    ours = max(drafting, key=_speed)
     theirs = max((r for r in rows if not r["method"].startswith("draftsmith")), key=_speed)
+    control = next(r for r in rows if r["method"] == CONTROL)
     return {
         "draftsmith": ours["method"],
         "hf": theirs["method"],
         "ratio": ours["tokens_per_s"] / theirs["tokens_per_s"],
+        "over_draftsmith_plain": ours["tokens_per_s"] / control["tokens_per_s"],
     }
 
 
@@ -221,7 +237,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     target, tokenizer = load_target(args.target, args.device)
-    drafters = {"ngram": load_drafter(None, target, kind="ngram")}
+    drafters = {kind: load_drafter(None, target, kind=kind) for kind in ("none", "ngram")}
     folders = {"draft_lm": args.draft_lm, "eagle3": args.eagle3, "medusa": args.medusa}
     for kind, folder in folders.items():
         if folder:
@@ -249,6 +265,7 @@ def main(argv: list[str] | None = None) -> dict:
             num_draft_tokens=args.num_draft_tokens,
             max_new_tokens=args.max_new_tokens,
             temperature=temperature,
+            lean_target=not args.model_forward,
         )
         peaks: dict[str, float] = {}
         methods = build_methods(args, target, drafters, settings, meter, peaks)
@@ -284,9 +301,15 @@ def sweep_draft_length(args, target, drafters, prompts) -> dict[str, dict[int, f
     tree = TreeSpec(top_k=args.tree_top_k, total_tokens=args.tree_total_tokens)
     curves: dict[str, dict[int, float]] = {}
     for length in args.sweep:
-        settings = EvalSettings(num_draft_tokens=length, max_new_tokens=args.max_new_tokens)
+        settings = EvalSettings(
+            num_draft_tokens=length,
+            max_new_tokens=args.max_new_tokens,
+            lean_target=not args.model_forward,
+        )
         methods: dict[str, Method] = {"plain": plain_method(target, settings)}
         for kind, drafter in drafters.items():
+            if kind == "none":
+                continue
             shaped = settings
             if kind in ("eagle3", "medusa"):
                 shaped = EvalSettings(**{**settings.__dict__, "tree": tree})

@@ -22,6 +22,7 @@ DRAFTER_FILE = "drafter.json"
 DRAFTER_LOADERS: dict[str, str] = {
     "draft_lm": "decode.drafters.registry:load_draft_lm",
     "ngram": "decode.drafters.registry:load_ngram",
+    "none": "decode.drafters.registry:load_no_drafter",
     "medusa": "decode.drafters.medusa:load_runtime_drafter",
     "eagle3": "decode.drafters.eagle_drafter:load_runtime_drafter",
 }
@@ -89,6 +90,13 @@ def load_ngram(path: str | Path | None, target: torch.nn.Module) -> Drafter:
     from decode.drafters.ngram import NgramDrafter
 
     return NgramDrafter(vocab_size=target.get_output_embeddings().weight.shape[0])
+
+
+def load_no_drafter(path: str | Path | None, target: torch.nn.Module) -> Drafter:
+    """Plain decoding through the speculative decoder (the benchmark's control); no weights."""
+    from decode.drafters.none import NoDrafter
+
+    return NoDrafter(vocab_size=target.get_output_embeddings().weight.shape[0])
 
 
 def _check_kind(kind: str) -> None:

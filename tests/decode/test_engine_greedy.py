@@ -7,7 +7,7 @@ import torch
 from decode_helpers import AdversarialDrafter, noisy_copy
 from tiny_models import tiny_llama, tiny_qwen2
 
-from decode import DraftModelDrafter, NgramDrafter, SpeculativeDecoder
+from decode import DraftModelDrafter, NgramDrafter, NoDrafter, SpeculativeDecoder
 
 
 def _ragged_prompts(batch: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -27,12 +27,14 @@ def _drafters(target: torch.nn.Module, other_draft: torch.nn.Module) -> dict[str
         "random": DraftModelDrafter(other_draft),
         "adversarial": AdversarialDrafter(target),
         "ngram": NgramDrafter(vocab_size=64),
+        "none": NoDrafter(vocab_size=64),
     }
 
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen2"])
 @pytest.mark.parametrize("batch", [1, 4])
-def test_greedy_equals_target_generate(architecture: str, batch: int) -> None:
+@pytest.mark.parametrize("lean_target", [True, False])
+def test_greedy_equals_target_generate(architecture: str, batch: int, lean_target: bool) -> None:
     build = tiny_llama if architecture == "llama" else tiny_qwen2
     target, other = build(seed=0), build(num_layers=1, seed=1)
     ids, mask = _ragged_prompts(batch)
@@ -41,9 +43,22 @@ def test_greedy_equals_target_generate(architecture: str, batch: int) -> None:
     )
     for name, drafter in _drafters(target, other).items():
         for num_draft_tokens in (1, 3, 8):
-            decoder = SpeculativeDecoder(target, drafter, num_draft_tokens=num_draft_tokens)
+            decoder = SpeculativeDecoder(
+                target, drafter, num_draft_tokens=num_draft_tokens, lean_target=lean_target
+            )
+            assert (decoder._target_decoder is not None) == lean_target
             out = decoder.generate(ids, attention_mask=mask, max_new_tokens=16)
             assert torch.equal(out.sequences, reference), (name, num_draft_tokens)
+
+
+def test_no_drafter_decodes_one_token_per_target_pass() -> None:
+    target = tiny_llama(seed=0)
+    ids, mask = _ragged_prompts(2)
+    out = SpeculativeDecoder(target, NoDrafter(vocab_size=64), 4).generate(
+        ids, mask, max_new_tokens=12, eos_token_id=[]
+    )
+    assert out.stats.tau == 1.0
+    assert out.stats.target_forward_passes == 11  # the prefill emits the first token
 
 
 def test_acceptance_matches_drafter_quality() -> None:

@@ -51,15 +51,22 @@ def test_benchmark_writes_report_and_plots(tiny_pair_dirs, tmp_path) -> None:
         "plain (HF generate)",
         "HF assisted (draft LM)",
         "HF prompt lookup",
+        "draftsmith plain (no drafter)",
         "draftsmith n-gram",
         "draftsmith draft LM",
     }
-    for name in ("draftsmith n-gram", "draftsmith draft LM"):
+    for name in ("draftsmith plain (no drafter)", "draftsmith n-gram", "draftsmith draft LM"):
         assert greedy[name]["greedy_equal_to_plain"] == 2  # exact at temperature 0
+    assert greedy["draftsmith plain (no drafter)"]["tau"] == 1.0
     best = saved["best_against_hf"]["0"]
-    assert best["draftsmith"].startswith("draftsmith") and not best["hf"].startswith("draftsmith")
+    assert best["draftsmith"] in {"draftsmith n-gram", "draftsmith draft LM"}  # not the control
+    assert not best["hf"].startswith("draftsmith")
     assert best["ratio"] == greedy[best["draftsmith"]]["tokens_per_s"] / max(
         row["tokens_per_s"] for name, row in greedy.items() if not name.startswith("draftsmith")
+    )
+    assert best["over_draftsmith_plain"] == (
+        greedy[best["draftsmith"]]["tokens_per_s"]
+        / greedy["draftsmith plain (no drafter)"]["tokens_per_s"]
     )
     for row in greedy.values():  # linux: the high-water mark, and what the call added to it
         assert row["peak_memory_mb"] > 0 and 0 <= row["extra_memory_mb"] <= row["peak_memory_mb"]
