@@ -80,6 +80,16 @@ def test_output_head_equals_the_model_head_and_follows_weight_updates() -> None:
         assert torch.allclose(head(hidden), model.lm_head(hidden), atol=1e-12)
 
 
+def test_output_head_layouts_agree_for_every_row_count_in_float32() -> None:
+    """1-3 rows, 4-8 rows and longer blocks take different products (oneDNN for the last)."""
+    model = tiny_llama(seed=5, dtype=torch.float32)
+    head = OutputHead.for_model(model)
+    with torch.no_grad():
+        for rows in (1, 2, 3, 5, 8, 9, 13, 40):
+            hidden = torch.randn(1, rows, model.config.hidden_size)
+            assert torch.allclose(head(hidden), model.lm_head(hidden), atol=1e-4), rows
+
+
 def test_output_head_falls_back_for_heads_it_does_not_know() -> None:
     model = tiny_llama(seed=0)
     model.config.model_type = "gemma2"  # logits soft-capped after the projection
