@@ -3,6 +3,7 @@
     python decode/serve.py --target PATH --drafter PATH [--drafter-kind KIND]
         [--host 127.0.0.1] [--port 8000] [--num-draft-tokens 4] [--api-key KEY]
     python decode/serve.py --target PATH --drafter-kind ngram      # prompt lookup, no weights
+    python decode/serve.py --target PATH --drafter-kind none       # plain decoding, no drafter
 
 Then any OpenAI client works against ``http://127.0.0.1:8000/v1`` (completions, chat
 completions through the tokenizer's chat template, ``stream: true``); ``GET /metrics`` gives
