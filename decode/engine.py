@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from decode.draft_length import AdaptiveDraftLength
 from decode.drafters.base import Drafter, TargetPass, TreeSpec
 from decode.kv_cache import CachedSequence
 from decode.lean_decoder import LeanDecoder
@@ -43,12 +44,16 @@ class SpeculativeDecoder:
         num_draft_tokens: int = 4,
         tree: TreeSpec | None = None,
         lean_target: bool = True,
+        adaptive: bool = False,
     ) -> None:
         """``tree`` switches to tree drafting (depth ``num_draft_tokens``) for drafters that
         support it (EAGLE-3, Medusa); ``None`` drafts chains. ``lean_target`` runs a
         Llama-family target on CPU through ``LeanDecoder`` (the same weights and mathematics
         with fused products: logits equal the model's own forward to float rounding); False
-        keeps the model's own forward."""
+        keeps the model's own forward. ``adaptive`` picks each chain round's draft length in
+        ``0 .. num_draft_tokens`` from the measured acceptance and round times
+        (``AdaptiveDraftLength``; 0 is a plain target step); its estimates carry over from one
+        ``generate`` call to the next."""
         if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int):
             raise TypeError(f"num_draft_tokens must be an int, got {num_draft_tokens!r}")
         if num_draft_tokens < 1:
@@ -56,6 +61,10 @@ class SpeculativeDecoder:
                 f"num_draft_tokens must be >= 1 (drafted tokens per round), got {num_draft_tokens}"
             )
         drafter.check_compatible(target)
+        if adaptive and tree is not None:
+            raise ValueError(
+                "adaptive draft lengths apply to chains: drop the tree settings or adaptive=True"
+            )
         if tree is not None and not drafter.supports_trees:
             raise ValueError(
                 f"the {drafter.kind} drafter drafts chains only: drop the tree settings or use "
@@ -71,6 +80,7 @@ class SpeculativeDecoder:
         )
         self.drafter = drafter
         self.num_draft_tokens = num_draft_tokens
+        self.draft_length = AdaptiveDraftLength(num_draft_tokens) if adaptive else None
 
     @property
     def device(self) -> torch.device:
@@ -120,7 +130,11 @@ class SpeculativeDecoder:
         stats.prefill_seconds = _clock(self.device) - start
 
         round_fn = self._chain_round if self.tree is None else self._tree_round
-        while (width := run.next_round_width()) > 0:
+        while (room := run.room()) > 0:
+            # A round emits up to width + 1 tokens: no more drafts than the room left, and at
+            # least one unless the adaptive policy chooses a plain step.
+            limit = min(self.num_draft_tokens, room - 1)
+            width = max(1, limit) if self.draft_length is None else self.draft_length.choose(limit)
             pending = round_fn(target, pending, width, run, sampling, generator)
 
         stats.total_seconds = _clock(self.device) - start
@@ -151,8 +165,14 @@ class SpeculativeDecoder:
         target.rollback(drafts.shape[1] + 1, num_accepted + 1)
         verify_end = _clock(self.device)
         self.drafter.commit(num_accepted, pending, TargetPass(verify.logits, verify.hidden_states))
+        accepted_by_active_rows = num_accepted[run.active]
         run.finish_round(drafts, num_accepted, pending)
-        run.add_times(round_start, verify_start, verify_end, _clock(self.device))
+        round_end = _clock(self.device)
+        run.add_times(round_start, verify_start, verify_end, round_end)
+        if self.draft_length is not None:
+            self.draft_length.update(
+                drafts.shape[1], accepted_by_active_rows, round_end - round_start
+            )
         return pending
 
     def _tree_round(
@@ -271,15 +291,12 @@ class _Run:
         self.active = torch.ones(batch, dtype=torch.bool, device=device)
         self._stopped = False
 
-    def next_round_width(self) -> int:
-        """Drafts for the next round (0 when every row is done), in one host sync.
-
-        No more than the most room any active row has left, and at least 1.
-        """
+    def room(self) -> int:
+        """The most tokens any active row may still emit (0 when every row is done), in one
+        host sync."""
         if self._stopped:
             return 0
-        room = int(torch.where(self.active, self.max_new_tokens - self.count, 0).max())
-        return 0 if room <= 0 else max(1, min(self.num_draft_tokens, room - 1))
+        return max(0, int(torch.where(self.active, self.max_new_tokens - self.count, 0).max()))
 
     def emit(
         self,

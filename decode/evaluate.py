@@ -42,6 +42,7 @@ class EvalSettings:
     peer: bool = True
     tree: TreeSpec | None = None  # tree drafting (EAGLE-3, Medusa); None drafts chains
     lean_target: bool = True  # our CPU forward for Llama-family targets (SpeculativeDecoder)
+    adaptive: bool = False  # per-round draft length in 0..num_draft_tokens (AdaptiveDraftLength)
 
 
 def load_target(path: str, device: str = "cpu", dtype: str = "float32", trust_remote_code=False):
@@ -177,6 +178,7 @@ def speculative_method(target: torch.nn.Module, drafter: Drafter, settings: Eval
         settings.num_draft_tokens,
         tree=settings.tree,
         lean_target=settings.lean_target,
+        adaptive=settings.adaptive,
     )
     device = next(target.parameters()).device
     generator = torch.Generator(device=device).manual_seed(settings.seed)
@@ -279,6 +281,7 @@ def speculative_report(
     return {
         "drafter_kind": drafter.kind,
         "lean_target": settings.lean_target,
+        "adaptive": settings.adaptive,
         "tree": None if settings.tree is None else settings.tree.__dict__,
         "num_draft_tokens": settings.num_draft_tokens,
         "temperature": settings.temperature,
@@ -367,6 +370,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tree-total-tokens", type=int, default=32, help="nodes kept per tree")
     parser.add_argument("--no-peer", action="store_true", help="skip the Hugging Face peer")
     parser.add_argument(
+        "--adaptive",
+        action="store_true",
+        help="choose each round's draft length in 0..N from measured acceptance and times",
+    )
+    parser.add_argument(
         "--model-forward",
         action="store_true",
         help="verify with the target's own forward instead of the lean CPU forward",
@@ -400,6 +408,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         seed=args.seed,
         peer=not args.no_peer,
         lean_target=not args.model_forward,
+        adaptive=args.adaptive,
         tree=TreeSpec(top_k=args.tree_top_k, total_tokens=args.tree_total_tokens)
         if args.tree
         else None,

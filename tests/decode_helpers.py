@@ -82,3 +82,27 @@ def chi_square_p_value(
     statistic = ((observed_bins - expected_bins) ** 2 / expected_bins).sum()
     dof = observed_bins.numel() - 1
     return float(torch.special.gammaincc(torch.tensor(dof / 2.0), statistic / 2.0))
+
+
+def tiny_eagle_drafter(target: torch.nn.Module):
+    """A random EAGLE-3 head on the target's own LM head, so drafts are sometimes right."""
+    from decode.drafters.eagle import Eagle3Config, Eagle3Head
+    from decode.drafters.eagle_drafter import Eagle3Drafter
+
+    torch.manual_seed(0)
+    head = Eagle3Head(Eagle3Config.for_target(target.config)).double()
+    with torch.no_grad():  # reuse the target's head so drafts are sometimes right
+        head.lm_head.weight.copy_(target.get_output_embeddings().weight)
+    return Eagle3Drafter(head, target)
+
+
+def tiny_medusa_drafter(target: torch.nn.Module, num_heads: int = 3):
+    """Medusa heads from the target's LM head with random residual blocks."""
+    from decode.drafters.medusa import MedusaDrafter, MedusaHeads
+
+    heads = MedusaHeads.from_target(target, num_heads=num_heads).double()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in heads.blocks.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * 0.3)
+    return MedusaDrafter(heads, target)

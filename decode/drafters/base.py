@@ -113,7 +113,11 @@ class Drafter(ABC):
         sampling: SamplingConfig,
         generator: torch.Generator | None,
     ) -> DraftProposal:
-        """Guess ``num_tokens`` tokens after each row's pending token."""
+        """Guess ``num_tokens`` tokens after each row's pending token.
+
+        ``num_tokens`` may be 0 (an adaptive round that skips drafting): return an empty
+        [B, 0] proposal without running a draft network; ``commit`` follows as usual.
+        """
 
     @abstractmethod
     def commit(

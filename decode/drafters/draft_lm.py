@@ -61,6 +61,9 @@ class DraftModelDrafter(Drafter):
         generator: torch.Generator | None,
     ) -> DraftProposal:
         sequence = self._require_state()
+        if num_tokens == 0:  # nothing read: the unread tokens wait for the next proposal
+            self._last_drafts = self._unread.new_empty(self._unread.shape[0], 0)
+            return DraftProposal(tokens=self._last_drafts, probs=None)
         logits = sequence.extend(self._unread, self._unread_valid, logits_to_keep=1).logits
         tokens, probs = [], []
         for step in range(num_tokens):
@@ -82,6 +85,12 @@ class DraftModelDrafter(Drafter):
         sequence = self._require_state()
         drafts = self._last_drafts
         num_drafts = drafts.shape[1]
+        if num_drafts == 0:  # a round without drafts: one more token to read later
+            self._unread = torch.cat([self._unread, next_tokens[:, None]], dim=1)
+            self._unread_valid = torch.cat(
+                [self._unread_valid, torch.ones_like(next_tokens, dtype=torch.bool)[:, None]], 1
+            )
+            return
         # The draft read d_1 .. d_{N-1}; it keeps those that were accepted.
         sequence.rollback(num_drafts - 1, num_accepted.clamp(max=num_drafts - 1))
         all_accepted = num_accepted == num_drafts  # [B]

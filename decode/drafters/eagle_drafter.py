@@ -110,8 +110,11 @@ class Eagle3Drafter(Drafter):
     ) -> DraftProposal:
         """Draft ``num_tokens`` tokens per row autoregressively (argmax or sampled)."""
         state = self._require_state()
-        if num_tokens < 1:
-            raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        if num_tokens == 0:  # a round without drafts; commit still reads its features
+            state.drafts = state.logits.new_empty(state.logits.shape[0], 0, dtype=torch.long)
+            return DraftProposal(tokens=state.drafts, probs=None)
         keys, values, valid = state.keys, state.values, state.valid
         logits, hidden = state.logits, state.hidden
         tokens, probs = [], []

@@ -245,11 +245,14 @@ class MedusaDrafter(Drafter):
         self, num_tokens: int, sampling: SamplingConfig, generator: torch.Generator | None
     ) -> DraftProposal:
         hidden = self._require_hidden()
-        if not 1 <= num_tokens <= self.heads.config.num_heads:
+        if not 0 <= num_tokens <= self.heads.config.num_heads:
             raise ValueError(
                 f"Medusa drafts at most one token per head: num_tokens must lie in "
-                f"[1, {self.heads.config.num_heads}], got {num_tokens}"
+                f"[0, {self.heads.config.num_heads}], got {num_tokens}"
             )
+        if num_tokens == 0:  # a round without drafts
+            empty = hidden.new_empty(hidden.shape[0], 0, dtype=torch.long)  # [B, 0]
+            return DraftProposal(tokens=empty, probs=None)
         logits = self.heads(hidden)[:, :num_tokens]  # [B, N, V]
         if sampling.greedy:
             return DraftProposal(tokens=logits.argmax(-1), probs=None)

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from decode_helpers import chi_square_p_value, exact_two_token_law
+from decode_helpers import (
+    chi_square_p_value,
+    exact_two_token_law,
+    tiny_eagle_drafter,
+    tiny_medusa_drafter,
+)
 from tiny_models import tiny_llama
 
 from decode import SpeculativeDecoder
 from decode.drafters.base import TreeSpec
-from decode.drafters.eagle import Eagle3Config, Eagle3Head
-from decode.drafters.eagle_drafter import Eagle3Drafter
-from decode.drafters.medusa import MedusaDrafter, MedusaHeads
 from decode.sampling import SamplingConfig
 
 CHAIN_OF_THREE = TreeSpec(choices=((0,), (0, 0), (0, 0, 0)))
@@ -20,23 +22,6 @@ CHAIN_OF_THREE = TreeSpec(choices=((0,), (0, 0), (0, 0, 0)))
 @pytest.fixture(scope="module")
 def target() -> torch.nn.Module:
     return tiny_llama(num_layers=4, seed=0)
-
-
-def _eagle(target: torch.nn.Module) -> Eagle3Drafter:
-    torch.manual_seed(0)
-    head = Eagle3Head(Eagle3Config.for_target(target.config)).double()
-    with torch.no_grad():  # reuse the target's head so drafts are sometimes right
-        head.lm_head.weight.copy_(target.get_output_embeddings().weight)
-    return Eagle3Drafter(head, target)
-
-
-def _medusa(target: torch.nn.Module) -> MedusaDrafter:
-    heads = MedusaHeads.from_target(target, num_heads=3).double()
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for param in heads.blocks.parameters():
-            param.copy_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * 0.3)
-    return MedusaDrafter(heads, target)
 
 
 def _prompts() -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,7 +49,7 @@ def test_greedy_tree_equals_target_generate(target, name, tree, batch) -> None:
     reference = target.generate(
         input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False
     )
-    drafter = _eagle(target) if name == "eagle" else _medusa(target)
+    drafter = tiny_eagle_drafter(target) if name == "eagle" else tiny_medusa_drafter(target)
     out = SpeculativeDecoder(target, drafter, num_draft_tokens=3, tree=tree).generate(
         ids, mask, max_new_tokens=20
     )
@@ -73,8 +58,10 @@ def test_greedy_tree_equals_target_generate(target, name, tree, batch) -> None:
 
 def test_chain_shaped_tree_decodes_like_the_chain(target) -> None:
     ids, mask = _prompts()
-    chain = SpeculativeDecoder(target, _medusa(target), 3).generate(ids, mask, max_new_tokens=16)
-    tree = SpeculativeDecoder(target, _medusa(target), 3, tree=CHAIN_OF_THREE).generate(
+    chain = SpeculativeDecoder(target, tiny_medusa_drafter(target), 3).generate(
+        ids, mask, max_new_tokens=16
+    )
+    tree = SpeculativeDecoder(target, tiny_medusa_drafter(target), 3, tree=CHAIN_OF_THREE).generate(
         ids, mask, max_new_tokens=16
     )
     assert torch.equal(chain.sequences, tree.sequences)
@@ -87,7 +74,7 @@ def test_sampled_tree_output_follows_target_law(target, name) -> None:
     prompt = torch.tensor([5, 9, 5, 9, 5, 9, 5])
     sampling = SamplingConfig(temperature=1.0)
     first_law, second_law = exact_two_token_law(target, prompt, sampling)
-    drafter = _eagle(target) if name == "eagle" else _medusa(target)
+    drafter = tiny_eagle_drafter(target) if name == "eagle" else tiny_medusa_drafter(target)
     tree = TreeSpec(top_k=3, total_tokens=9) if name == "eagle" else TreeSpec()
     out = SpeculativeDecoder(target, drafter, 3, tree=tree).generate(
         prompt[None].repeat(3000, 1),

@@ -1,0 +1,127 @@
+"""Each round's draft length, chosen from the decoder's own measured acceptance and cost.
+
+Drafting pays only while a round's expected tokens per second beat a plain target step
+(THEORY.md section 5). With ``alpha_j`` the acceptance rate at draft position j given that
+position j - 1 was accepted, and a round of w drafts taking ``T(w) = c0 + c1 * w`` seconds (the
+verify pass widens, each draft adds a draft step), the expected emitted tokens and the choice are
+
+    E(w) = 1 + sum_{j <= w} prod_{i <= j} alpha_i,        w* = argmax_{0 <= w <= N} E(w) / T(w),
+
+where w = 0 is a plain target step. SpecDec++ (Huang et al. 2024) and DISCO (Mamou et al. 2024)
+stop drafting on the draft's own confidence; this policy uses measured rates and times instead,
+so a drafter that costs more than it saves (a draft close to the target's size, sampling at a
+high temperature) falls back to plain decoding rather than slowing it down. Estimates decay
+geometrically so they follow a change of prompt or temperature; every ``probe_every``-th
+round tries a neighbouring length so that the deeper positions and the costs stay measured
+(a measured length uses its own smoothed time: a plain step is not on the drafting rounds'
+line, having no draft pass at all; the line only extrapolates to lengths not yet run);
+and the policy keeps its length until another promises ``switch_margin`` more tokens per
+second, since switching has a cost of its own (a draft LM reads the tokens of skipped rounds
+in its next pass) and round times are noisy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Pseudo-counts of the acceptance prior: one accepted draft out of two reached.
+_PRIOR_REACHED, _PRIOR_ACCEPTED = 2.0, 1.0
+
+
+class AdaptiveDraftLength:
+    """Picks w in ``0 .. max_tokens`` per round; fed each round's acceptance and duration."""
+
+    def __init__(
+        self,
+        max_tokens: int,
+        decay: float = 0.99,
+        probe_every: int = 16,
+        switch_margin: float = 0.1,
+    ) -> None:
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if not 0.0 < decay < 1.0:
+            raise ValueError(f"decay must lie in (0, 1), got {decay}")
+        self.max_tokens = max_tokens
+        self.decay = decay
+        self.probe_every = probe_every
+        self.switch_margin = switch_margin
+        self._current: int | None = None  # the length kept between probes
+        self._reached = [_PRIOR_REACHED] * max_tokens  # decayed drafts verified at position j
+        self._accepted = [_PRIOR_ACCEPTED] * max_tokens  # decayed drafts accepted at position j
+        self._seconds: dict[int, float] = {}  # w -> round duration, smoothed (weight 0.1)
+        self._rounds = 0
+
+    @property
+    def alpha(self) -> list[float]:
+        """Current conditional acceptance estimate per draft position."""
+        return [a / r for a, r in zip(self._accepted, self._reached, strict=True)]
+
+    def expected_tokens(self, width: int) -> float:
+        """``E(w)``: tokens a round with ``width`` drafts emits on average."""
+        total, survive = 1.0, 1.0
+        for alpha in self.alpha[:width]:
+            survive *= alpha
+            total += survive
+        return total
+
+    def round_seconds(self, width: int) -> float | None:
+        """``T(w)``: the smoothed measurement where ``w`` was run, else a least-squares line
+        through the measured widths (None before any)."""
+        if width in self._seconds:
+            return self._seconds[width]
+        if not self._seconds:
+            return None
+        widths = list(self._seconds)
+        if len(widths) == 1:  # one point: a draft step costs as much as the measured round
+            (known,) = widths
+            return self._seconds[known] * (1 + width) / (1 + known)
+        mean_w = sum(widths) / len(widths)
+        mean_t = sum(self._seconds.values()) / len(widths)
+        spread = sum((w - mean_w) ** 2 for w in widths)
+        slope = sum((w - mean_w) * (t - mean_t) for w, t in self._seconds.items()) / spread
+        slope = max(slope, 0.0)
+        return max(mean_t + slope * (width - mean_w), 1e-9)
+
+    def choose(self, limit: int) -> int:
+        """The draft length for the next round, at most ``limit`` (the rows' remaining room)."""
+        limit = min(limit, self.max_tokens)
+        if limit <= 0:
+            return 0
+        # Measure the longest length first, then a plain step: two points fix the line.
+        for width in (self.max_tokens, 0):
+            if width not in self._seconds and width <= limit:
+                return width
+        rates = [self.expected_tokens(w) / self.round_seconds(w) for w in range(limit + 1)]
+        best = max(range(limit + 1), key=rates.__getitem__)
+        current = self._current
+        keep = current is not None and current <= limit
+        if keep and rates[best] < rates[current] * (1 + self.switch_margin):
+            best = current
+        self._current = best
+        if self.probe_every and self._rounds % self.probe_every == self.probe_every - 1:
+            up = (self._rounds // self.probe_every) % 2 == 0
+            return min(limit, best + 1) if up or best == 0 else best - 1
+        return best
+
+    def update(
+        self,
+        width: int,
+        num_accepted: torch.Tensor,  # [B] accepted drafts of the rows that were active
+        seconds: float,
+    ) -> None:
+        """Fold in one round: ``width`` drafts per row, their acceptance, its wall time."""
+        self._rounds += 1
+        previous = self._seconds.get(width)
+        self._seconds[width] = (
+            seconds if previous is None else previous + 0.1 * (seconds - previous)
+        )
+        if width == 0 or num_accepted.numel() == 0:
+            return
+        counts = torch.bincount(num_accepted.clamp(max=width), minlength=width + 1).tolist()
+        for j in range(width):
+            reached = sum(counts[j:])  # rows whose draft j + 1 was verified
+            accepted = sum(counts[j + 1 :])
+            if reached:
+                self._reached[j] = self.decay * self._reached[j] + reached
+                self._accepted[j] = self.decay * self._accepted[j] + accepted

@@ -1,0 +1,110 @@
+"""Adaptive draft lengths: the policy's choices, and exactness of the rounds it shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from decode_helpers import (
+    AdversarialDrafter,
+    noisy_copy,
+    tiny_eagle_drafter,
+    tiny_medusa_drafter,
+)
+from tiny_models import tiny_llama
+
+from decode import DraftModelDrafter, NgramDrafter, SpeculativeDecoder
+from decode.draft_length import AdaptiveDraftLength
+
+
+def _feed(policy: AdaptiveDraftLength, rounds: int, alpha: float, seconds) -> list[int]:
+    """Run the policy against a simulated drafter; return the widths it chose."""
+    chosen = []
+    for _ in range(rounds):
+        width = policy.choose(policy.max_tokens)
+        chosen.append(width)
+        accepted = int(alpha * width)  # a deterministic stand-in for the acceptance
+        policy.update(width, torch.tensor([accepted] * 4), seconds(width))
+    return chosen
+
+
+def test_policy_measures_the_longest_length_then_a_plain_step_first() -> None:
+    policy = AdaptiveDraftLength(max_tokens=4)
+    assert policy.choose(4) == 4
+    policy.update(4, torch.tensor([2]), 0.02)
+    assert policy.choose(4) == 0
+    policy.update(0, torch.tensor([0]), 0.01)
+    assert policy.round_seconds(2) == pytest.approx(0.015)  # the line through both points
+    assert policy.choose(1) <= 1  # never beyond the room the rows have left
+
+
+def test_policy_drafts_the_longest_when_drafts_are_accepted_and_cheap() -> None:
+    policy = AdaptiveDraftLength(max_tokens=4, probe_every=0)
+    chosen = _feed(policy, 40, alpha=1.0, seconds=lambda w: 0.010 + 0.001 * w)
+    assert chosen[-10:] == [4] * 10
+    assert policy.alpha[0] > 0.9
+
+
+def test_policy_falls_back_to_plain_steps_when_drafts_are_rejected() -> None:
+    policy = AdaptiveDraftLength(max_tokens=4, probe_every=8)
+    chosen = _feed(policy, 64, alpha=0.0, seconds=lambda w: 0.010 + 0.004 * w)
+    tail = chosen[-32:]
+    assert tail.count(0) >= 28  # plain steps, with a probe of length 1 every 8th round
+    assert set(tail) <= {0, 1}
+
+
+def test_policy_keeps_its_length_unless_another_is_clearly_faster() -> None:
+    policy = AdaptiveDraftLength(max_tokens=2, probe_every=0, switch_margin=0.1)
+    policy.update(2, torch.tensor([2]), 0.030)
+    policy.update(0, torch.tensor([0]), 0.010)  # plain steps: 100 tokens/s
+    policy.update(1, torch.tensor([0]), 0.050)
+    two = policy.expected_tokens(2)
+    for rate, expected in ((95.0, 0), (104.0, 0), (130.0, 2)):  # 2 drafts at this rate
+        policy._seconds[2] = two / rate
+        assert policy.choose(2) == expected, rate  # 104 is not 10% better than 100
+
+
+def test_policy_rejects_bad_settings() -> None:
+    with pytest.raises(ValueError, match="max_tokens"):
+        AdaptiveDraftLength(0)
+    with pytest.raises(ValueError, match="decay"):
+        AdaptiveDraftLength(4, decay=1.0)
+    with pytest.raises(ValueError, match="adaptive draft lengths apply to chains"):
+        SpeculativeDecoder(
+            tiny_llama(), NgramDrafter(vocab_size=64), 3, tree=_tree_spec(), adaptive=True
+        )
+
+
+def _tree_spec():
+    from decode.drafters.base import TreeSpec
+
+    return TreeSpec(top_k=2, total_tokens=4)
+
+
+@pytest.mark.parametrize("name", ["perfect", "noisy", "adversarial", "ngram", "eagle", "medusa"])
+def test_adaptive_rounds_keep_greedy_output_exact(name: str) -> None:
+    """Rounds of every length, zero included, leave each drafter's state in step."""
+    target = tiny_llama(num_layers=4, seed=0)
+    drafters = {
+        "perfect": lambda: DraftModelDrafter(target),
+        "noisy": lambda: DraftModelDrafter(noisy_copy(target, 0.5)),
+        "adversarial": lambda: AdversarialDrafter(target),
+        "ngram": lambda: NgramDrafter(vocab_size=64),
+        "eagle": lambda: tiny_eagle_drafter(target),
+        "medusa": lambda: tiny_medusa_drafter(target),
+    }
+    ids = torch.randint(3, 64, (3, 9), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    reference = target.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False
+    )
+    decoder = SpeculativeDecoder(target, drafters[name](), 3, adaptive=True)
+    decoder.draft_length.probe_every = 2  # visit many lengths in a short run
+    widths = []
+    choose = decoder.draft_length.choose
+    decoder.draft_length.choose = lambda limit: widths.append(choose(limit)) or widths[-1]
+    for _ in range(2):  # the second call starts from the first call's estimates
+        out = decoder.generate(ids, attention_mask=mask, max_new_tokens=24)
+        assert torch.equal(out.sequences, reference)
+    assert 0 in widths and max(widths) >= 2
