@@ -50,6 +50,7 @@ def build_server(config: ServeConfig) -> OpenAIServer:
         drafter,
         model_name=config.served_model_name or Path(config.target).resolve().name,
         num_draft_tokens=config.num_draft_tokens,
+        adaptive=config.adaptive,
         limits=limits,
         api_key=config.api_key,
         max_batch_size=config.max_batch_size,

@@ -6,7 +6,8 @@
 On the same prompts, interleaved per prompt: plain decoding (HF ``generate``), HF assisted
 generation with the same draft LM, HF prompt lookup, draftsmith's own plain decoding (the
 control: our decoder with no drafter), and draftsmith with the n-gram drafter, the draft LM
-(chain), EAGLE-3 (chain and dynamic tree) and Medusa (static tree), at each temperature.
+(chain, with N fixed and with the adaptive length in 0..N), EAGLE-3 (chain and dynamic tree)
+and Medusa (static tree), at each temperature.
 Reports tokens/s, speedup over plain, tau, predicted tau, acceptance per position, held-out
 overlap per position (from each drafter folder's ``eval_results.json``), and the peak resident
 memory of each method (Linux: the process's high-water mark, reset before each call; on a GPU,
@@ -154,6 +155,10 @@ def build_methods(args, target, drafters, settings: EvalSettings, meter, peaks):
     methods["draftsmith n-gram"] = speculative_method(target, drafters["ngram"], settings)
     if "draft_lm" in drafters:
         methods["draftsmith draft LM"] = speculative_method(target, drafters["draft_lm"], settings)
+        adaptive = EvalSettings(**{**settings.__dict__, "adaptive": True})
+        methods["draftsmith draft LM (adaptive N)"] = speculative_method(
+            target, drafters["draft_lm"], adaptive
+        )
     if "eagle3" in drafters:
         methods["draftsmith EAGLE-3 chain"] = speculative_method(
             target, drafters["eagle3"], settings
@@ -244,6 +249,7 @@ def main(argv: list[str] | None = None) -> dict:
             drafters[kind] = load_drafter(folder, target, kind=kind)
     overlaps = {
         "draftsmith draft LM": held_out_overlap(args.draft_lm),
+        "draftsmith draft LM (adaptive N)": held_out_overlap(args.draft_lm),
         "draftsmith EAGLE-3 chain": held_out_overlap(args.eagle3),
         "draftsmith EAGLE-3 tree": held_out_overlap(args.eagle3),
         "draftsmith Medusa tree": held_out_overlap(args.medusa),

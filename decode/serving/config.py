@@ -43,7 +43,10 @@ class ServeConfig:
     api_key: str | None = _f(
         None, f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV} if set, else none)"
     )
-    num_draft_tokens: int = _f(4, "tokens drafted per round")
+    num_draft_tokens: int = _f(4, "tokens drafted per round (the most, with --adaptive)")
+    adaptive: bool = _f(
+        False, "choose each round's draft length in 0..N from measured acceptance and times"
+    )
     trust_remote_code: bool = _f(False, "allow custom modelling code shipped with the target")
     dtype: str = _f("auto", f"dtype of the target: {', '.join(DTYPES)}")
     device: str = _f("auto", "cpu, cuda, cuda:1 ... (auto: cuda when available)")

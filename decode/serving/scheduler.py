@@ -254,6 +254,7 @@ class BatchWorker:
         queue: RequestQueue,
         *,
         num_draft_tokens: int,
+        adaptive: bool = False,
         max_batch_size: int,
         eos_token_ids: Sequence[int],
         pad_token_id: int,
@@ -263,7 +264,9 @@ class BatchWorker:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self._drafter = RecordingDrafter(drafter)
-        self.decoder = SpeculativeDecoder(target, self._drafter, num_draft_tokens)
+        self.decoder = SpeculativeDecoder(
+            target, self._drafter, num_draft_tokens, adaptive=adaptive
+        )
         self.queue = queue
         self.max_batch_size = max_batch_size
         self.eos_token_ids = list(eos_token_ids)

@@ -179,13 +179,16 @@ def models() -> Models:
     return target, noisy_copy(target, scale=0.3)
 
 
-def make_worker(models: Models, batches: list[DecodeStats] | None = None) -> BatchWorker:
+def make_worker(
+    models: Models, batches: list[DecodeStats] | None = None, adaptive: bool = False
+) -> BatchWorker:
     target, draft = models
     return BatchWorker(
         target,
         DraftModelDrafter(draft),
         RequestQueue(8),
         num_draft_tokens=4,
+        adaptive=adaptive,
         max_batch_size=8,
         eos_token_ids=[2],
         pad_token_id=0,
@@ -237,20 +240,24 @@ def greedy_reference(target: torch.nn.Module, prompt: list[int], max_tokens: int
     return out[0, len(prompt) :].tolist()
 
 
-def test_batched_rows_each_get_their_own_greedy_answer_and_max_tokens(models: Models) -> None:
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_batched_rows_each_get_their_own_greedy_answer_and_max_tokens(
+    models: Models, adaptive: bool
+) -> None:
     specs = [([5, 9, 11], 6, SamplingParams()), ([7], 20, SamplingParams()),
              ([3, 4, 5, 6, 7, 8, 9], 13, SamplingParams())]  # fmt: skip
-    events = run_jobs(make_worker(models), specs)
+    events = run_jobs(make_worker(models, adaptive=adaptive), specs)
     for (prompt, max_tokens, _), received in zip(specs, events, strict=True):
         assert tokens_of(received) == greedy_reference(models[0], prompt, max_tokens)
         assert received[-1].batch_size == 3
 
 
-def test_per_request_stats_add_up_to_the_batch_stats(models: Models) -> None:
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_per_request_stats_add_up_to_the_batch_stats(models: Models, adaptive: bool) -> None:
     batches: list[DecodeStats] = []
     raw = SamplingParams(ignore_eos=True)
     specs = [([5, 9, 11], 24, raw), ([7], 24, raw), ([3, 4, 5, 6], 24, raw)]
-    events = run_jobs(make_worker(models, batches), specs)
+    events = run_jobs(make_worker(models, batches, adaptive), specs)
     rows = [received[-1].stats for received in events]
     (batch,) = batches
     assert sum(row.rounds for row in rows) == batch.rounds
@@ -258,7 +265,7 @@ def test_per_request_stats_add_up_to_the_batch_stats(models: Models) -> None:
         assert sum(row.accepted_per_position[j] for row in rows) == batch.accepted_per_position[j]
         assert sum(row.reached_per_position[j] for row in rows) == batch.reached_per_position[j]
     assert all(row.tokens_emitted == 24 for row in rows)
-    assert 1.0 < batch.tau < 5.0  # the noisy draft is right only sometimes
+    assert 1.0 <= batch.tau < 5.0  # the noisy draft is right only sometimes
 
 
 def test_a_cancelled_row_is_dropped_and_the_others_finish(models: Models) -> None:
