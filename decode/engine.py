@@ -165,14 +165,13 @@ class SpeculativeDecoder:
         target.rollback(drafts.shape[1] + 1, num_accepted + 1)
         verify_end = _clock(self.device)
         self.drafter.commit(num_accepted, pending, TargetPass(verify.logits, verify.hidden_states))
-        accepted_by_active_rows = num_accepted[run.active]
+        policy = self.draft_length
+        accepted_by_active_rows = num_accepted[run.active] if policy is not None else None
         run.finish_round(drafts, num_accepted, pending)
         round_end = _clock(self.device)
         run.add_times(round_start, verify_start, verify_end, round_end)
-        if self.draft_length is not None:
-            self.draft_length.update(
-                drafts.shape[1], accepted_by_active_rows, round_end - round_start
-            )
+        if policy is not None:  # read before finish_round retires rows that just ended
+            policy.update(drafts.shape[1], accepted_by_active_rows, round_end - round_start)
         return pending
 
     def _tree_round(
