@@ -1,7 +1,7 @@
 """Each round's draft length, chosen from the decoder's own measured acceptance and cost.
 
 Drafting pays only while a round's expected tokens per second beat a plain target step
-(THEORY.md section 5). With ``alpha_j`` the acceptance rate at draft position j given that
+(docs/theory.md §5). With ``alpha_j`` the acceptance rate at draft position j given that
 position j - 1 was accepted, and a round of w drafts taking ``T(w) = c0 + c1 * w`` seconds (the
 verify pass widens, each draft adds a draft step), the expected emitted tokens and the choice are
 

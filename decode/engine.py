@@ -1,6 +1,6 @@
 """The speculative decoder: propose -> verify -> accept -> roll back, round after round.
 
-One round (THEORY.md sections 1-3): the drafter guesses N tokens after each row's pending
+One round (docs/theory.md §1-3): the drafter guesses N tokens after each row's pending
 token; the target scores ``[pending, d_1 .. d_N]`` in **one** forward pass over its KV cache;
 verification keeps the accepted prefix and emits one recovered or bonus token; both caches drop
 what was rejected (no re-prefill). Each round emits between 1 and N + 1 tokens per row, and

@@ -8,7 +8,7 @@ decoding (Hugging Face ``generate``), by our speculative decoder, and, where one
 Hugging Face peer with the same draft (assisted generation for a draft LM, prompt lookup for the
 n-gram drafter). EOS is ignored so that every method writes the same number of tokens.
 
-Reported (THEORY.md section 5): ``tau`` (tokens per verification pass), ``alpha_per_position``,
+Reported (docs/theory.md §5): ``tau`` (tokens per verification pass), ``alpha_per_position``,
 ``predicted_tau`` from those rates, tokens/s of each method, the measured speedup, and the
 speedup predicted from the run's own tau and times, ``tau * T_1 / (T_draft + T_verify)``, where
 ``T_1`` is the baseline's time per token and ``T_draft``/``T_verify`` the measured time of one

@@ -11,7 +11,7 @@ with a few fused products per layer:
 
 over the same weights, the same ``PreallocatedLayer`` cache and the same rotary tables (taken
 from the model's own ``rotary_emb``, so every static rope scaling carries over). Its logits
-match the model's to float rounding, not bit for bit (THEORY.md section 7 promises no more,
+match the model's to float rounding, not bit for bit (docs/theory.md §7 promises no more,
 as batched verification already differs from one-token steps in rounding). A drafter may use
 it freely: rejection sampling is exact for whatever ``q`` the draft computes. A target uses it
 unless ``SpeculativeDecoder(lean_target=False)``: the output then follows the target as this

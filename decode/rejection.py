@@ -1,6 +1,6 @@
 """Chain verification: which drafted tokens the target accepts, and the token after them.
 
-Leviathan et al. 2023 and Chen et al. 2023 (THEORY.md sections 2-3). For draft token ``x`` drawn
+Leviathan et al. 2023 and Chen et al. 2023 (docs/theory.md §2-3). For draft token ``x`` drawn
 from ``q``, accept with probability ``min(1, p(x) / q(x))``; at the first rejection emit a
 *recovered* token from ``norm(max(0, p - q))``; if all N drafts are accepted emit a *bonus* token
 from the target's distribution at position N+1. The emitted tokens are distributed exactly as

@@ -1,6 +1,6 @@
 """From logits to the distribution a token is drawn from.
 
-THEORY.md section 2: ``p`` and ``q`` are the distributions *after* every sampling transform
+docs/theory.md §2: ``p`` and ``q`` are the distributions *after* every sampling transform
 (temperature, then top-k, then top-p, renormalised). One function applies those transforms, to
 the target's and the draft's logits alike, so the two can never disagree.
 """

@@ -3,7 +3,7 @@
 vLLM's vocabulary: per round the target verifies the drafted tokens; ``accepted`` drafts are
 kept, then one more token (recovered or bonus) is emitted. ``tau`` is the mean number of tokens
 emitted per verification pass (1 + mean accepted); ``alpha_j`` is the acceptance rate at draft
-position j *given that position j - 1 was accepted* (THEORY.md section 5), so that
+position j *given that position j - 1 was accepted* (docs/theory.md §5), so that
 ``P(L >= i) = prod_{j < i} alpha_j`` and ``E[L] = 1 + sum_i prod_{j <= i} alpha_j``.
 """
 
@@ -128,7 +128,7 @@ class DecodeStats:
 
 
 def predicted_tau(alpha_per_position: list[float]) -> float:
-    """Expected tokens per round, ``1 + sum_i prod_{j <= i} alpha_j`` (THEORY.md section 5)."""
+    """Expected tokens per round, ``1 + sum_i prod_{j <= i} alpha_j`` (docs/theory.md §5)."""
     expected, survive = 1.0, 1.0
     for alpha in alpha_per_position:
         survive *= alpha
@@ -137,5 +137,5 @@ def predicted_tau(alpha_per_position: list[float]) -> float:
 
 
 def predicted_speedup(tau: float, target_step_s: float, draft_step_s: float, steps: int) -> float:
-    """``speedup = E[L] * T_t / (N * T_d + T_t)`` (THEORY.md section 5)."""
+    """``speedup = E[L] * T_t / (N * T_d + T_t)`` (docs/theory.md §5)."""
     return tau * target_step_s / (steps * draft_step_s + target_step_s)

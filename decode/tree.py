@@ -5,7 +5,7 @@ token, a parent (``-1`` for the root, else an earlier node: parents come before 
 depth (1 for the root's children). Siblings are tried in index order. In "tree space" (masks,
 positions, the target's verify pass) index 0 is the root and node m is index m + 1.
 
-Verification (THEORY.md section 4) walks from the root. At each node it tries the children:
+Verification (docs/theory.md §4) walks from the root. At each node it tries the children:
 * children chosen deterministically (top-k, distinct; ``draft_probs is None``): accept child c
   with probability p(c); on rejection set p(c) = 0 and renormalise, then try the next child;
 * children drawn i.i.d. from q (``draft_probs`` = that q; SpecInfer, Miao et al. 2024): accept
@@ -363,7 +363,7 @@ def verify_tree_stochastic(
     target_probs: torch.Tensor,  # [B, M + 1, V] after the sampling transforms
     generator: torch.Generator | None,
 ) -> TreeVerification:
-    """Exact tree verification (THEORY.md section 4); see the module docstring."""
+    """Exact tree verification (docs/theory.md §4); see the module docstring."""
     _check_verify_shapes(tree, target_probs)
     batch = target_probs.shape[0]
     rows = torch.arange(batch, device=target_probs.device)

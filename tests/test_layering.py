@@ -1,4 +1,4 @@
-"""The import direction of DESIGN.md, and no module that shadows an installed package.
+"""The import direction of the layers (docs/architecture.md), and no module that shadows an installed package.
 
 ``accelerate launch train/distill.py`` puts ``train/`` first on ``sys.path``, so a
 ``train/datasets.py`` would replace the real ``datasets`` for the whole run.

@@ -59,7 +59,7 @@ class DemoPreset:
 
 
 PRESETS: dict[str, DemoPreset] = {
-    # About 5.3 M parameters; FACTS.md: ~1.9k tokens/s on 2 cores, the default build.
+    # About 5.3 M parameters: ~1.9k tokens/s on 2 cores, the default build.
     "demo": DemoPreset("demo", num_layers=4, hidden_size=256, intermediate_size=688, num_heads=4),
     # Forward pass several times the demo's (8 x 512): for benchmarks, same time budget.
     "bench": DemoPreset(

@@ -16,7 +16,7 @@ Sources (``DataConfig.dataset``):
 
 The held-out set used for the overlap metric is, by default, held-out prompts continued by the
 target itself (``eval_source: target_samples``): acceptance is measured on the target's own
-outputs (THEORY.md section 6), so that is where the overlap must be measured too.
+outputs (docs/theory.md §6), so that is where the overlap must be measured too.
 """
 
 from __future__ import annotations

@@ -227,7 +227,7 @@ def push_to_hub(folder: Path, repo_id: str, private: bool = True) -> str:
     api = HfApi()
     try:
         # create_repo fails in well under a second without network, while upload_folder
-        # would retry for tens of seconds (FACTS.md): probe with it first.
+        # would retry for tens of seconds (measured without network): probe with it first.
         api.create_repo(repo_id, exist_ok=True, private=private)
         info = api.upload_folder(repo_id=repo_id, folder_path=str(folder))
     except Exception as error:  # httpx, requests and hub errors share no base class

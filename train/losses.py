@@ -1,6 +1,6 @@
 """Distillation losses between a drafter's and the target's next-token distributions.
 
-THEORY.md section 6. Every function compares, position by position, the target distribution
+docs/theory.md §6. Every function compares, position by position, the target distribution
 ``p`` and the draft distribution ``q``, both taken at the same temperature ``tau``::
 
     p = softmax(target_logits / tau)        q = softmax(draft_logits / tau)

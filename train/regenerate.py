@@ -1,7 +1,7 @@
 """Regenerate training data with the target: its own responses to given prompts, as JSONL.
 
 A drafter is accepted where it agrees with the target on the target's *own* outputs, so the
-best distillation data is text the target wrote (THEORY.md section 6; DistillSpec, Zhou et al.
+best distillation data is text the target wrote (docs/theory.md §6; DistillSpec, Zhou et al.
 2024). This samples one response per prompt from the target and writes one JSON object per
 line, loadable with ``datasets.load_dataset("json", data_files=path)`` and by
 ``train/distill.py --dataset path``:

@@ -1,6 +1,6 @@
 """After training: measure the exported drafter end to end and write the run's report.
 
-The held-out overlaps predict acceptance (THEORY.md section 5); this step checks the
+The held-out overlaps predict acceptance (docs/theory.md §5); this step checks the
 prediction with the real decoder. Held-out prompts (the demo set: stdlib files the target never
 trained on) are decoded one at a time by plain target decoding, by our speculative decoder with
 the new drafter and, where one exists, by the Hugging Face peer, at each temperature. The report

@@ -1,6 +1,6 @@
 """The runtime protocol every drafter follows inside the speculative decoder.
 
-One decoding round (THEORY.md sections 1-2):
+One decoding round (docs/theory.md §1-2):
 
 1. the engine holds ``pending`` [B]: the newest emitted token of each row, not yet in the
    target's KV cache;
@@ -43,7 +43,7 @@ class TargetPass:
 
 @dataclass(frozen=True)
 class TreeSpec:
-    """The shape of a draft tree (THEORY.md section 4), verified in one target pass.
+    """The shape of a draft tree (docs/theory.md §4), verified in one target pass.
 
     Dynamic trees (EAGLE-2, Li et al. 2024) expand the ``top_k`` most likely children of the
     best frontier nodes for ``depth`` steps and keep the ``total_tokens`` nodes of highest

@@ -1,7 +1,7 @@
 """Prompt-lookup drafting: copy what followed the last earlier occurrence of the newest n-gram.
 
 Saxena 2023 ("prompt lookup decoding"); the proposer is deterministic, so ``q`` is one-hot and
-verification accepts a draft ``x`` with probability ``p(x)`` (THEORY.md section 2). Rows with no
+verification accepts a draft ``x`` with probability ``p(x)`` (docs/theory.md §2). Rows with no
 match propose nothing; the round's width is the longest match in the batch, and rows with a
 shorter match pad with a token they will simply not get accepted (one-hot ``q`` keeps this
 exact).

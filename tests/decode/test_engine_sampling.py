@@ -1,4 +1,4 @@
-"""Sampled speculative output follows the target's distribution exactly (THEORY.md section 7).
+"""Sampled speculative output follows the target's distribution exactly (docs/theory.md §7).
 
 Many rows of one prompt run as one batch; the empirical law of the first and second emitted
 tokens is compared with the target's exact law by a chi-square test. A wrong residual, a

@@ -1,4 +1,4 @@
-"""Exact properties of the distillation losses in train/losses.py (THEORY.md section 6)."""
+"""Exact properties of the distillation losses in train/losses.py (docs/theory.md §6)."""
 
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ Where the target's features and distributions come from:
 Held-out metrics per draft position j = k + 1: ``overlap@j``, the mean of
 ``sum_x min(p(x), q_k(x))`` at the decoding temperature, the expected acceptance rate of draft
 position j given that the earlier ones were accepted (Leviathan et al. 2023; the ``alpha_j`` of
-THEORY.md section 5); ``greedy_match@j``, the same at temperature 0; ``loss@j`` and ``loss``.
+docs/theory.md §5); ``greedy_match@j``, the same at temperature 0; ``loss@j`` and ``loss``.
 
 The helpers :func:`position_weights`, :func:`future_mask` and :func:`cached_target_logprobs`
 are shared with the ``medusa`` objective.
