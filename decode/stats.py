@@ -88,10 +88,6 @@ class DecodeStats:
         """``E[L] = 1 + sum_i prod_{j <= i} alpha_j`` from the per-position rates."""
         return predicted_tau(self.alpha_per_position)
 
-    @property
-    def decode_tokens_per_second(self) -> float:
-        return self.tokens_emitted / self.total_seconds if self.total_seconds else 0.0
-
     def merge(self, other: DecodeStats) -> DecodeStats:
         self.fold()
         other.fold()

@@ -129,27 +129,6 @@ def tree_attention_mask(parents: torch.Tensor) -> torch.Tensor:  # [..., M] -> [
     return mask
 
 
-def tree_attention_mask_4d(
-    parents: torch.Tensor,  # [B, M] or [M]
-    cache_mask: torch.Tensor,  # [B, S] 1/True for cache entries the rows may see (0 = padding)
-    dtype: torch.dtype,
-) -> torch.Tensor:  # [B, 1, M + 1, S + M + 1]
-    """Additive mask over [cache + tree] for a Hugging Face target's verify pass.
-
-    0 where visible, ``finfo(dtype).min`` where not; pass it as ``attention_mask`` together with
-    ``position_ids=tree_positions(...)``. Hugging Face uses a 4-D mask as given.
-    """
-    batch, cached = cache_mask.shape
-    tree = tree_attention_mask(parents)
-    if tree.ndim == 2:
-        tree = tree.expand(batch, *tree.shape)
-    size = tree.shape[-1]
-    seen = cache_mask.to(torch.bool)[:, None, :].expand(batch, size, cached)
-    visible = torch.cat((seen, tree), dim=-1)[:, None]
-    mask = torch.zeros(visible.shape, dtype=dtype, device=cache_mask.device)
-    return mask.masked_fill(~visible, torch.finfo(dtype).min)
-
-
 def tree_positions(
     depths: torch.Tensor,  # [B, M] or [M]
     start: torch.Tensor,  # [B] position of each row's root (pending token)

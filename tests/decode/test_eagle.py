@@ -19,10 +19,11 @@ from decode.drafters.eagle import (
     positions_from_mask,
 )
 from decode.drafters.eagle_drafter import Eagle3Drafter, load_runtime_drafter
+from decode.kv_cache import CachedSequence
 from decode.sampling import SamplingConfig, logits_to_probs
 from decode.tree import (
     TreeVerification,
-    tree_attention_mask_4d,
+    tree_attention_mask,
     tree_positions,
     verify_tree_greedy,
 )
@@ -332,16 +333,12 @@ def _tree_pass(target: torch.nn.Module, committed: list[list[int]], tree) -> Tar
     logits, hidden = [], []
     with torch.no_grad():
         for row, sequence in enumerate(committed):
-            prefix = target(torch.tensor([sequence[:-1]]), use_cache=True)
-            cache = prefix.cache if hasattr(prefix, "cache") else prefix.past_key_values
-            start = torch.tensor([len(sequence) - 1])
-            out = target(
+            cached = CachedSequence(target, batch_size=1, device=torch.device("cpu"))
+            cached.extend(torch.tensor([sequence[:-1]]))
+            out = cached.extend(
                 torch.cat((torch.tensor([sequence[-1]]), tree.tokens[row]))[None],
-                attention_mask=tree_attention_mask_4d(
-                    tree.parents[row], torch.ones(1, len(sequence) - 1), torch.float64
-                ),
-                position_ids=tree_positions(tree.depths[row], start),
-                cache=cache,
+                tree_mask=tree_attention_mask(tree.parents[row]),
+                positions=tree_positions(tree.depths[row], cached.lengths),
                 output_hidden_states=True,
             )
             logits.append(out.logits[0])

@@ -15,8 +15,9 @@ from decode.drafters.medusa import (
     MedusaHeads,
     load_runtime_drafter,
 )
+from decode.kv_cache import CachedSequence
 from decode.sampling import SamplingConfig, logits_to_probs
-from decode.tree import TreeVerification, tree_attention_mask_4d, tree_positions
+from decode.tree import TreeVerification, tree_attention_mask, tree_positions
 
 
 def _trained_like(heads: MedusaHeads, seed: int = 0) -> MedusaHeads:
@@ -170,15 +171,12 @@ def test_static_tree_round_keeps_the_accepted_paths_hidden_state() -> None:
         logits, hidden = [], []
         with torch.no_grad():
             for row in range(2):
-                prefix = committed[row][:-1]
-                cached = target(torch.tensor([prefix]), use_cache=True)
-                out = target(
+                cached = CachedSequence(target, batch_size=1, device=torch.device("cpu"))
+                cached.extend(torch.tensor([committed[row][:-1]]))
+                out = cached.extend(
                     torch.cat((torch.tensor(committed[row][-1:]), tree.tokens[row]))[None],
-                    attention_mask=tree_attention_mask_4d(
-                        tree.parents[row], torch.ones(1, len(prefix)), torch.float64
-                    ),
-                    position_ids=tree_positions(tree.depths[row], torch.tensor([len(prefix)])),
-                    cache=cached.cache if hasattr(cached, "cache") else cached.past_key_values,
+                    tree_mask=tree_attention_mask(tree.parents[row]),
+                    positions=tree_positions(tree.depths[row], cached.lengths),
                     output_hidden_states=True,
                 )
                 logits.append(out.logits[0])

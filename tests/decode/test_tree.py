@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from tiny_models import tiny_llama
 
+from decode.kv_cache import CachedSequence
 from decode.tree import (
     Frontier,
     StaticTree,
     TreeProposal,
     build_dynamic_tree,
     tree_attention_mask,
-    tree_attention_mask_4d,
     tree_depths,
     tree_positions,
     verify_tree_greedy,
@@ -49,10 +47,6 @@ def test_depths_mask_and_positions_of_a_known_tree() -> None:
     assert torch.equal(tree_attention_mask(PARENTS.expand(2, -1)), expected.expand(2, 7, 7))
     positions = tree_positions(tree_depths(PARENTS), torch.tensor([5, 9]))
     assert positions.tolist() == [[5, 6, 6, 7, 7, 7, 8], [9, 10, 10, 11, 11, 11, 12]]
-    mask4d = tree_attention_mask_4d(PARENTS, torch.tensor([[0, 1, 1], [1, 1, 1]]), torch.float32)
-    assert mask4d.shape == (2, 1, 7, 10)
-    assert (mask4d[0, 0, :, 0] == torch.finfo(torch.float32).min).all()
-    assert torch.equal(mask4d[:, 0, :, 3:] == 0, expected.expand(2, 7, 7))
 
 
 def test_parents_must_come_first() -> None:
@@ -67,7 +61,7 @@ def test_parents_must_come_first() -> None:
 
 
 def test_tree_verify_pass_equals_running_each_path() -> None:
-    """The 4-D mask and positions make every node see exactly its own path."""
+    """The engine's verify pass (cache + tree mask + positions) shows each node its own path."""
     target = tiny_llama()
     prompts = torch.tensor([[0, 0, 5, 6, 7], [4, 9, 8, 3, 2]])
     attention = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
@@ -76,20 +70,14 @@ def test_tree_verify_pass_equals_running_each_path() -> None:
     tree = TreeProposal(
         tokens=tokens, parents=PARENTS.expand(2, -1), depths=tree_depths(PARENTS).expand(2, -1)
     )
-    start = attention.sum(1)
     with torch.no_grad():
-        prefix = target(
-            prompts,
-            attention_mask=attention,
-            position_ids=(attention.cumsum(1) - 1).clamp(min=0),
-            use_cache=True,
-        )
-        cache = copy.deepcopy(prefix.cache if hasattr(prefix, "cache") else prefix.past_key_values)
-        verify = target(
+        cached = CachedSequence(target, batch_size=2, device=torch.device("cpu"))
+        cached.extend(prompts, attention.bool())
+        assert cached.lengths.tolist() == attention.sum(1).tolist()
+        verify = cached.extend(
             tree.input_ids(pending),
-            attention_mask=tree_attention_mask_4d(tree.parents, attention, torch.float64),
-            position_ids=tree.positions(start),
-            cache=cache,
+            tree_mask=tree.attention_mask(),
+            positions=tree.positions(cached.lengths),
         ).logits
         for row in range(2):
             real = prompts[row, attention[row].bool()]
