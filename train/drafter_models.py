@@ -14,12 +14,26 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from train.objectives.draft_lm import check_same_vocab
-
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from train.config import DrafterConfig
+
+
+def vocab_size_of(model: torch.nn.Module) -> int:
+    """Rows of the output embedding: the size of the space the model predicts over."""
+    return int(model.get_output_embeddings().weight.shape[0])
+
+
+def check_same_vocab(drafter: torch.nn.Module, target: torch.nn.Module) -> None:
+    """A draft LM must predict over the target's token space."""
+    draft_vocab, target_vocab = vocab_size_of(drafter), vocab_size_of(target)
+    if draft_vocab != target_vocab:
+        raise ValueError(
+            f"the drafter predicts over {draft_vocab} tokens but the target over {target_vocab}: "
+            "a draft_lm must share the target's tokenizer; drop --drafter_path to build the "
+            "draft from the target's config, or pick a drafter of the target's family"
+        )
 
 
 def build_draft_lm(config: DrafterConfig, target: PreTrainedModel, seed: int) -> torch.nn.Module:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from decode.sampling import SamplingConfig
+from train.drafter_models import build_draft_lm, check_same_vocab, vocab_size_of
 from train.generation import sample_continuations
 from train.losses import Loss, TargetProbs, build_loss, cross_entropy, overlap
 from train.objectives import Batch, MetricSums, Objective
@@ -83,8 +84,6 @@ class DraftLMObjective(Objective):
         target: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
     ) -> DraftLMObjective:
-        from train.drafter_models import build_draft_lm
-
         drafter = build_draft_lm(config.drafter, target, config.optim.seed)
         return cls(
             drafter,
@@ -261,19 +260,3 @@ class DraftLMObjective(Objective):
         for term in terms[1:]:
             total = total + term.weight * parts[term.key]
         return total
-
-
-def vocab_size_of(model: torch.nn.Module) -> int:
-    """Rows of the output embedding: the size of the space the model predicts over."""
-    return int(model.get_output_embeddings().weight.shape[0])
-
-
-def check_same_vocab(drafter: torch.nn.Module, target: torch.nn.Module) -> None:
-    """A draft LM must predict over the target's token space."""
-    draft_vocab, target_vocab = vocab_size_of(drafter), vocab_size_of(target)
-    if draft_vocab != target_vocab:
-        raise ValueError(
-            f"the drafter predicts over {draft_vocab} tokens but the target over {target_vocab}: "
-            "a draft_lm must share the target's tokenizer; drop --drafter_path to build the "
-            "draft from the target's config, or pick a drafter of the target's family"
-        )
