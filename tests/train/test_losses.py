@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from train.losses import (
+    LK_ETA,
     LOSS_NAMES,
+    NLA_MIN_ALPHA,
     Loss,
     LossSpec,
     LossTerm,
@@ -19,6 +21,8 @@ from train.losses import (
     cross_entropy,
     forward_kl,
     generalized_jsd,
+    lk_hybrid,
+    negative_log_acceptance,
     overlap,
     reverse_kl,
     total_variation,
@@ -33,6 +37,8 @@ DIVERGENCES: dict[str, Callable[..., torch.Tensor]] = {
     "jsd:0.5": lambda *a, **k: generalized_jsd(*a, beta=0.5, **k),
     "jsd:0.9": lambda *a, **k: generalized_jsd(*a, beta=0.9, **k),
     "tv": total_variation,
+    "lk": lk_hybrid,
+    "nla": negative_log_acceptance,
 }
 
 
@@ -67,6 +73,12 @@ def _ref_rows(name: str, draft: torch.Tensor, target: torch.Tensor) -> torch.Ten
         return beta * (p * (p / m).log()).sum(-1) + (1 - beta) * (q * (q / m).log()).sum(-1)
     if name == "tv":
         return 1 - torch.minimum(p, q).sum(-1)
+    if name == "lk":
+        alpha = torch.minimum(p, q).sum(-1)
+        weight = torch.exp(-3 * alpha)
+        return weight * _ref_rows("fkl", draft, target) + (1 - weight) * (1 - alpha)
+    if name == "nla":
+        return -torch.minimum(p, q).sum(-1).log()
     raise AssertionError(name)
 
 
@@ -218,6 +230,157 @@ def test_jsd_beta_outside_open_interval_raises(beta: float) -> None:
         generalized_jsd(_logits(1), _logits(2), _mask(), beta=beta)
 
 
+# ------------------------------------------------------------------------- LK and NLA
+
+
+def _rows(fn: Callable[..., torch.Tensor], draft: torch.Tensor, target: torch.Tensor):
+    """Per-position values [B, T] of a loss (one kept position at a time)."""
+    out = torch.empty(draft.shape[:-1], dtype=torch.float64)
+    for b in range(draft.shape[0]):
+        for t in range(draft.shape[1]):
+            one = torch.zeros(draft.shape[:-1], dtype=torch.bool)
+            one[b, t] = True
+            out[b, t] = fn(draft, target, one).double()
+    return out
+
+
+def _alpha(draft: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # [B, T] float64
+    return torch.minimum(torch.softmax(draft.double(), -1), torch.softmax(target.double(), -1)).sum(
+        -1
+    )
+
+
+def test_lk_weights_kl_and_tv_by_exp_minus_3_alpha_per_position() -> None:
+    draft = _logits(60, dtype=torch.float64)
+    target = _logits(61, dtype=torch.float64)
+    alpha = _alpha(draft, target)
+    weight = torch.exp(-LK_ETA * alpha)
+    want = weight * _rows(forward_kl, draft, target) + (1 - weight) * (1 - alpha)
+    torch.testing.assert_close(_rows(lk_hybrid, draft, target), want)
+    assert LK_ETA == 3.0
+    # lambda differs between positions (it is per position, not one weight for the batch)
+    assert weight.max() - weight.min() > 0.05
+
+
+def test_lk_alpha_is_detached_so_its_gradient_is_the_weighted_kl_and_tv_gradients() -> None:
+    draft, target = _logits(62, dtype=torch.float64), _logits(63, dtype=torch.float64)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    weight = torch.exp(-LK_ETA * _alpha(draft, target))  # [B, T], a constant for autograd
+
+    def grad(fn: Callable[..., torch.Tensor]) -> torch.Tensor:
+        leaf = draft.clone().requires_grad_()
+        fn(leaf).backward()
+        return leaf.grad
+
+    got = grad(lambda d: lk_hybrid(d, target, mask, reduction="sum"))
+    kl_part = grad(
+        lambda d: (weight * _rows_graph(forward_kl, d, target)).sum()  # lambda * grad KL
+    )
+    tv_part = grad(lambda d: ((1 - weight) * _rows_graph(total_variation, d, target)).sum())
+    torch.testing.assert_close(got, kl_part + tv_part)
+    assert got.abs().sum() > 0 and torch.isfinite(got).all()
+
+
+def _rows_graph(fn: Callable[..., torch.Tensor], draft: torch.Tensor, target: torch.Tensor):
+    """Like :func:`_rows` but differentiable: [B, T] values with the graph attached."""
+    values = []
+    for b in range(draft.shape[0]):
+        for t in range(draft.shape[1]):
+            one = torch.zeros(draft.shape[:-1], dtype=torch.bool)
+            one[b, t] = True
+            values.append(fn(draft, target, one))
+    return torch.stack(values).view(draft.shape[:-1])
+
+
+def test_lk_limits_kl_far_from_the_target_and_mostly_tv_near_it() -> None:
+    mask = torch.ones(B, T, dtype=torch.bool)
+    # alpha -> 0: the draft is peaked on another token than the target, lambda -> 1, LK -> KL
+    target = _logits(64, dtype=torch.float64)
+    top = target.argmax(-1, keepdim=True)
+    draft = torch.zeros_like(target).scatter(-1, (top + 1) % V, 40.0)
+    target = torch.zeros_like(target).scatter(-1, top, 40.0)
+    alpha = _alpha(draft, target)
+    assert alpha.max() < 1e-15
+    fkl = forward_kl(draft, target, mask)
+    assert fkl > 30
+    torch.testing.assert_close(lk_hybrid(draft, target, mask), fkl, rtol=1e-12, atol=0)
+    # alpha -> 1: a small perturbation of the target, lambda -> e^-3 and the weight on TV -> 1-e^-3
+    target = _logits(65, dtype=torch.float64)
+    for eps in (1e-2, 1e-3, 1e-4):
+        draft = target + eps * _logits(66, dtype=torch.float64)
+        alpha = _alpha(draft, target)
+        weight = torch.exp(-LK_ETA * alpha)
+        assert (weight - math.exp(-LK_ETA)).abs().max() < 4 * eps
+        mixed = math.exp(-LK_ETA) * _rows(forward_kl, draft, target) + (
+            1 - math.exp(-LK_ETA)
+        ) * _rows(total_variation, draft, target)
+        torch.testing.assert_close(_rows(lk_hybrid, draft, target), mixed, rtol=10 * eps, atol=0)
+    # near the target TV (first order in the gap) dominates KL (second order): LK ~ (1-e^-3) TV
+    tv = total_variation(draft, target, mask)
+    assert lk_hybrid(draft, target, mask).item() == pytest.approx(
+        (1 - math.exp(-LK_ETA)) * tv.item(), rel=1e-3
+    )
+
+
+def test_nla_is_minus_log_alpha_and_agrees_with_tv_for_small_gaps() -> None:
+    mask = torch.ones(B, T, dtype=torch.bool)
+    target = _logits(67, dtype=torch.float64)
+    far = _logits(68, dtype=torch.float64)
+    torch.testing.assert_close(
+        _rows(negative_log_acceptance, far, target), -_alpha(far, target).log()
+    )
+    for eps in (1e-1, 1e-2, 1e-3):
+        draft = target + eps * far
+        tv = _rows(total_variation, draft, target)
+        nla = _rows(negative_log_acceptance, draft, target)
+        assert tv.max() < 0.5
+        assert (nla >= tv).all() and (nla <= tv + tv**2).all()  # -log(1 - x) in [x, x + x^2]
+    assert negative_log_acceptance(draft, target, mask) == pytest.approx(
+        total_variation(draft, target, mask).item(), rel=1e-3
+    )
+    # its gradient is the TV gradient over alpha, position by position
+    leaf = far.clone().requires_grad_()
+    negative_log_acceptance(leaf, target, mask, reduction="sum").backward()
+    weight = 1 / _alpha(far, target)
+    tv_leaf = far.clone().requires_grad_()
+    (weight * _rows_graph(total_variation, tv_leaf, target)).sum().backward()
+    torch.testing.assert_close(leaf.grad, tv_leaf.grad)
+
+
+def test_nla_is_finite_with_bounded_gradient_for_disjoint_distributions() -> None:
+    mask = torch.ones(B, T, dtype=torch.bool)
+    target = _logits(69, dtype=torch.float64)
+    top = target.argmax(-1, keepdim=True)
+    cases = {
+        "alpha ~ e^-40": torch.zeros_like(target).scatter(-1, (top + 1) % V, 40.0),
+        "alpha = 0 exactly": torch.full_like(target, -math.inf).scatter(-1, (top + 1) % V, 0.0),
+    }
+    peaked = TargetProbs(torch.zeros_like(target).scatter(-1, top, 1.0))
+    bound = -math.log(NLA_MIN_ALPHA) + 1  # the tangent continuation never exceeds this
+    for name, draft in cases.items():
+        leaf = draft.clone().requires_grad_()
+        value = negative_log_acceptance(leaf, peaked, mask)
+        assert math.isfinite(value.item()) and value.item() <= bound + 1e-9, name
+        assert value.item() == pytest.approx(bound, abs=1e-6), name  # alpha ~ 0: at the bound
+        value.backward()
+        assert torch.isfinite(leaf.grad).all(), name
+    # either side of the floor: -log(alpha) above it, its tangent below; gradients never vanish
+    one = torch.ones(1, 1, dtype=torch.bool)
+    target = TargetProbs(torch.tensor([[[0.5, 0.0, 0.5]]], dtype=torch.float64))
+    for alpha in (2 * NLA_MIN_ALPHA, NLA_MIN_ALPHA / 2):
+        # q = (alpha, 1 - alpha, 0): the overlap with p is q's first entry, alpha
+        draft = [[[math.log(alpha), math.log1p(-alpha), -math.inf]]]
+        leaf = torch.tensor(draft, dtype=torch.float64, requires_grad=True)
+        value = negative_log_acceptance(leaf, target, one)
+        if alpha >= NLA_MIN_ALPHA:
+            want = -math.log(alpha)
+        else:
+            want = -math.log(NLA_MIN_ALPHA) + (NLA_MIN_ALPHA - alpha) / NLA_MIN_ALPHA
+        assert value.item() == pytest.approx(want, rel=1e-9)
+        value.backward()
+        assert torch.isfinite(leaf.grad).all() and leaf.grad.abs().sum() > 0
+
+
 # ------------------------------------------------------------------------- masks
 
 
@@ -226,7 +389,7 @@ def _all_losses(
 ) -> dict[str, torch.Tensor]:
     out = {name: fn(draft, target, mask) for name, fn in DIVERGENCES.items()}
     out["ce"] = cross_entropy(draft, labels, mask)
-    out["mix"] = build_loss("0.3*fkl+rkl+0.5*jsd:0.5+2*tv+0.1*ce")(
+    out["mix"] = build_loss("0.3*fkl+rkl+0.5*jsd:0.5+2*tv+lk+0.2*nla+0.1*ce")(
         draft, target, mask, labels=labels
     )
     return out
@@ -460,6 +623,8 @@ def test_cross_entropy_rejects_out_of_range_labels_at_kept_positions() -> None:
         ("rkl", (LossTerm("rkl"),)),
         ("ce", (LossTerm("ce"),)),
         ("jsd:0.5", (LossTerm("jsd", 1.0, 0.5),)),
+        ("lk", (LossTerm("lk"),)),
+        ("0.5*nla+0.5*lk", (LossTerm("nla", 0.5), LossTerm("lk", 0.5))),
         ("0.5*fkl+0.5*tv", (LossTerm("fkl", 0.5), LossTerm("tv", 0.5))),
         (" 2 * jsd:0.1 + 1e-1*ce ", (LossTerm("jsd", 2.0, 0.1), LossTerm("ce", 0.1))),
     ],
@@ -473,8 +638,9 @@ def test_spec_parsing_and_round_trip(text: str, terms: tuple[LossTerm, ...]) -> 
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("kl", r"unknown loss 'kl'.*valid names: fkl, rkl, jsd, tv, ce"),
-        ("0.5*fkl+0.5*mse", r"unknown loss 'mse'.*valid names: fkl, rkl, jsd, tv, ce"),
+        ("kl", r"unknown loss 'kl'.*valid names: fkl, rkl, jsd, tv, lk, nla, ce"),
+        ("0.5*fkl+0.5*mse", r"unknown loss 'mse'.*valid names: fkl, rkl, jsd, tv, lk, nla, ce"),
+        ("lk:3", "'lk' takes no parameter"),
         ("", "non-empty string"),
         ("fkl+", "cannot parse loss term ''"),
         ("-1*fkl", "cannot parse loss term '-1\\*fkl'"),
@@ -492,7 +658,7 @@ def test_bad_specs_raise_clear_errors(text: str, message: str) -> None:
 
 
 def test_loss_names_are_exactly_the_documented_ones() -> None:
-    assert set(LOSS_NAMES) == {"fkl", "rkl", "jsd", "tv", "ce"}
+    assert set(LOSS_NAMES) == {"fkl", "rkl", "jsd", "tv", "lk", "nla", "ce"}
 
 
 def test_mix_equals_weighted_sum_of_its_parts() -> None:
@@ -556,7 +722,9 @@ def test_loss_reports_missing_inputs() -> None:
 # ------------------------------------------------------------------------- they train
 
 
-@pytest.mark.parametrize("spec", ["fkl", "rkl", "jsd:0.5", "tv", "0.5*fkl+0.5*tv"])
+@pytest.mark.parametrize(
+    "spec", ["fkl", "rkl", "jsd:0.5", "tv", "lk", "nla", "0.5*fkl+0.5*tv", "0.5*lk+0.5*nla"]
+)
 def test_minimising_each_loss_raises_the_overlap(spec: str) -> None:
     target, mask = _logits(54), _mask()
     draft = _logits(55).requires_grad_()
