@@ -28,7 +28,7 @@ import torch
 
 from decode.drafters.base import Drafter, TreeSpec
 from decode.engine import SpeculativeDecoder
-from decode.stats import DecodeStats
+from decode.stats import DecodeStats, predicted_speedup
 
 
 @dataclass
@@ -263,9 +263,7 @@ def speculative_report(
     verify_ms = 1000 * stats.verify_seconds / rounds
     draft_round_ms = 1000 * stats.draft_seconds / rounds
     baseline_token_ms = 1000 / baseline.tokens_per_s if baseline.tokens_per_s else 0.0
-    predicted_speedup = (
-        stats.tau * baseline_token_ms / (draft_round_ms + verify_ms) if verify_ms else 0.0
-    )
+    predicted = predicted_speedup(stats.tau, baseline_token_ms, draft_round_ms, verify_ms)
     speedup = ours.tokens_per_s / baseline.tokens_per_s if baseline.tokens_per_s else 0.0
     greedy_matches = sum(
         int(torch.equal(a, b)) for a, b in zip(ours.outputs, baseline.outputs, strict=True)
@@ -295,8 +293,8 @@ def speculative_report(
         "tokens_per_s_baseline": baseline.tokens_per_s,
         "tokens_per_s_speculative": ours.tokens_per_s,
         "speedup": speedup,
-        "predicted_speedup": predicted_speedup,
-        "speedup_over_predicted": speedup / predicted_speedup if predicted_speedup else 0.0,
+        "predicted_speedup": predicted,
+        "speedup_over_predicted": speedup / predicted if predicted else 0.0,
         "target_forward_ms": verify_ms,
         "baseline_token_ms": baseline_token_ms,
         "draft_step_ms": (

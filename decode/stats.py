@@ -132,6 +132,15 @@ def predicted_tau(alpha_per_position: list[float]) -> float:
     return expected
 
 
-def predicted_speedup(tau: float, target_step_s: float, draft_step_s: float, steps: int) -> float:
-    """``speedup = E[L] * T_t / (N * T_d + T_t)`` (docs/theory.md §5)."""
-    return tau * target_step_s / (steps * draft_step_s + target_step_s)
+def predicted_speedup(
+    tau: float, plain_token_s: float, draft_round_s: float, verify_s: float
+) -> float:
+    """``speedup = E[L] * T_t / (N * T_d + T_verify)`` (docs/theory.md §5).
+
+    ``tau`` stands for ``E[L]``; ``plain_token_s`` is ``T_t``, the time plain decoding takes per
+    token; ``draft_round_s`` is one round's drafting (``N * T_d``) and ``verify_s`` its verify
+    pass over N + 1 tokens, which on a CPU costs more than one plain step. 0 when nothing was
+    timed.
+    """
+    round_s = draft_round_s + verify_s
+    return tau * plain_token_s / round_s if round_s > 0 else 0.0
