@@ -14,7 +14,10 @@ Every model this project trains (the demo target, every drafter kind) goes throu
 - a wall-clock budget that stops cleanly (and checkpoints) when it runs out;
 - evaluation every N steps and at the end, checkpoints every N steps and at the end;
 - exact resumption: model, optimizer, scheduler, RNG states, the objective's state and the
-  data position (``train.batches.ShardedBatches`` replays the same batches).
+  data position (``train.batches.ShardedBatches`` replays the same batches);
+- a non-finite loss or gradient norm stops the run with ``NonFiniteLossError`` (naming the
+  step and the fix) before the optimizer applies it, and parameters are checked finite before
+  every checkpoint and at the end, so a diverged run never checkpoints or exports NaN weights.
 """
 
 from __future__ import annotations
@@ -39,6 +42,10 @@ from train.objectives import Batch, Objective
 LogFn = Callable[[dict[str, float], int], None]
 
 SCHEDULES = ("cosine", "linear", "constant")
+
+
+class NonFiniteLossError(FloatingPointError):
+    """Training diverged: a loss, gradient norm or parameter is NaN or infinite."""
 
 
 @dataclass
@@ -73,6 +80,15 @@ class LoopConfig:
             raise ValueError(
                 f"unknown lr_scheduler {self.lr_scheduler!r}; choose one of {', '.join(SCHEDULES)}"
             )
+        for name in ("max_grad_norm", "weight_decay", "adam_epsilon"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+        if not math.isfinite(self.learning_rate):
+            raise ValueError(f"learning_rate must be finite, got {self.learning_rate}")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must lie in [0, 1), got {getattr(self, name)}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio}")
         if self.max_minutes is not None and self.max_minutes <= 0:
@@ -147,11 +163,12 @@ def run_training(
     scheduler = build_scheduler(optimizer, config, clock)
     module, optimizer, scheduler = accelerator.prepare(module, optimizer, scheduler)
     objective.bind(module, accelerator)
-    accelerator.register_for_checkpointing(objective)
+    # The checkpoint manager saves the objective's state as tensors (not accelerate's
+    # register_for_checkpointing, which pickles it).
 
     state = TrainerState(world_size=accelerator.num_processes)
     if resume_from is not None and checkpoints is not None:
-        state = TrainerState.from_dict(checkpoints.load(accelerator, resume_from))
+        state = TrainerState.from_dict(checkpoints.load(accelerator, resume_from, objective))
         _check_resume_world(state, accelerator)
         state.world_size = accelerator.num_processes
     clock.offset_s = state.elapsed_s
@@ -183,12 +200,19 @@ def run_training(
             batch = _to_device(batch, accelerator.device)
             with accelerator.accumulate(module):
                 loss, metrics = objective.compute_loss(batch)
+                loss_value = _finite_loss(loss, state.step + 1, accelerator, config)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     if config.max_grad_norm > 0:
                         grad_norm = accelerator.clip_grad_norm_(trainable, config.max_grad_norm)
                         if grad_norm is not None:
                             metrics["grad_norm"] = float(grad_norm)
+                            if not math.isfinite(metrics["grad_norm"]):
+                                raise _diverged(
+                                    f"the gradient norm is {metrics['grad_norm']}",
+                                    state.step + 1,
+                                    config,
+                                )
                     optimizer.step()
                     scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -196,7 +220,7 @@ def run_training(
             state.micro_step += 1
             state.tokens_seen += tokens
             window_tokens += tokens
-            window.add({"loss": float(loss.detach()), **metrics})
+            window.add({"loss": loss_value, **metrics})
         state.step += 1
         state.elapsed_s = clock.elapsed()
         bar.update(1)
@@ -219,16 +243,18 @@ def run_training(
             and config.checkpoint_every
             and state.step % config.checkpoint_every == 0
         ):
-            last_checkpoint = checkpoints.save(accelerator, state.step, asdict(state))
+            _check_parameters(trainable, state.step, config)
+            last_checkpoint = checkpoints.save(accelerator, state.step, asdict(state), objective)
     bar.close()
 
     if eval_batches and not (config.eval_every and state.step % config.eval_every == 0):
         state.last_eval = _run_eval(objective, eval_batches, accelerator, log, state.step)
     state.elapsed_s = clock.elapsed()
+    _check_parameters(trainable, state.step, config)
     if checkpoints is not None and config.checkpoint_at_end:
         latest = checkpoints.latest()
         if latest is None or latest.name != f"checkpoint-{state.step:07d}":
-            last_checkpoint = checkpoints.save(accelerator, state.step, asdict(state))
+            last_checkpoint = checkpoints.save(accelerator, state.step, asdict(state), objective)
         else:
             last_checkpoint = latest
     accelerator.wait_for_everyone()
@@ -259,6 +285,12 @@ def make_accelerator(
     kwargs: dict[str, Any] = {}
     if cpu is not None:
         kwargs["cpu"] = cpu
+    on_cpu = cpu or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
+    if mixed_precision == "fp16" and (on_cpu or not _has_accelerator_device()):
+        raise ValueError(
+            "--mixed_precision fp16 needs a GPU (its loss scaling is a CUDA feature) but this "
+            "run is on the CPU: use --mixed_precision bf16 or no"
+        )
     accelerator = Accelerator(
         gradient_accumulation_steps=gradient_accumulation_steps,
         mixed_precision=mixed_precision,
@@ -276,6 +308,10 @@ def make_accelerator(
             f"{accelerator.num_processes}: they formed no process group. On CPU launch with "
             "ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes N ..."
         )
+    # accelerate drops an FSDP config on CPU ranks (DDP instead): restore it (train.distributed).
+    from train.distributed import enable_cpu_fsdp
+
+    enable_cpu_fsdp(accelerator)
     return accelerator
 
 
@@ -351,13 +387,15 @@ def evaluate(
 
 
 def parameters_in_sync(module: torch.nn.Module, accelerator: Accelerator) -> bool:
-    """Whether every process holds bit-identical trainable parameters (DDP sanity check)."""
+    """Whether every process holds (or, sharded, gathers) bit-identical trainable parameters."""
     if accelerator.num_processes == 1:
         return True
-    with torch.no_grad():
-        checksum = torch.stack(
-            [p.detach().double().sum() for p in module.parameters() if p.requires_grad]
-        ).sum()
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():  # FSDP shards differ by design: compare the gathered parameters
+        trained = [p for p in module.parameters() if p.requires_grad]
+        full = [p.full_tensor() if isinstance(p, DTensor) else p for p in trained]
+        checksum = torch.stack([p.detach().double().sum() for p in full]).sum()
     sums = accelerator.gather(checksum.reshape(1).to(accelerator.device))
     return bool((sums == sums[0]).all())
 
@@ -392,6 +430,49 @@ def _out_of_time(clock: _Clock, config: LoopConfig, accelerator: Accelerator) ->
         return out
     flag = torch.tensor([1.0 if out else 0.0], device=accelerator.device)
     return bool(accelerator.reduce(flag, reduction="sum").item() > 0)
+
+
+def _finite_loss(
+    loss: torch.Tensor, step: int, accelerator: Accelerator, config: LoopConfig
+) -> float:
+    """The loss as a float; raise ``NonFiniteLossError`` if any process's is not finite.
+
+    Agreed by all processes (one tiny all-reduce) so that none waits alone in backward.
+    """
+    value = float(loss.detach())
+    bad = not math.isfinite(value)
+    if accelerator.num_processes > 1:
+        flag = torch.tensor([1.0 if bad else 0.0], device=accelerator.device)
+        bad = bool(accelerator.reduce(flag, reduction="sum").item() > 0)
+    if bad:
+        raise _diverged(f"the loss is {value}", step, config)
+    return value
+
+
+def _check_parameters(trainable: list[torch.nn.Parameter], step: int, config: LoopConfig) -> None:
+    """Refuse to checkpoint or hand back non-finite weights (identical on every process)."""
+    with torch.no_grad():
+        finite = all(bool(torch.isfinite(p).all()) for p in trainable)
+    if not finite:
+        raise _diverged("a trainable parameter is NaN or infinite", step, config)
+
+
+def _diverged(what: str, step: int, config: LoopConfig) -> NonFiniteLossError:
+    return NonFiniteLossError(
+        f"training diverged: {what} at step {step}, so the run stops and nothing is exported. "
+        f"Lower the learning rate (--learning_rate, now {config.learning_rate:g}), add warmup "
+        f"(--warmup_steps, now {config.warmup_steps}) or clip gradients (--max_grad_norm, now "
+        f"{config.max_grad_norm:g}); checkpoints written before step {step} are intact"
+    )
+
+
+def _has_accelerator_device() -> bool:
+    xpu = getattr(torch, "xpu", None)
+    return (
+        torch.cuda.is_available()
+        or (xpu is not None and xpu.is_available())
+        or torch.backends.mps.is_available()
+    )
 
 
 def _to_device(batch: Batch, device: torch.device) -> Batch:

@@ -33,8 +33,10 @@ def test_two_process_cpu_ddp_run(tmp_path: Path, tiny_target: Path) -> None:
     checkpoint = tmp_path / "checkpoints" / "checkpoint-0000006"
     state = json.loads((checkpoint / "trainer_state.json").read_text())
     assert state["world_size"] == 2 and state["step"] == 6 and state["micro_step"] == 6
-    assert (checkpoint / "random_states_0.pkl").is_file()
-    assert (checkpoint / "random_states_1.pkl").is_file()
+    for rank in (0, 1):  # per-process RNG and objective states, as JSON and safetensors
+        assert (checkpoint / f"rng_state_{rank}.json").is_file()
+        assert (checkpoint / f"objective_state_{rank}.safetensors").is_file()
+    assert not list(checkpoint.glob("*.pkl"))
     saved = load_file(str(checkpoint / "model.safetensors"))
     exported = load_file(str(tmp_path / "drafter" / "model.safetensors"))
     for name, tensor in exported.items():
