@@ -63,6 +63,7 @@ def export_drafter(
     try:
         objective.save_drafter(temp, tokenizer, state_dict)
         provenance = build_provenance(resolved_config)
+        provenance["distributed"] = summary.get("distributed")  # type, world size, shards
         (temp / "provenance.json").write_text(json.dumps(provenance, indent=2) + "\n")
         # Machine-readable held-out metrics (overlap@j ...) for benchmarks and dashboards.
         held_out = summary.get("held_out", {})
@@ -80,7 +81,7 @@ def export_drafter(
 
 
 def describe(objective: Any) -> dict[str, Any]:
-    return objective.describe() if hasattr(objective, "describe") else {}
+    return objective.describe()
 
 
 def build_provenance(resolved_config: dict[str, Any]) -> dict[str, Any]:

@@ -8,50 +8,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from objective_helpers import (
+    CONFIGS,
+    assert_decodes_greedy_output,
+    bind,
+    cached_batch,
+    means,
+    sampled_batch,
+    train,
+)
 from tiny_models import tiny_llama
 
 from decode.drafters.base import TreeSpec
 from decode.drafters.eagle import Eagle3Config, Eagle3Head
-from decode.drafters.registry import load_drafter
-from decode.engine import SpeculativeDecoder
-from decode.sampling import SamplingConfig
-from train.generation import sample_continuations
-from train.loop import make_accelerator
 from train.losses import build_loss
-from train.objectives.eagle3 import (
-    Eagle3Objective,
-    cached_target_logprobs,
-    count_tokens,
-    future_mask,
-    parse_export_formats,
-    position_weights,
-)
-
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-
-
-def sampled_batch(
-    target: torch.nn.Module, rows: int, length: int, seed: int, temperature: float = 1.0
-) -> dict[str, torch.Tensor]:
-    """Sequences the target writes itself from 4 random prompt tokens; the continuation counts."""
-    generator = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(3, target.config.vocab_size, (rows, 4), generator=generator)
-    out = sample_continuations(
-        target,
-        prompt,
-        torch.ones_like(prompt),
-        length - 4,
-        SamplingConfig(temperature=temperature),
-        generator,
-    )
-    input_ids = torch.cat((prompt, out.tokens), dim=1)
-    loss_mask = torch.ones_like(input_ids)
-    loss_mask[:, :4] = 0
-    return {
-        "input_ids": input_ids,
-        "attention_mask": torch.ones_like(input_ids),
-        "loss_mask": loss_mask,
-    }
+from train.objectives.eagle3 import Eagle3Objective, count_tokens
+from train.objectives.heads import future_mask
 
 
 def make_objective(target: torch.nn.Module, loss: str = "fkl", **kwargs) -> Eagle3Objective:
@@ -61,74 +33,10 @@ def make_objective(target: torch.nn.Module, loss: str = "fkl", **kwargs) -> Eagl
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         head = Eagle3Head(Eagle3Config.for_target(target.config, **config_overrides))
-    objective = Eagle3Objective(head, target, build_loss(loss), **kwargs)
-    return objective
+    return Eagle3Objective(head, target, build_loss(loss), **kwargs)
 
 
-def bind(objective: Eagle3Objective) -> Eagle3Objective:
-    module = objective.trainable_module()
-    objective.bind(module, make_accelerator(cpu=True))
-    return objective
-
-
-def train(objective: Eagle3Objective, batch: dict, steps: int, lr: float = 3e-3) -> list[float]:
-    params = [p for p in objective.trainable_module().parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=lr)
-    losses = []
-    for _ in range(steps):
-        loss, _ = objective.compute_loss(batch)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(float(loss.detach()))
-    return losses
-
-
-def means(sums: dict[str, tuple[float, float]]) -> dict[str, float]:
-    return {name: total / weight for name, (total, weight) in sums.items()}
-
-
-# -- helpers ------------------------------------------------------------------------------------
-def test_position_weights_and_export_formats() -> None:
-    assert position_weights(3) == pytest.approx((1.0, 0.8, 0.64))
-    assert position_weights(2, decay=0.5) == (1.0, 0.5)
-    assert position_weights(2, [1, 3]) == (1.0, 3.0)
-    with pytest.raises(ValueError, match="gives 1 weights for 3 draft positions"):
-        position_weights(3, [1.0])
-    with pytest.raises(ValueError, match="not all 0"):
-        position_weights(2, [0.0, 0.0])
-    with pytest.raises(ValueError, match="position_weight_decay"):
-        position_weights(2, decay=0.0)
-    assert parse_export_formats(None) == ()
-    assert parse_export_formats("vllm, sglang,vllm") == ("vllm", "sglang")
-    with pytest.raises(ValueError, match=r"unknown format\(s\) \['onnx'\]"):
-        parse_export_formats("vllm,onnx")
-
-
-def test_future_mask_needs_both_ends_real_and_the_label_counted() -> None:
-    batch = {
-        "input_ids": torch.zeros(2, 6, dtype=torch.long),
-        "attention_mask": torch.tensor([[1, 1, 1, 1, 1, 0], [0, 1, 1, 1, 1, 1]]),
-        "loss_mask": torch.tensor([[0, 0, 1, 1, 1, 0], [0, 1, 1, 1, 0, 1]]),
-    }
-    mask = future_mask(batch, 2)  # position t trains the prediction of x_{t+2}
-    assert mask.tolist() == [
-        [True, True, True, False],
-        [False, True, False, True],
-    ]
-    assert future_mask(batch, 6).shape == (2, 0)
-
-
-def test_cached_logprobs_are_the_caches_distribution_in_log_space() -> None:
-    from data.cache import compress_logits, topk_to_probs
-
-    logits = torch.randn(2, 3, 50, generator=torch.Generator().manual_seed(0)) * 3
-    for k in (5, 50):
-        ids, logprobs, rest = compress_logits(logits, k)
-        ours = torch.softmax(cached_target_logprobs(ids, logprobs.half(), rest, 50), -1)
-        torch.testing.assert_close(ours, topk_to_probs(ids, logprobs.half(), rest, 50))
-
-
+# -- draft vocabulary ---------------------------------------------------------------------------
 def test_count_tokens_counts_labels_only_and_rejects_foreign_ids() -> None:
     rows = [{"input_ids": [1, 2, 2, 3], "loss_mask": [0, 1, 1, 0]}, {"input_ids": [3, 3]}]
     assert count_tokens(rows, 5).tolist() == [0, 0, 2, 2, 0]
@@ -205,23 +113,14 @@ def test_pruned_vocabulary_comes_from_label_counts_and_overlap_stays_in_target_v
 
 
 def test_offline_cache_gives_the_online_loss(tmp_path: Path) -> None:
-    from data.cache import TargetCache, TargetCacheWriter, collate_cached
-
     target = tiny_llama(num_layers=4, dtype=torch.float32)
     batch = sampled_batch(target, rows=4, length=20, seed=4)
     objective = bind(make_objective(target, loss="0.5*fkl+0.5*tv", unroll_steps=2))
     layers = objective.target_cache_hidden_layers()
     assert layers == sorted(set(objective.head.config.aux_hidden_state_layer_ids))
+    online, _ = objective.compute_loss(batch)
     for k, folder in ((64, tmp_path / "full"), (16, tmp_path / "top16")):
-        with torch.no_grad(), TargetCacheWriter(folder, k, hidden_layer_ids=layers) as writer:
-            out = target(batch["input_ids"], output_hidden_states=True)
-            for row in range(4):
-                hidden = torch.stack([out.hidden_states[i][row] for i in layers])
-                writer.add(batch["input_ids"][row], out.logits[row], hidden)
-        cache = TargetCache(folder)
-        cached = collate_cached([cache[i] for i in range(4)], pad_token_id=0)
-        cached["loss_mask"] = batch["loss_mask"]
-        online, _ = objective.compute_loss(batch)
+        cached = cached_batch(target, batch, folder, k, layers)
         offline, _ = objective.compute_loss(cached)
         tolerance = 1e-3 if k == 64 else 0.02  # fp16 storage; top-16 also flattens the tail
         assert float(offline.detach()) == pytest.approx(float(online.detach()), rel=tolerance)
@@ -250,19 +149,12 @@ def test_exported_heads_decode_exactly_the_targets_greedy_output(tmp_path: Path)
     folder = tmp_path / "drafter"
     objective.save_drafter(folder)
     assert json.loads((folder / "drafter.json").read_text())["kind"] == "eagle3"
-    prompt = torch.tensor([[5, 9, 11, 3, 7, 8], [0, 0, 4, 13, 6, 21]])
-    mask = (prompt != 0).long()
-    with torch.no_grad():
-        expected = target.generate(
-            input_ids=prompt, attention_mask=mask, max_new_tokens=20, do_sample=False
-        )
-    for path in (folder, folder / "vllm", folder / "sglang"):
-        drafter = load_drafter(path, target)
-        assert drafter.kind == "eagle3"
-        for tree in (None, TreeSpec(top_k=3, total_tokens=10)):
-            decoder = SpeculativeDecoder(target, drafter, num_draft_tokens=3, tree=tree)
-            out = decoder.generate(prompt, mask, max_new_tokens=20)
-            assert torch.equal(out.sequences, expected), (path, tree)
+    assert_decodes_greedy_output(
+        target,
+        [folder, folder / "vllm", folder / "sglang"],
+        "eagle3",
+        [None, TreeSpec(top_k=3, total_tokens=10)],
+    )
 
 
 def test_distill_main_trains_and_exports_an_eagle3_head(tiny_argv, tmp_path: Path) -> None:

@@ -8,68 +8,28 @@ from pathlib import Path
 
 import pytest
 import torch
+from objective_helpers import (
+    CONFIGS,
+    assert_decodes_greedy_output,
+    bind,
+    cached_batch,
+    means,
+    sampled_batch,
+    train,
+)
 from tiny_models import tiny_llama
 
 from decode.drafters.base import TreeSpec
 from decode.drafters.medusa import MedusaHeads
-from decode.drafters.registry import load_drafter
-from decode.engine import SpeculativeDecoder
-from decode.sampling import SamplingConfig
-from train.generation import sample_continuations
-from train.loop import make_accelerator
 from train.losses import build_loss
 from train.objectives.medusa import MedusaObjective
-
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-
-
-def sampled_batch(
-    target: torch.nn.Module, rows: int, length: int, seed: int, temperature: float = 1.0
-) -> dict[str, torch.Tensor]:
-    """Sequences the target writes itself from 4 random prompt tokens; the continuation counts."""
-    generator = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(3, target.config.vocab_size, (rows, 4), generator=generator)
-    out = sample_continuations(
-        target,
-        prompt,
-        torch.ones_like(prompt),
-        length - 4,
-        SamplingConfig(temperature=temperature),
-        generator,
-    )
-    input_ids = torch.cat((prompt, out.tokens), dim=1)
-    loss_mask = torch.ones_like(input_ids)
-    loss_mask[:, :4] = 0
-    return {
-        "input_ids": input_ids,
-        "attention_mask": torch.ones_like(input_ids),
-        "loss_mask": loss_mask,
-    }
 
 
 def make_objective(
     target: torch.nn.Module, loss: str = "fkl", num_heads: int = 3, **kwargs
 ) -> MedusaObjective:
     heads = MedusaHeads.from_target(target, num_heads).float()
-    objective = MedusaObjective(heads, target, build_loss(loss), **kwargs)
-    objective.bind(objective.trainable_module(), make_accelerator(cpu=True))
-    return objective
-
-
-def train(objective: MedusaObjective, batch: dict, steps: int, lr: float = 3e-3) -> list[float]:
-    optimizer = torch.optim.AdamW(objective.trainable_module().parameters(), lr=lr)
-    losses = []
-    for _ in range(steps):
-        loss, _ = objective.compute_loss(batch)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(float(loss.detach()))
-    return losses
-
-
-def means(sums: dict[str, tuple[float, float]]) -> dict[str, float]:
-    return {name: total / weight for name, (total, weight) in sums.items()}
+    return bind(MedusaObjective(heads, target, build_loss(loss), **kwargs))
 
 
 def test_head_i_is_compared_with_the_targets_law_of_the_token_it_guesses() -> None:
@@ -110,21 +70,12 @@ def test_training_lowers_the_loss_and_raises_held_out_overlap_per_head() -> None
 
 
 def test_offline_cache_gives_the_online_loss(tmp_path: Path) -> None:
-    from data.cache import TargetCache, TargetCacheWriter, collate_cached
-
     target = tiny_llama(num_layers=2, dtype=torch.float32)
     batch = sampled_batch(target, rows=4, length=20, seed=4)
     objective = make_objective(target, loss="0.5*fkl+0.5*tv")
     layers = objective.target_cache_hidden_layers()
     assert layers == [2]  # the post-norm last hidden state
-    with torch.no_grad(), TargetCacheWriter(tmp_path, 64, hidden_layer_ids=layers) as writer:
-        out = target(batch["input_ids"], output_hidden_states=True)
-        for row in range(4):
-            hidden = torch.stack([out.hidden_states[i][row] for i in layers])
-            writer.add(batch["input_ids"][row], out.logits[row], hidden)
-    cache = TargetCache(tmp_path)
-    cached = collate_cached([cache[i] for i in range(4)], pad_token_id=0)
-    cached["loss_mask"] = batch["loss_mask"]
+    cached = cached_batch(target, batch, tmp_path, 64, layers)
     online, _ = objective.compute_loss(batch)
     offline, _ = objective.compute_loss(cached)
     assert float(offline.detach()) == pytest.approx(float(online.detach()), rel=1e-3)
@@ -154,19 +105,8 @@ def test_exported_heads_decode_exactly_the_targets_greedy_output(tmp_path: Path)
     assert json.loads((folder / "vllm" / "config.json").read_text())["architectures"] == [
         "MedusaModel"
     ]
-    prompt = torch.tensor([[5, 9, 11, 3, 7, 8], [0, 0, 4, 13, 6, 21]])
-    mask = (prompt != 0).long()
-    with torch.no_grad():
-        expected = target.generate(
-            input_ids=prompt, attention_mask=mask, max_new_tokens=20, do_sample=False
-        )
-    for path in (folder, folder / "vllm"):
-        drafter = load_drafter(path, target)
-        assert drafter.kind == "medusa"
-        for tree in (None, TreeSpec(choices=((0,), (1,), (0, 0), (1, 0), (0, 0, 0)))):
-            decoder = SpeculativeDecoder(target, drafter, num_draft_tokens=3, tree=tree)
-            out = decoder.generate(prompt, mask, max_new_tokens=20)
-            assert torch.equal(out.sequences, expected), (path, tree)
+    trees = [None, TreeSpec(choices=((0,), (1,), (0, 0), (1, 0), (0, 0, 0)))]
+    assert_decodes_greedy_output(target, [folder, folder / "vllm"], "medusa", trees)
 
 
 def test_distill_main_trains_and_exports_medusa_heads(tiny_argv, tmp_path: Path) -> None:

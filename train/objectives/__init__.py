@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 
     from accelerate import Accelerator
 
+    from train.config import DistillConfig
+    from train.losses import Loss
+
 Batch = dict[str, torch.Tensor]
 """A collated micro-batch: at least ``input_ids`` [B, T]; objectives document the rest."""
 
@@ -47,9 +50,18 @@ class Objective(ABC):
     ``compute_loss`` per micro-batch. Subclasses run the forward pass through ``self.module``
     (the prepared one, so gradient synchronisation hooks fire) and use
     ``self.unwrapped_module`` for anything that is not differentiated (sampling, export).
+
+    The distillation protocol (``train.distill``) is declared here too, with defaults for
+    objectives that train no drafter: :meth:`from_config` builds the objective from a resolved
+    recipe and the already parsed loss, :meth:`target_cache_hidden_layers` names the hidden
+    states the offline cache must keep, :meth:`save_drafter` writes the drafter folder and
+    :meth:`describe` gives the model card's architecture facts. A kind with
+    ``trains_drafter = True`` implements all four, and its key in :data:`OBJECTIVES` is a
+    drafter kind that ``decode.drafters.registry`` loads.
     """
 
     kind: ClassVar[str]
+    trains_drafter: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self._module: torch.nn.Module | None = None
@@ -114,6 +126,33 @@ class Objective(ABC):
                 f"{type(self).__name__} keeps no state but the checkpoint holds keys "
                 f"{sorted(state)}: resume with the objective that wrote the checkpoint"
             )
+
+    @classmethod
+    def from_config(
+        cls,
+        config: DistillConfig,
+        target: torch.nn.Module,
+        tokenizer: Any,
+        loss: Loss,
+    ) -> Objective:
+        """Build the objective for a distillation recipe, on a loaded frozen target.
+
+        ``loss`` is the recipe's loss spec as ``train.distill`` parsed it (``build_loss``),
+        never re-parsed here.
+        """
+        raise ValueError(
+            f"objective kind {cls.kind!r} trains no drafter and cannot be built from a "
+            "distillation recipe; pick a drafter kind for --drafter_kind "
+            f"({', '.join(kind for kind in sorted(OBJECTIVES) if kind != cls.kind)})"
+        )
+
+    def target_cache_hidden_layers(self) -> list[int] | None:
+        """Hidden-state indices the offline target cache keeps per token (None: none)."""
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        """Architecture facts for the model card (none by default)."""
+        return {}
 
     def save_drafter(
         self,

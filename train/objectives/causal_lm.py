@@ -39,6 +39,7 @@ class CausalLMObjective(Objective):
     """Cross-entropy of a causal LM on its own training text (no teacher)."""
 
     kind: ClassVar[str] = "causal_lm"
+    trains_drafter: ClassVar[bool] = False
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()

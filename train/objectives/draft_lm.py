@@ -31,7 +31,7 @@ import torch
 from decode.sampling import SamplingConfig
 from train.drafter_models import build_draft_lm, check_same_vocab, vocab_size_of
 from train.generation import sample_continuations
-from train.losses import Loss, TargetProbs, build_loss, cross_entropy, overlap
+from train.losses import Loss, TargetProbs, cross_entropy, overlap
 from train.objectives import Batch, MetricSums, Objective
 from train.objectives.causal_lm import next_token_targets
 
@@ -83,12 +83,13 @@ class DraftLMObjective(Objective):
         config: DistillConfig,
         target: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
+        loss: Loss,
     ) -> DraftLMObjective:
         drafter = build_draft_lm(config.drafter, target, config.optim.seed)
         return cls(
             drafter,
             target,
-            build_loss(config.loss.loss),
+            loss,
             loss_temperature=config.loss.loss_temperature,
             eval_temperature=config.loss.eval_temperature,
             on_policy_fraction=config.data.on_policy_fraction,
@@ -121,7 +122,7 @@ class DraftLMObjective(Objective):
         mask = weights > 0
         target = self._target(batch) if self.loss.needs_target else None
         parts = self.loss.parts(draft_logits, target, mask, self.loss_temperature, labels=labels)
-        loss = self._combine(parts)
+        loss = self.loss.combine(parts)
         for key, value in parts.items():
             metrics[f"loss_{key}"] = float(value.detach())
         if target is not None:
@@ -253,10 +254,3 @@ class DraftLMObjective(Objective):
             use_cache=False,
         )
         return outputs.logits[:, :-1]
-
-    def _combine(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
-        terms = self.loss.spec.terms
-        total = terms[0].weight * parts[terms[0].key]
-        for term in terms[1:]:
-            total = total + term.weight * parts[term.key]
-        return total

@@ -21,27 +21,23 @@ at training and inference.
 Held-out metrics per head (draft position j = i + 1): ``overlap@j`` (the mean of
 ``sum_x min(p, q_i)`` at the decoding temperature, the expected acceptance of draft position j
 given the earlier ones), ``greedy_match@j`` (the same at temperature 0), ``loss@j``, ``loss``.
+
+Everything but the heads (the target's outputs, alignment, the loss and evaluation loops,
+saving and export) is the shared :class:`train.objectives.heads.HeadObjective`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from decode.drafters.medusa import MedusaHeads
-from train.losses import Loss, build_loss
-from train.objectives import Batch, MetricSums, Objective
-from train.objectives.eagle3 import (
-    cached_target_logprobs,
-    combine_parts,
-    future_mask,
-    overlap_at,
-    parse_export_formats,
-    position_weights,
-)
+from train.losses import Loss
+from train.objectives import Batch
+from train.objectives.heads import HeadObjective, parse_export_formats, position_weights
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -74,10 +70,11 @@ class SpanHeads(torch.nn.Module):
         return out
 
 
-class MedusaObjective(Objective):
+class MedusaObjective(HeadObjective):
     """Train :class:`MedusaHeads` on a frozen target; see the module docstring for the math."""
 
     kind: ClassVar[str] = "medusa"
+    drafter_attribute: ClassVar[str] = "heads"
 
     def __init__(
         self,
@@ -88,9 +85,8 @@ class MedusaObjective(Objective):
         head_weights: Sequence[float] | None = None,
         loss_temperature: float = 1.0,
         eval_temperature: float = 1.0,
-        export_formats: Sequence[str] = (),
+        export_formats: Sequence[str] | str | None = (),
     ) -> None:
-        super().__init__()
         output = target.get_output_embeddings().weight
         if tuple(output.shape) != (heads.config.vocab_size, heads.config.hidden_size):
             raise ValueError(
@@ -98,20 +94,21 @@ class MedusaObjective(Objective):
                 f"{heads.config.vocab_size} tokens but the target's LM head is "
                 f"{tuple(output.shape[::-1])}: build them with MedusaHeads.from_target(target)"
             )
-        formats = parse_export_formats(",".join(export_formats))
-        if "sglang" in formats:
+        if "sglang" in parse_export_formats(export_formats):
             raise ValueError(
                 "--export_format sglang: SGLang loads no Medusa layout; export medusa heads "
                 "with --export_format vllm"
             )
+        super().__init__(
+            target,
+            loss,
+            position_weights(heads.config.num_heads, head_weights),
+            loss_temperature=loss_temperature,
+            eval_temperature=eval_temperature,
+            export_formats=export_formats,
+        )
         self.heads = heads
         self.span_heads = SpanHeads(heads)
-        self.target = target.eval().requires_grad_(False)
-        self.loss = loss
-        self.head_weights = position_weights(heads.config.num_heads, head_weights)
-        self.loss_temperature = loss_temperature
-        self.eval_temperature = eval_temperature
-        self.export_formats = formats
         self.num_target_layers = int(target.config.num_hidden_layers)
 
     @classmethod
@@ -120,6 +117,7 @@ class MedusaObjective(Objective):
         config: DistillConfig,
         target: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
+        loss: Loss,
     ) -> MedusaObjective:
         num_heads = config.drafter.medusa_num_heads
         heads = MedusaHeads.from_target(target, num_heads, config.drafter.medusa_num_layers)
@@ -127,7 +125,7 @@ class MedusaObjective(Objective):
         return cls(
             heads,
             target,
-            build_loss(config.loss.loss),
+            loss,
             head_weights=position_weights(
                 num_heads, config.loss.position_weights, config.loss.position_weight_decay
             ),
@@ -136,113 +134,35 @@ class MedusaObjective(Objective):
             export_formats=parse_export_formats(config.output.export_format),
         )
 
-    # ------------------------------------------------------------------ data hooks
+    @property
+    def head_weights(self) -> tuple[float, ...]:
+        """Loss weight of each head (``0.8^i`` by default)."""
+        return self.weights
+
+    @property
+    def trained_heads(self) -> MedusaHeads:
+        """The heads being trained (unwrapped from DDP/compile wrappers)."""
+        return self.trained_drafter
 
     def target_cache_hidden_layers(self) -> list[int]:
         """The offline cache keeps the last (post-norm) hidden state, index ``num_layers``."""
         return [self.num_target_layers]
 
-    # ------------------------------------------------------------------ loop protocol
-
     def trainable_module(self) -> torch.nn.Module:
         return self.span_heads
 
-    @property
-    def trained_heads(self) -> MedusaHeads:
-        """The heads being trained (unwrapped from DDP/compile wrappers)."""
-        return self.unwrapped_module.heads
+    # ------------------------------------------------------------------ Medusa's own parts
 
-    def bind(self, module: torch.nn.Module, accelerator: Any) -> None:
-        super().bind(module, accelerator)
-        self.target.to(accelerator.device)
+    def _features(self, by_layer: dict[int, torch.Tensor]) -> torch.Tensor:  # [B, T, H]
+        """The target's last hidden state, in the heads' dtype."""
+        dtype = self.trained_heads.lm_heads[0].weight.dtype
+        return by_layer[self.num_target_layers].to(dtype)
 
-    def compute_loss(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
-        hidden, target = self._target_outputs(batch)
-        logits = self.module(hidden)  # K x [B, T-2-i, V]
-        total: torch.Tensor | None = None
-        used = 0.0
-        metrics: dict[str, float] = {}
-        for i, (weight, draft, target_i, mask, labels) in enumerate(
-            self._aligned(batch, logits, target)
-        ):
-            if not bool(mask.any()):
-                continue
-            parts = self.loss.parts(
-                draft,
-                target_i if self.loss.needs_target else None,
-                mask,
-                self.loss_temperature,
-                labels=labels,
-            )
-            value = combine_parts(self.loss, parts)
-            total = weight * value if total is None else total + weight * value
-            used += weight
-            metrics[f"loss@{i + 1}"] = float(value.detach())
-            if "tv" in parts:  # the overlap is free with a TV term (a full pass over V is not)
-                metrics[f"overlap@{i + 1}"] = 1.0 - float(parts["tv"].detach())
-        if total is None:  # no position of this batch reaches any head: a zero step
-            return sum(p.sum() for p in self.module.parameters()) * 0.0, metrics
-        return total / used, metrics
+    def _draft_logits(self, batch: Batch, features: torch.Tensor) -> list[torch.Tensor]:
+        return self.module(features)  # K x [B, T-2-i, V]
 
-    @torch.no_grad()
-    def evaluate(self, batch: Batch) -> MetricSums:
-        hidden, target = self._target_outputs(batch)
-        logits = self.module(hidden)  # K x [B, T-2-i, V]
-        out: MetricSums = {}
-        weighted_loss = weighted_count = 0.0
-        for i, (weight, draft, target_i, mask, labels) in enumerate(
-            self._aligned(batch, logits, target)
-        ):
-            count = float(mask.sum())
-            if count == 0:
-                continue
-            sampled = overlap_at(draft, target_i, mask, self.eval_temperature)
-            greedy = overlap_at(draft, target_i, mask, 0.0)
-            value = float(
-                self.loss(
-                    draft,
-                    target_i if self.loss.needs_target else None,
-                    mask,
-                    self.loss_temperature,
-                    labels=labels,
-                )
-            )
-            out[f"overlap@{i + 1}"] = (float(sampled.sum()), count)
-            out[f"greedy_match@{i + 1}"] = (float(greedy.sum()), count)
-            out[f"loss@{i + 1}"] = (value * count, count)
-            weighted_loss += weight * value * count
-            weighted_count += weight * count
-        if weighted_count > 0:
-            out["loss"] = (weighted_loss, weighted_count)
-        return out
-
-    # ------------------------------------------------------------------ export
-
-    def save_drafter(
-        self,
-        folder: Path,
-        tokenizer: PreTrainedTokenizerBase | None = None,
-        state_dict: dict[str, torch.Tensor] | None = None,
-    ) -> None:
-        """The native folder (``MedusaHeads.save_pretrained``) plus ``<folder>/vllm/`` if asked.
-
-        ``state_dict`` (the gathered trainable state) replaces the local weights when given.
-        """
-        from train.export_formats import export_medusa
-
-        heads = self.trained_heads
-        if state_dict is not None:
-            heads = MedusaHeads(heads.config)
-            heads.load_state_dict({k.removeprefix("heads."): v for k, v in state_dict.items()})
-        folder = Path(folder)
-        heads.save_pretrained(folder)
-        for _fmt in self.export_formats:  # only vllm: checked in __init__
-            export_medusa(heads, folder / "vllm", overwrite=True)
-
-    def describe(self) -> dict[str, Any]:
-        """Architecture facts for the model card."""
-        heads = self.trained_heads
-        config = heads.config
+    def _architecture(self) -> dict[str, Any]:
+        config = self.trained_heads.config
         return {
             "architecture": "Medusa heads (vLLM MedusaModel weight layout)",
             "num_heads": config.num_heads,
@@ -250,61 +170,10 @@ class MedusaObjective(Objective):
             "hidden_size": config.hidden_size,
             "vocab_size": config.vocab_size,
             "head_weights": [round(w, 6) for w in self.head_weights],
-            "parameters": sum(p.numel() for p in heads.parameters()),
-            "trainable_parameters": sum(p.numel() for p in heads.parameters() if p.requires_grad),
-            "exports": list(self.export_formats),
         }
 
-    # ------------------------------------------------------------------ internals
+    def _export(self, drafter: torch.nn.Module, folder: Path, fmt: str) -> None:
+        """vLLM's layout (``train.export_formats.export_medusa``); sglang is refused up front."""
+        from train.export_formats import export_medusa
 
-    @torch.no_grad()
-    def _target_outputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """The target's last hidden state [B, T, H] and its logits or log-probs [B, T, V]."""
-        dtype = self.trained_heads.lm_heads[0].weight.dtype
-        if "topk_ids" in batch:
-            if "hidden_states" not in batch:
-                raise ValueError(
-                    "the batch comes from an offline target cache without hidden states: Medusa "
-                    f"needs the last one (index {self.num_target_layers}); rebuild the cache or "
-                    "use --target_outputs online"
-                )
-            cached = batch["hidden_states"]  # [B, 1, T, H]
-            if cached.shape[1] != 1:
-                raise ValueError(
-                    f"the cached hidden states hold {cached.shape[1]} layers, Medusa reads only "
-                    "the last one: delete the cache folder to rebuild it"
-                )
-            target = cached_target_logprobs(
-                batch["topk_ids"],
-                batch["topk_logprobs"],
-                batch["rest_logmass"],
-                self.heads.config.vocab_size,
-            )
-            return cached[:, 0].to(dtype), target
-        outputs = self.target(
-            input_ids=batch["input_ids"],
-            attention_mask=batch.get("attention_mask"),
-            output_hidden_states=True,
-            use_cache=False,
-        )
-        return outputs.hidden_states[-1].to(dtype), outputs.logits
-
-    def _aligned(
-        self, batch: Batch, logits: list[torch.Tensor], target: torch.Tensor
-    ) -> Iterable[tuple[float, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Per head i: weight, logits [B, S, V], target [B, S, V], mask and labels [B, S].
-
-        ``S = T - 2 - i``: head i at position t predicts ``x_{t+2+i}`` against the target's
-        distribution at ``t+1+i`` (``logits`` from :class:`SpanHeads`). Heads that no position
-        reaches are skipped.
-        """
-        input_ids = batch["input_ids"]
-        for i, (weight, draft) in enumerate(zip(self.head_weights, logits, strict=False)):
-            span = draft.shape[1]
-            yield (
-                weight,
-                draft,
-                target[:, 1 + i : 1 + i + span],
-                future_mask(batch, 2 + i),
-                input_ids[:, 2 + i :],
-            )
+        export_medusa(drafter, folder, overwrite=True)

@@ -1,0 +1,112 @@
+"""Shared helpers of the objective tests (EAGLE-3, Medusa, the protocol): batches the target
+writes itself, a few optimiser steps, held-out means, the offline cache, greedy decoding."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+
+from decode.drafters.base import TreeSpec
+from decode.drafters.registry import load_drafter
+from decode.engine import SpeculativeDecoder
+from decode.sampling import SamplingConfig
+from train.generation import sample_continuations
+from train.loop import make_accelerator
+from train.objectives import Objective
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+ObjectiveT = TypeVar("ObjectiveT", bound=Objective)
+
+
+def sampled_batch(
+    target: torch.nn.Module, rows: int, length: int, seed: int, temperature: float = 1.0
+) -> dict[str, torch.Tensor]:
+    """Sequences the target writes itself from 4 random prompt tokens; the continuation counts."""
+    generator = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(3, target.config.vocab_size, (rows, 4), generator=generator)
+    out = sample_continuations(
+        target,
+        prompt,
+        torch.ones_like(prompt),
+        length - 4,
+        SamplingConfig(temperature=temperature),
+        generator,
+    )
+    input_ids = torch.cat((prompt, out.tokens), dim=1)
+    loss_mask = torch.ones_like(input_ids)
+    loss_mask[:, :4] = 0
+    return {
+        "input_ids": input_ids,
+        "attention_mask": torch.ones_like(input_ids),
+        "loss_mask": loss_mask,
+    }
+
+
+def bind(objective: ObjectiveT) -> ObjectiveT:
+    """Bind the objective to its own module on a CPU accelerator, as the loop does."""
+    objective.bind(objective.trainable_module(), make_accelerator(cpu=True))
+    return objective
+
+
+def train(objective: Objective, batch: dict, steps: int, lr: float = 3e-3) -> list[float]:
+    """``steps`` AdamW steps on one batch; the losses before each step."""
+    params = [p for p in objective.trainable_module().parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr)
+    losses = []
+    for _ in range(steps):
+        loss, _ = objective.compute_loss(batch)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def means(sums: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """Held-out ``name -> (sum, weight)`` as means."""
+    return {name: total / weight for name, (total, weight) in sums.items()}
+
+
+def cached_batch(
+    target: torch.nn.Module,
+    batch: dict[str, torch.Tensor],
+    folder: Path,
+    k: int,
+    layers: list[int],
+) -> dict[str, torch.Tensor]:
+    """``batch`` written to an offline target cache (top-``k``, hidden states ``layers``) and
+    read back as a training batch."""
+    from data.cache import TargetCache, TargetCacheWriter, collate_cached
+
+    rows = batch["input_ids"].shape[0]
+    with torch.no_grad(), TargetCacheWriter(folder, k, hidden_layer_ids=layers) as writer:
+        out = target(batch["input_ids"], output_hidden_states=True)
+        for row in range(rows):
+            hidden = torch.stack([out.hidden_states[i][row] for i in layers])
+            writer.add(batch["input_ids"][row], out.logits[row], hidden)
+    cache = TargetCache(folder)
+    cached = collate_cached([cache[i] for i in range(rows)], pad_token_id=0)
+    cached["loss_mask"] = batch["loss_mask"]
+    return cached
+
+
+def assert_decodes_greedy_output(
+    target: torch.nn.Module, folders: list[Path], kind: str, trees: list[TreeSpec | None]
+) -> None:
+    """Every drafter folder decodes exactly the target's greedy output, chains and trees."""
+    prompt = torch.tensor([[5, 9, 11, 3, 7, 8], [0, 0, 4, 13, 6, 21]])
+    mask = (prompt != 0).long()
+    with torch.no_grad():
+        expected = target.generate(
+            input_ids=prompt, attention_mask=mask, max_new_tokens=20, do_sample=False
+        )
+    for path in folders:
+        drafter = load_drafter(path, target)
+        assert drafter.kind == kind
+        for tree in trees:
+            decoder = SpeculativeDecoder(target, drafter, num_draft_tokens=3, tree=tree)
+            out = decoder.generate(prompt, mask, max_new_tokens=20)
+            assert torch.equal(out.sequences, expected), (path, tree)

@@ -1,0 +1,123 @@
+"""The objective protocol and what head objectives share: every objective kind is declared,
+built from its tiny recipe with the parsed loss, trains one step with every loss (lk and nla
+included) and exports a folder its drafter kind loads; the shared head helpers."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import pytest
+import torch
+from objective_helpers import CONFIGS, bind, sampled_batch
+from tiny_models import tiny_llama
+
+from decode.drafters.registry import DRAFTER_LOADERS, load_drafter
+from train.config import parse_config
+from train.losses import build_loss
+from train.objectives import OBJECTIVES, Objective, get_objective_class
+from train.objectives.heads import (
+    cached_target_logprobs,
+    future_mask,
+    parse_export_formats,
+    position_weights,
+)
+
+TINY_RECIPES = {
+    "draft_lm": CONFIGS / "tiny.yaml",
+    "eagle3": CONFIGS / "tiny_eagle3.yaml",
+    "medusa": CONFIGS / "tiny_medusa.yaml",
+}
+
+
+# -- the protocol -------------------------------------------------------------------------------
+def test_every_drafter_objective_declares_the_protocol_and_has_a_loadable_drafter_kind() -> None:
+    drafter_kinds = []
+    for kind in OBJECTIVES:
+        cls = get_objective_class(kind)
+        assert cls.kind == kind
+        if not cls.trains_drafter:
+            config = parse_config(["--config", str(TINY_RECIPES["draft_lm"])])
+            with pytest.raises(ValueError, match=f"{kind!r} trains no drafter"):
+                cls.from_config(config, tiny_llama(), None, build_loss("tv"))
+            continue
+        drafter_kinds.append(kind)
+        for name in ("from_config", "save_drafter", "describe"):
+            own = getattr(cls, name)
+            assert getattr(own, "__func__", own) is not getattr(
+                getattr(Objective, name), "__func__", getattr(Objective, name)
+            ), (kind, name)
+        assert kind in DRAFTER_LOADERS, f"objective kind {kind!r} has no drafter loader"
+        module_name, function_name = DRAFTER_LOADERS[kind].split(":")
+        assert callable(getattr(importlib.import_module(module_name), function_name))
+    assert set(drafter_kinds) == set(TINY_RECIPES)  # a new kind needs its tiny recipe here too
+
+
+@pytest.mark.parametrize("kind", sorted(TINY_RECIPES))
+@pytest.mark.parametrize("loss", ["lk", "nla", "0.5*lk+0.5*nla+0.1*ce"])
+def test_each_objective_trains_one_step_with_lk_and_nla(
+    kind: str, loss: str, tmp_path: Path
+) -> None:
+    config = parse_config(["--config", str(TINY_RECIPES[kind]), "--loss", loss])
+    target = tiny_llama(num_layers=2, dtype=torch.float32)
+    parsed = build_loss(config.loss.loss)
+    objective = bind(get_objective_class(kind).from_config(config, target, None, parsed))
+    assert objective.loss is parsed  # the parsed spec is used as given, not parsed again
+    batch = sampled_batch(target, rows=3, length=16, seed=7)
+    params = [p for p in objective.trainable_module().parameters() if p.requires_grad]
+    before = [p.detach().clone() for p in params]
+    optimizer = torch.optim.AdamW(params, lr=1e-2)
+    value, metrics = objective.compute_loss(batch)
+    assert torch.isfinite(value) and value > 0, (kind, loss, metrics)
+    value.backward()
+    grads = [p.grad for p in params if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+    assert sum(float(g.abs().sum()) for g in grads) > 0
+    optimizer.step()
+    assert any(not torch.equal(p, b) for p, b in zip(params, before, strict=True))
+    held_out = objective.evaluate(batch)
+    assert "overlap@1" in held_out and held_out["loss"][1] > 0
+    objective.save_drafter(tmp_path / "drafter")
+    assert load_drafter(tmp_path / "drafter", target).kind == kind
+
+
+# -- shared head helpers ------------------------------------------------------------------------
+def test_position_weights_and_export_formats() -> None:
+    assert position_weights(3) == pytest.approx((1.0, 0.8, 0.64))
+    assert position_weights(2, decay=0.5) == (1.0, 0.5)
+    assert position_weights(2, [1, 3]) == (1.0, 3.0)
+    with pytest.raises(ValueError, match="gives 1 weights for 3 draft positions"):
+        position_weights(3, [1.0])
+    with pytest.raises(ValueError, match="not all 0"):
+        position_weights(2, [0.0, 0.0])
+    with pytest.raises(ValueError, match="position_weight_decay"):
+        position_weights(2, decay=0.0)
+    assert parse_export_formats(None) == ()
+    assert parse_export_formats("vllm, sglang,vllm") == ("vllm", "sglang")
+    assert parse_export_formats(("sglang", "vllm")) == ("sglang", "vllm")
+    with pytest.raises(ValueError, match=r"unknown format\(s\) \['onnx'\]"):
+        parse_export_formats("vllm,onnx")
+
+
+def test_future_mask_needs_both_ends_real_and_the_label_counted() -> None:
+    batch = {
+        "input_ids": torch.zeros(2, 6, dtype=torch.long),
+        "attention_mask": torch.tensor([[1, 1, 1, 1, 1, 0], [0, 1, 1, 1, 1, 1]]),
+        "loss_mask": torch.tensor([[0, 0, 1, 1, 1, 0], [0, 1, 1, 1, 0, 1]]),
+    }
+    mask = future_mask(batch, 2)  # position t trains the prediction of x_{t+2}
+    assert mask.tolist() == [
+        [True, True, True, False],
+        [False, True, False, True],
+    ]
+    assert future_mask(batch, 6).shape == (2, 0)
+
+
+def test_cached_logprobs_are_the_caches_distribution_in_log_space() -> None:
+    from data.cache import compress_logits, topk_to_probs
+
+    logits = torch.randn(2, 3, 50, generator=torch.Generator().manual_seed(0)) * 3
+    for k in (5, 50):
+        ids, logprobs, rest = compress_logits(logits, k)
+        ours = torch.softmax(cached_target_logprobs(ids, logprobs.half(), rest, 50), -1)
+        torch.testing.assert_close(ours, topk_to_probs(ids, logprobs.half(), rest, 50))

@@ -1,0 +1,411 @@
+"""The shared base of head objectives: drafters that read a frozen target's hidden states.
+
+EAGLE-3 (``train.objectives.eagle3``) and Medusa (``train.objectives.medusa``) both put a small
+trainable module on the target's hidden states and predict draft positions j = k + 1 =
+1..N: at position t, output k guesses ``x_{t+2+k}``, whose law under the target is its
+next-token distribution at position ``t+1+k``, ``p(. | x_<=t+1+k)``. With the configured
+divergence D (``train.losses``) and per-position weights ``w_k`` (``0.8^k`` in both papers)
+
+    L = sum_k w_k * D_k / sum_k w_k,   D_k = mean over kept t of D(p(. | x_<=t+1+k), q_k(. | t))
+
+A position t counts for output k when ``x_t`` and ``x_{t+2+k}`` are real tokens and
+``loss_mask[t+2+k]`` is set (:func:`future_mask`). Everything but the module itself is shared
+and lives here: where the target's features and distributions come from (online, or the
+offline cache of ``data.cache``), the alignment of output k with the target at ``t+1+k``, the
+loss and evaluation loops, saving, engine export and the model-card facts. A kind supplies
+only what is truly its own (:class:`HeadObjective`'s abstract methods): which hidden states it
+reads and how it fuses them, how it produces its N outputs (EAGLE-3 unrolls itself,
+"training-time test"; Medusa runs independent heads), and, for EAGLE-3, the map between its
+pruned draft vocabulary and the target's.
+
+Held-out metrics per draft position j: ``overlap@j``, the mean of ``sum_x min(p(x), q(x))`` at
+the decoding temperature in the *target* vocabulary, the expected acceptance rate of draft
+position j given the earlier ones accepted (Leviathan et al. 2023; the ``alpha_j`` of
+docs/theory.md §5); ``greedy_match@j``, the same at temperature 0; ``loss@j`` and ``loss``.
+
+References: Li et al., EAGLE-3, 2025; Cai et al., Medusa, 2024.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import abstractmethod
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from train.losses import Loss, overlap
+from train.objectives import Batch, MetricSums, Objective
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+EXPORT_FORMATS = ("vllm", "sglang")
+
+Aligned = tuple[float, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+"""Per draft position: weight, draft logits [B, S, Vd], target [B, S, V], mask and labels [B, S]."""
+
+
+# --------------------------------------------------------------------------- shared helpers
+
+
+def position_weights(
+    num_positions: int, weights: Sequence[float] | None = None, decay: float = 0.8
+) -> tuple[float, ...]:
+    """Loss weights of draft positions 1..N: ``weights`` as given, else ``decay^(j-1)``.
+
+    EAGLE-3 weighs its unrolled steps by ``0.8^k`` and Medusa its heads by ``0.8^i`` (Cai et al.
+    2024): later positions are reached less often, so they matter less to acceptance.
+    """
+    if num_positions < 1:
+        raise ValueError(f"the number of draft positions must be >= 1, got {num_positions}")
+    if weights is None:
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"--position_weight_decay must lie in (0, 1], got {decay}")
+        return tuple(decay**j for j in range(num_positions))
+    values = tuple(float(w) for w in weights)
+    if len(values) != num_positions:
+        raise ValueError(
+            f"--position_weights gives {len(values)} weights for {num_positions} draft positions "
+            "(unroll_steps for eagle3, medusa_num_heads for medusa): give one per position"
+        )
+    if any(not math.isfinite(w) or w < 0 for w in values) or sum(values) <= 0:
+        raise ValueError(
+            f"--position_weights must be finite, >= 0 and not all 0, got {list(values)}"
+        )
+    return values
+
+
+def future_mask(batch: Batch, ahead: int) -> torch.Tensor:  # [B, T - ahead] bool
+    """Positions t whose prediction of ``x_{t+ahead}`` is trained on.
+
+    True where ``x_t`` and ``x_{t+ahead}`` are real tokens (``attention_mask``) and
+    ``loss_mask[t+ahead]`` is set. ``ahead = 2 + k`` for draft output k.
+    """
+    input_ids = batch["input_ids"]  # [B, T]
+    if ahead < 1:
+        raise ValueError(f"ahead must be >= 1, got {ahead}")
+    length = input_ids.shape[1]
+    if length <= ahead:
+        return torch.zeros(input_ids.shape[0], 0, dtype=torch.bool, device=input_ids.device)
+    attention = batch.get("attention_mask")
+    real = torch.ones_like(input_ids, dtype=torch.bool) if attention is None else attention.bool()
+    mask = real[:, :-ahead] & real[:, ahead:]
+    if "loss_mask" in batch:
+        mask = mask & batch["loss_mask"][:, ahead:].bool()
+    return mask
+
+
+def cached_target_logprobs(
+    topk_ids: torch.Tensor,  # [B, T, k] int
+    topk_logprobs: torch.Tensor,  # [B, T, k]
+    rest_logmass: torch.Tensor,  # [B, T]
+    vocab_size: int,
+) -> torch.Tensor:  # [B, T, V] float32 log-probabilities
+    """The offline cache's distribution (``data.cache.topk_to_probs``) in log space.
+
+    ``log p(x) = topk_logprobs[j]`` at ``x = topk_ids[j]``, else ``rest_logmass - log(V - k)``
+    (the rest mass spread uniformly). Staying in log space keeps a tiny rest mass non-zero,
+    so restricting ``p`` to a pruned draft vocabulary never leaves a row without mass; the
+    losses renormalise with ``log_softmax``.
+    """
+    k = topk_ids.shape[-1]
+    if k > vocab_size:
+        raise ValueError(
+            f"the cache keeps k = {k} log-probs per token but the vocabulary is {vocab_size}"
+        )
+    if k == vocab_size:
+        fill = torch.full_like(rest_logmass, -math.inf, dtype=torch.float32)
+    else:
+        fill = rest_logmass.float() - math.log(vocab_size - k)
+    out = fill[..., None].expand(*fill.shape, vocab_size).clone()
+    out.scatter_(-1, topk_ids.long(), topk_logprobs.float())
+    return out
+
+
+def parse_export_formats(value: str | Sequence[str] | None) -> tuple[str, ...]:
+    """``--export_format`` (``vllm``, ``sglang``, ``vllm,sglang``, a sequence, or unset)."""
+    if value is not None and not isinstance(value, str):
+        value = ",".join(value)
+    if value is None or not value.strip() or value.strip() == "none":
+        return ()
+    formats = tuple(part.strip() for part in value.split(",") if part.strip())
+    bad = [fmt for fmt in formats if fmt not in EXPORT_FORMATS]
+    if bad:
+        raise ValueError(
+            f"--export_format {value!r}: unknown format(s) {bad}; use "
+            f"{', '.join(EXPORT_FORMATS)} or a comma list of them"
+        )
+    return tuple(dict.fromkeys(formats))
+
+
+def overlap_at(
+    draft_logits: torch.Tensor,  # [B, S, V]
+    target_logits: torch.Tensor,  # [B, S, V]
+    mask: torch.Tensor,  # [B, S] bool
+    temperature: float,
+) -> torch.Tensor:  # [B, S]
+    """``train.losses.overlap`` with both sides in a common dtype (e.g. a float32 head on a
+    float64 or bfloat16 target)."""
+    dtype = torch.promote_types(draft_logits.dtype, target_logits.dtype)
+    return overlap(draft_logits.to(dtype), target_logits.to(dtype), mask, temperature)
+
+
+# --------------------------------------------------------------------------- the base
+
+
+class HeadObjective(Objective):
+    """Train a head drafter on a frozen target; see the module docstring for the math.
+
+    Subclasses set ``kind`` and implement :meth:`trainable_module` (a wrapper whose one child
+    attribute named ``drafter_attribute`` is the drafter saved on export),
+    :meth:`target_cache_hidden_layers`, :meth:`_features`, :meth:`_draft_logits`,
+    :meth:`_architecture` and :meth:`_export`; EAGLE-3 also overrides the vocabulary hooks.
+    """
+
+    drafter_attribute: str = "head"
+
+    def __init__(
+        self,
+        target: torch.nn.Module,
+        loss: Loss,
+        weights: Sequence[float],
+        *,
+        loss_temperature: float = 1.0,
+        eval_temperature: float = 1.0,
+        export_formats: Sequence[str] | str | None = (),
+    ) -> None:
+        super().__init__()
+        self.target = target.eval().requires_grad_(False)
+        self.loss = loss
+        self.weights = tuple(weights)
+        self.loss_temperature = loss_temperature
+        self.eval_temperature = eval_temperature
+        self.export_formats = parse_export_formats(export_formats)
+        self.target_vocab_size = int(target.get_output_embeddings().weight.shape[0])
+
+    # ------------------------------------------------------------------ what a kind supplies
+
+    @abstractmethod
+    def target_cache_hidden_layers(self) -> list[int]:
+        """The ``output_hidden_states`` indices the drafter reads (ascending, deduplicated)."""
+
+    @abstractmethod
+    def _features(self, by_layer: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The drafter's input from the hidden states it reads, ``layer id -> [B, T, H]``."""
+
+    @abstractmethod
+    def _draft_logits(self, batch: Batch, features: torch.Tensor) -> list[torch.Tensor]:
+        """Draft logits per position k, ``[B, S_k, V_draft]`` with ``S_k >= T - 2 - k``,
+        run through ``self.module`` (the prepared wrapper)."""
+
+    @abstractmethod
+    def _architecture(self) -> dict[str, Any]:
+        """The kind's own architecture facts for the model card (:meth:`describe`)."""
+
+    @abstractmethod
+    def _export(self, drafter: torch.nn.Module, folder: Path, fmt: str) -> None:
+        """Write ``drafter`` in an engine's layout (``fmt`` from :data:`EXPORT_FORMATS`)."""
+
+    def _to_draft_vocab(self, target: torch.Tensor) -> torch.Tensor:  # [..., V] -> [..., Vd]
+        """The target's logits restricted to the draft vocabulary (all of it by default)."""
+        return target
+
+    def _to_target_logits(self, draft: torch.Tensor) -> torch.Tensor:  # [..., Vd] -> [..., V]
+        """Draft logits in the target vocabulary, where acceptance is measured."""
+        return draft
+
+    def _draft_labels(
+        self, labels: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Hard labels in draft ids for a ``ce`` term, and the mask of those that exist."""
+        return (labels if self.loss.needs_labels else None), mask
+
+    # ------------------------------------------------------------------ loop protocol
+
+    @property
+    def trained_drafter(self) -> torch.nn.Module:
+        """The drafter being trained, unwrapped from DDP/compile wrappers."""
+        return getattr(self.unwrapped_module, self.drafter_attribute)
+
+    def bind(self, module: torch.nn.Module, accelerator: Any) -> None:
+        super().bind(module, accelerator)
+        self.target.to(accelerator.device)
+
+    def compute_loss(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        features, target = self._target_outputs(batch)
+        drafts = self._draft_logits(batch, features)
+        total: torch.Tensor | None = None
+        used = 0.0
+        metrics: dict[str, float] = {}
+        for k, (weight, draft, target_k, mask, labels) in enumerate(
+            self._aligned(batch, drafts, target)
+        ):
+            labels, mask = self._draft_labels(labels, mask)
+            if not bool(mask.any()):
+                continue
+            target_draft = self._to_draft_vocab(target_k) if self.loss.needs_target else None
+            parts = self.loss.parts(draft, target_draft, mask, self.loss_temperature, labels=labels)
+            value = self.loss.combine(parts)
+            total = weight * value if total is None else total + weight * value
+            used += weight
+            metrics[f"loss@{k + 1}"] = float(value.detach())
+            if "tv" in parts:  # the overlap is free with a TV term (a full pass over V is not)
+                metrics[f"overlap@{k + 1}"] = 1.0 - float(parts["tv"].detach())
+        if total is None:  # no position of this batch reaches any draft position: a zero step
+            if drafts:
+                return sum(draft.sum() for draft in drafts) * 0.0, metrics
+            return sum(p.sum() for p in self.module.parameters()) * 0.0, metrics
+        return total / used, metrics
+
+    @torch.no_grad()
+    def evaluate(self, batch: Batch) -> MetricSums:
+        features, target = self._target_outputs(batch)
+        drafts = self._draft_logits(batch, features)
+        out: MetricSums = {}
+        weighted_loss = weighted_count = 0.0
+        for k, (weight, draft, target_k, mask, labels) in enumerate(
+            self._aligned(batch, drafts, target)
+        ):
+            count = float(mask.sum())
+            if count == 0:
+                continue
+            draft_full = self._to_target_logits(draft)
+            sampled = overlap_at(draft_full, target_k, mask, self.eval_temperature)
+            greedy = overlap_at(draft_full, target_k, mask, 0.0)
+            out[f"overlap@{k + 1}"] = (float(sampled.sum()), count)
+            out[f"greedy_match@{k + 1}"] = (float(greedy.sum()), count)
+            draft_labels, loss_mask = self._draft_labels(labels, mask)
+            if not bool(loss_mask.any()):
+                continue
+            target_draft = self._to_draft_vocab(target_k) if self.loss.needs_target else None
+            value = float(
+                self.loss(
+                    draft, target_draft, loss_mask, self.loss_temperature, labels=draft_labels
+                )
+            )
+            kept = float(loss_mask.sum())
+            out[f"loss@{k + 1}"] = (value * kept, kept)
+            weighted_loss += weight * value * kept
+            weighted_count += weight * kept
+        if weighted_count > 0:
+            out["loss"] = (weighted_loss, weighted_count)
+        return out
+
+    # ------------------------------------------------------------------ export
+
+    def save_drafter(
+        self,
+        folder: Path,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        state_dict: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        """The native folder (the drafter's ``save_pretrained``) plus ``<folder>/<format>/``.
+
+        ``state_dict`` (the gathered trainable state, keys ``<drafter_attribute>.*``) replaces
+        the local weights when given (FSDP/DeepSpeed shard them). The tokenizer is the
+        target's and is not stored.
+        """
+        drafter = self.trained_drafter
+        if state_dict is not None:
+            prefix = f"{self.drafter_attribute}."
+            drafter = type(drafter)(drafter.config)
+            drafter.load_state_dict({k.removeprefix(prefix): v for k, v in state_dict.items()})
+        folder = Path(folder)
+        drafter.save_pretrained(folder)
+        for fmt in self.export_formats:
+            self._export(drafter, folder / fmt, fmt)
+
+    def describe(self) -> dict[str, Any]:
+        """Architecture facts for the model card."""
+        drafter = self.trained_drafter
+        return {
+            **self._architecture(),
+            "parameters": sum(p.numel() for p in drafter.parameters()),
+            "trainable_parameters": sum(p.numel() for p in drafter.parameters() if p.requires_grad),
+            "exports": list(self.export_formats),
+        }
+
+    # ------------------------------------------------------------------ shared internals
+
+    @torch.no_grad()
+    def _target_outputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drafter's input features and the target's logits or log-probs [B, T, V].
+
+        Online, the frozen target runs on the batch with ``output_hidden_states=True``; from
+        the offline cache, the batch carries the hidden states of
+        :meth:`target_cache_hidden_layers` (``hidden_states`` [B, L_cache, T, H]) and the top-k
+        log-probabilities, expanded in log space by :func:`cached_target_logprobs`.
+        """
+        layers = self.target_cache_hidden_layers()
+        if "topk_ids" in batch:
+            if "hidden_states" not in batch:
+                raise ValueError(
+                    "the batch comes from an offline target cache without hidden states: the "
+                    f"{self.kind} drafter reads the target's hidden states {layers}; rebuild the "
+                    "cache or use --target_outputs online"
+                )
+            cached = batch["hidden_states"]  # [B, L_cache, T, H]
+            if cached.shape[1] != len(layers):
+                raise ValueError(
+                    f"the cached hidden states hold {cached.shape[1]} layers but the {self.kind} "
+                    f"drafter reads layers {layers}: delete the cache folder to rebuild it"
+                )
+            by_layer = {layer: cached[:, j] for j, layer in enumerate(layers)}
+            target = cached_target_logprobs(
+                batch["topk_ids"],
+                batch["topk_logprobs"],
+                batch["rest_logmass"],
+                self.target_vocab_size,
+            )
+        else:
+            outputs = self.target(
+                input_ids=batch["input_ids"],
+                attention_mask=batch.get("attention_mask"),
+                output_hidden_states=True,
+                use_cache=False,
+            )
+            hidden = outputs.hidden_states
+            if max(layers) >= len(hidden):
+                raise ValueError(
+                    f"the target returned {len(hidden)} hidden states but the {self.kind} drafter "
+                    f"reads index {max(layers)}: check its layer ids against the target's depth"
+                )
+            by_layer = {layer: hidden[layer] for layer in layers}
+            target = outputs.logits
+        return self._features(by_layer), target
+
+    def _aligned(
+        self, batch: Batch, drafts: Sequence[torch.Tensor], target: torch.Tensor
+    ) -> Iterable[Aligned]:
+        """Per draft output k: weight, logits [B, S, Vd], target [B, S, V], mask, labels [B, S].
+
+        ``S = T - 2 - k``: output k at position t predicts ``x_{t+2+k}`` against the target's
+        distribution at ``t+1+k``. Outputs that no position reaches are skipped.
+        """
+        input_ids = batch["input_ids"]
+        length = input_ids.shape[1]
+        for k, (weight, logits) in enumerate(zip(self.weights, drafts, strict=False)):
+            span = length - 2 - k
+            if span < 1:
+                break
+            yield (
+                weight,
+                logits[:, :span],
+                target[:, 1 + k : 1 + k + span],
+                future_mask(batch, 2 + k),
+                input_ids[:, 2 + k :],
+            )
+
+
+__all__ = [
+    "EXPORT_FORMATS",
+    "HeadObjective",
+    "cached_target_logprobs",
+    "future_mask",
+    "overlap_at",
+    "parse_export_formats",
+    "position_weights",
+]
