@@ -44,7 +44,6 @@ def distill(config: DistillConfig) -> dict[str, Any]:
     """Run one distillation described by a resolved config."""
     from train.batches import ShardedBatches, shard_list
     from train.checkpoint import CheckpointManager
-    from train.distributed import format_report, parallel_report
     from train.distill_data import collate_rows, load_sequences
     from train.export import export_drafter, push_to_hub
     from train.loop import LoopConfig, make_accelerator, run_training
@@ -58,7 +57,6 @@ def distill(config: DistillConfig) -> dict[str, Any]:
     objective_cls = get_objective_class(config.drafter.drafter_kind)
     target_ref = resolve_target(config.target.target)
     output_dir = Path(config.output.output_dir).expanduser()
-    _check_output_dir(output_dir)
     checkpoints = CheckpointManager(output_dir / "checkpoints", config.output.keep_checkpoints)
     resume = _resume_point(config, checkpoints)
     # Before the run's Accelerator exists: a demo-target build trains through its own one.
@@ -121,9 +119,8 @@ def distill(config: DistillConfig) -> dict[str, Any]:
         config.logging.run_name or output_dir.name,
         config.to_dict(),
         output_dir,
-        resume_step=None if resume is None else checkpoints.step_of(resume),
     )
-    if cache_stats is not None and resume is None:  # logged at step 0 by the first run
+    if cache_stats is not None:
         tracker.log({"cache/bytes_per_token": cache_stats.bytes_per_token}, 0)
     loop_config = LoopConfig(
         max_steps=config.optim.max_steps,
@@ -152,9 +149,6 @@ def distill(config: DistillConfig) -> dict[str, Any]:
         checkpoints=checkpoints,
         resume_from=resume,
     )
-    parallel = parallel_report(objective.module, accelerator)  # a collective
-    if accelerator.is_main_process:
-        print(format_report(parallel))
 
     summary = {
         "target": target_name,
@@ -175,7 +169,6 @@ def distill(config: DistillConfig) -> dict[str, Any]:
         "tokens_per_s": result.tokens_per_second,
         "world_size": result.world_size,
         "params_in_sync": result.params_in_sync,
-        "distributed": parallel,
         "train_sequences": len(train_rows),
         "last_checkpoint": str(result.last_checkpoint) if result.last_checkpoint else None,
         "cache": None if cache_stats is None else _cache_summary(cache_stats),
@@ -226,18 +219,6 @@ def _measure_speed(
     )
     keys = ("tau", "predicted_tau", "speedup", "tokens_per_s_baseline", "tokens_per_s_speculative")
     return {t: {k: r[k] for k in keys} for t, r in report["by_temperature"].items()}
-
-
-def _check_output_dir(output_dir: Path) -> None:
-    """The run folder and every existing parent must be folders (created when missing)."""
-    for path in (output_dir, *output_dir.parents):
-        if path.exists():
-            if not path.is_dir():
-                raise FileExistsError(
-                    f"--output_dir {output_dir}: {path} is a file, not a folder; pass a folder "
-                    "path (it is created when missing) or move the file away"
-                )
-            return
 
 
 def _resume_point(config: DistillConfig, checkpoints: Any) -> Path | None:
@@ -367,17 +348,10 @@ def _print_summary(summary: dict[str, Any]) -> None:
 
 def _run_as_script() -> int:
     from train.export import HubUploadError
-    from train.loop import NonFiniteLossError
 
     try:
         main()
-    except (
-        ValueError,  # includes train.checkpoint.CheckpointError
-        FileNotFoundError,
-        FileExistsError,
-        HubUploadError,
-        NonFiniteLossError,
-    ) as error:
+    except (ValueError, FileNotFoundError, FileExistsError, HubUploadError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     return 0
