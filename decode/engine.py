@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from numbers import Integral
 
 import torch
 
@@ -92,22 +93,29 @@ class SpeculativeDecoder:
         input_ids: torch.Tensor,  # [B, T] left-padded
         attention_mask: torch.Tensor | None = None,  # [B, T]
         max_new_tokens: int = 128,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
         eos_token_id: int | Sequence[int] | None = None,
         generator: torch.Generator | None = None,
         pad_token_id: int | None = None,
         streamer: Streamer | None = None,
+        *,
+        sampling: SamplingConfig | None = None,
     ) -> GenerateOutput:
         """Generate up to ``max_new_tokens`` tokens per row.
 
         ``eos_token_id=None`` uses the target's generation config (pass ``[]`` for none); a row
         stops after its first EOS. Sampling applies temperature, then top-k, then top-p to the
-        target and the draft alike; ``temperature=0`` is greedy. ``generator`` must live on the
-        target's device.
+        target and the draft alike; greedy below ``GREEDY_TEMPERATURE_FLOOR`` (0 included).
+        Give either ``sampling`` (one validated ``SamplingConfig``) or the separate
+        ``temperature`` / ``top_k`` / ``top_p`` (unset ones take ``SamplingConfig``'s defaults).
+        ``generator`` must live on the target's device. Bad arguments raise ``ValueError``
+        (wrong values) or ``TypeError`` (wrong types) before any forward pass.
         """
-        sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+        sampling = _sampling_config(sampling, temperature, top_k, top_p)
+        if generator is not None:
+            self._check_generator(generator)
         input_ids, attention_mask = self._check_inputs(input_ids, attention_mask, max_new_tokens)
         eos = self._eos_tensor(eos_token_id)
         pad = self._pad_id(pad_token_id, eos)
@@ -220,6 +228,14 @@ class SpeculativeDecoder:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             raise ValueError("input_ids must be a LongTensor of shape [batch, prompt_len]")
+        if (
+            input_ids.dtype.is_floating_point
+            or input_ids.dtype.is_complex
+            or (input_ids.dtype == torch.bool)
+        ):
+            raise TypeError(
+                f"input_ids must hold integer token ids (torch.long), got dtype {input_ids.dtype}"
+            )
         if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
             raise ValueError(
                 f"empty prompt batch (input_ids has shape {tuple(input_ids.shape)}): give every "
@@ -229,15 +245,19 @@ class SpeculativeDecoder:
             raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        input_ids = input_ids.to(self.device)
+        input_ids = input_ids.to(self.device, torch.long)
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
+        if not isinstance(attention_mask, torch.Tensor):
+            raise TypeError(f"attention_mask must be a tensor, got {type(attention_mask).__name__}")
         attention_mask = attention_mask.to(self.device)
         if attention_mask.shape != input_ids.shape:
             raise ValueError(
                 f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids has "
                 f"{tuple(input_ids.shape)}"
             )
+        if bool(((attention_mask != 0) & (attention_mask != 1)).any()):
+            raise ValueError("attention_mask must hold only 0 (padding) and 1 (real tokens)")
         if bool((attention_mask.sum(-1) == 0).any()):
             raise ValueError("a prompt row is empty (its attention_mask is all zero)")
         if bool((attention_mask[:, -1] == 0).any()):
@@ -247,22 +267,93 @@ class SpeculativeDecoder:
             raise ValueError(f"input_ids hold token ids outside [0, {vocab})")
         return input_ids, attention_mask
 
-    def _eos_tensor(self, eos_token_id: int | Sequence[int] | None) -> torch.Tensor:
+    def _check_generator(self, generator: object) -> None:
+        if not isinstance(generator, torch.Generator):
+            raise TypeError(
+                f"generator must be a torch.Generator (or None), got {type(generator).__name__}"
+            )
+        if not _same_device(generator.device, self.device):
+            raise ValueError(
+                f"generator lives on {generator.device} but the target on {self.device}: "
+                f"create it with torch.Generator(device={str(self.device)!r})"
+            )
+
+    def _eos_tensor(self, eos_token_id: int | Sequence[int] | None) -> torch.Tensor:  # [E]
+        source = "eos_token_id"
         if eos_token_id is None:
             eos_token_id = getattr(self.target.generation_config, "eos_token_id", None)
+            source = "the target's generation_config.eos_token_id (pass eos_token_id to override)"
         if eos_token_id is None:
             eos_token_id = []
-        if isinstance(eos_token_id, int):
+        if _is_token_id(eos_token_id):
             eos_token_id = [eos_token_id]
-        return torch.tensor(list(eos_token_id), dtype=torch.long, device=self.device)
+        if isinstance(eos_token_id, (str, bytes, torch.Tensor)) or not isinstance(
+            eos_token_id, Sequence
+        ):
+            raise TypeError(
+                f"{source} must be a token id or a list of token ids, got {eos_token_id!r}"
+            )
+        for token in eos_token_id:
+            self._check_token_id(token, source)
+        return torch.tensor([int(t) for t in eos_token_id], dtype=torch.long, device=self.device)
 
     def _pad_id(self, pad_token_id: int | None, eos: torch.Tensor) -> int:
         if pad_token_id is not None:
-            return pad_token_id
+            self._check_token_id(pad_token_id, "pad_token_id")
+            return int(pad_token_id)
         configured = getattr(self.target.generation_config, "pad_token_id", None)
         if configured is not None:
+            self._check_token_id(
+                configured,
+                "the target's generation_config.pad_token_id (pass pad_token_id to override)",
+            )
             return int(configured)
         return int(eos[0]) if eos.numel() else 0
+
+    def _check_token_id(self, token: object, source: str) -> None:
+        """A token id is an int in [0, V) (``TypeError`` for other types, else ``ValueError``)."""
+        if not _is_token_id(token):
+            raise TypeError(f"{source} must hold integer token ids, got {token!r}")
+        vocab = self.drafter.vocab_size
+        if not 0 <= int(token) < vocab:
+            raise ValueError(
+                f"{source} holds token id {int(token)}, outside the vocabulary [0, {vocab})"
+            )
+
+
+def _sampling_config(
+    sampling: SamplingConfig | None,
+    temperature: float | None,
+    top_k: int | None,
+    top_p: float | None,
+) -> SamplingConfig:
+    """The one ``SamplingConfig`` of a call: the one given, or one built from the keywords."""
+    separate = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+    given = {name: value for name, value in separate.items() if value is not None}
+    if sampling is None:
+        return SamplingConfig(**given)
+    if not isinstance(sampling, SamplingConfig):
+        raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+    if given:
+        raise ValueError(
+            f"pass either sampling or {', '.join(given)}, not both: put every setting into the "
+            "SamplingConfig"
+        )
+    return sampling
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """Equal devices, an index-less CUDA device meaning the current one."""
+    if a.type != b.type:
+        return False
+    if a.type != "cuda" or a.index == b.index:
+        return True
+    current = torch.cuda.current_device()
+    return (current if a.index is None else a.index) == (current if b.index is None else b.index)
 
 
 class _Run:

@@ -6,24 +6,37 @@ invalid and positions are counted over valid slots only, so each row sees exactl
 committed sequence. Slots past the longest kept row are cropped off for real, so the cache
 never grows by more than what some row accepted.
 
+Sliding-window layers (Mistral, Qwen2/Qwen3 with ``use_sliding_window``, Gemma2/Gemma3's local
+layers) are windowed by *token position*, not by cache slot: a query at position ``p`` sees the
+valid keys at positions ``p - W < p' <= p``, the window Hugging Face applies to a sequence
+without holes. Counting slots instead would let a row's holes eat its window. Every layer keeps
+all its slots (nothing is truncated, so a rollback works at any length) and the model gets one
+4-D mask per layer kind built from positions (``AttentionLayout``); full-attention models keep
+the plain 2-D mask and pay nothing for this.
+
 With ``transformers`` 5.x, ``DynamicCache.crop`` takes a negative count of tokens to drop, and
 the forward argument is ``cache`` (``past_key_values`` is deprecated). Its ``DynamicLayer``
 concatenates every step's keys onto the whole cache, a copy that grows with the sequence; the
-full-attention layers here use ``PreallocatedLayer`` instead, which writes into spare capacity
-(doubling when full) and hands attention a view, so a step copies only its own keys.
+layers here are ``PreallocatedLayer``s instead, which write into spare capacity (doubling when
+full) and hand attention a view, so a step copies only its own keys.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, get_layer_types_and_kwargs
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from decode.output_head import OutputHead
+
+# Hugging Face's names of the two attention kinds this cache serves (``config.layer_types``).
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
 
 
 class CachedSequence:
@@ -39,13 +52,21 @@ class CachedSequence:
     ) -> None:
         """``head`` (``OutputHead.for_model(model)``) projects the decoder's last hidden states
         to logits; ``None`` runs the whole model. ``decoder`` replaces ``model.get_decoder()``
-        on that path (a drafter's ``LeanDecoder``)."""
+        on that path (a ``LeanDecoder``); it gets boolean masks, the model's own forward gets
+        them in the form its attention implementation reads."""
         self.model = model
         self.head = head
         self.decoder = decoder
+        self.layout = AttentionLayout.for_model(model)
         self.cache = preallocated_cache(model)
         self.valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)  # [B, S]
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)  # [B]
+        # [B, S] each slot's token position, kept only when some layer has a window.
+        self.slot_positions = (
+            torch.zeros(batch_size, 0, dtype=torch.long, device=device)
+            if self.layout.sliding
+            else None
+        )
 
     @property
     def num_slots(self) -> int:
@@ -70,10 +91,18 @@ class CachedSequence:
             positions = self.lengths[:, None] + valid.long().cumsum(-1) - 1
             positions = positions.clamp(min=0)
         full_valid = torch.cat([self.valid, valid], dim=1)  # [B, S + W]
-        if tree_mask is None:
+        slot_positions = None
+        if self.slot_positions is not None:
+            slot_positions = torch.cat([self.slot_positions, positions], dim=1)  # [B, S + W]
+            attention_mask = self.layout.masks(
+                _four_d_mask(self.valid, valid, tree_mask), slot_positions, positions
+            )
+        elif tree_mask is None:
             attention_mask = full_valid.long()
         else:
             attention_mask = _four_d_mask(self.valid, valid, tree_mask)
+        if self.decoder is None:  # the model's own forward reads masks in its own format
+            attention_mask = _for_attention_implementation(attention_mask, self.model)
         inputs = {
             "input_ids": tokens,
             "attention_mask": attention_mask,
@@ -93,6 +122,7 @@ class CachedSequence:
                 hidden_states=decoded.hidden_states,
             )
         self.valid = full_valid
+        self.slot_positions = slot_positions
         self.lengths = self.lengths + valid.sum(-1)
         return output
 
@@ -115,6 +145,8 @@ class CachedSequence:
             self.cache.crop(-drop)
         recent = torch.arange(max_keep, device=keep.device)[None, :] < keep[:, None]  # [B, k]
         self.valid = torch.cat([self.valid[:, :start], recent], dim=1)
+        if self.slot_positions is not None:
+            self.slot_positions = self.slot_positions[:, : start + max_keep]
         self.lengths = self.lengths - (num_recent - keep)
 
     def keep_path(
@@ -132,28 +164,113 @@ class CachedSequence:
         start = self.num_slots - num_recent
         index = (start + path.clamp(min=0)).to(torch.long)  # [B, P]
         for layer in self.cache.layers:
-            if isinstance(layer, PreallocatedLayer):
-                layer.keep_slots(start, index)
-                continue
-            for name in ("keys", "values"):
-                tensor = getattr(layer, name)  # [B, heads, S, d]
-                setattr(
-                    layer, name, torch.cat([tensor[:, :, :start], _gather_slots(tensor, index)], 2)
-                )
+            layer.keep_slots(start, index)
         self.valid = torch.cat([self.valid[:, :start], path_valid], dim=1)
+        if self.slot_positions is not None:
+            kept = self.slot_positions.gather(1, index)  # [B, P]
+            self.slot_positions = torch.cat([self.slot_positions[:, :start], kept], dim=1)
         self.lengths = self.lengths - num_recent + path_valid.sum(-1)
+
+
+@dataclass(frozen=True)
+class AttentionLayout:
+    """Which attention each decoder layer runs, as the model's config defines it.
+
+    ``layer_types[i]`` is layer ``i``'s kind (``"full_attention"`` or ``"sliding_attention"``,
+    Hugging Face's names, inferred from ``sliding_window`` for configs without
+    ``layer_types``) and ``windows[kind]`` its window ``W`` (None: full causal attention).
+    """
+
+    layer_types: tuple[str, ...]
+    windows: dict[str, int | None]
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module) -> AttentionLayout:
+        """Read the layout the model's ``DynamicCache`` would be built from; raise
+        ``ValueError`` for layer kinds this cache cannot serve exactly."""
+        config = model.config.get_text_config(decoder=True)
+        kinds, per_layer = get_layer_types_and_kwargs(config)
+        windows: dict[str, int | None] = {}
+        for kind, kwargs in zip(kinds, per_layer, strict=True):
+            if kind not in (FULL_ATTENTION, SLIDING_ATTENTION):
+                raise ValueError(
+                    f"{type(model).__name__} has {kind!r} layers; the speculative decoder's cache "
+                    "serves full and sliding-window attention only"
+                )
+            window = kwargs.get("sliding_window") if kind == SLIDING_ATTENTION else None
+            if windows.setdefault(kind, window) != window:
+                raise ValueError(
+                    f"{type(model).__name__} has {kind!r} layers with different windows "
+                    f"({windows[kind]} and {window}); one window per layer kind is supported"
+                )
+        return cls(tuple(kinds), windows)
+
+    @property
+    def sliding(self) -> bool:
+        """Whether some layer attends through a window."""
+        return any(window is not None for window in self.windows.values())
+
+    def masks(
+        self,
+        allowed: torch.Tensor,  # [B, 1, W, S + W] bool: causal (or tree) and valid
+        key_positions: torch.Tensor,  # [B, S + W] every slot's token position
+        query_positions: torch.Tensor,  # [B, W]
+    ) -> torch.Tensor | dict[str, torch.Tensor]:  # [B, 1, W, S + W] bool, or one per kind
+        """The boolean mask of each layer kind; a bare tensor when all layers share a kind.
+
+        A window keeps the keys with ``query_position - key_position < W``. Every query also
+        sees its own slot, so a padding or hole query never attends to nothing (a fully
+        masked row gives NaN, which a zero attention weight later would still spread).
+        Hugging Face's models take either form: a 4-D tensor is used as given, and the models
+        with mixed layer kinds accept a dict keyed by kind.
+        """
+        width, total = allowed.shape[-2], allowed.shape[-1]
+        own_slot = torch.eye(width, dtype=torch.bool, device=allowed.device)  # [W, W]
+        own_slot = torch.nn.functional.pad(own_slot, (total - width, 0))  # [W, S + W]
+        allowed = allowed | own_slot
+        distance = query_positions[:, None, :, None] - key_positions[:, None, None, :]
+        masks = {
+            kind: allowed if window is None else allowed & ((distance < window) | own_slot)
+            for kind, window in self.windows.items()
+        }
+        return next(iter(masks.values())) if len(masks) == 1 else masks
 
 
 def _four_d_mask(
     cached_valid: torch.Tensor,  # [B, S]
     new_valid: torch.Tensor,  # [B, W]
-    tree_mask: torch.Tensor,  # [W, W] or [B, W, W] bool
+    tree_mask: torch.Tensor | None,  # [W, W] or [B, W, W] bool; None: causal
 ) -> torch.Tensor:  # [B, 1, W, S + W] bool, True where attention is allowed
     batch, width = new_valid.shape
+    if tree_mask is None:
+        tree_mask = torch.ones(width, width, dtype=torch.bool, device=new_valid.device).tril()
     past = cached_valid[:, None, None, :].expand(batch, 1, width, cached_valid.shape[1])
     tree_mask = tree_mask.expand(batch, width, width)[:, None]
     new = tree_mask & new_valid[:, None, None, :]
     return torch.cat([past, new], dim=-1)
+
+
+def _for_attention_implementation(
+    mask: torch.Tensor | dict[str, torch.Tensor],  # [B, S + W] 0/1, or [B, 1, W, S + W] bool
+    model: torch.nn.Module,
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """A 4-D boolean mask as the model's attention reads it: ``sdpa`` takes booleans, ``eager``
+    adds the mask to its scores (0 where allowed, the dtype's minimum elsewhere)."""
+    if isinstance(mask, dict):
+        return {kind: _for_attention_implementation(m, model) for kind, m in mask.items()}
+    if mask.dim() != 4:
+        return mask
+    implementation = getattr(model.config, "_attn_implementation", None) or "sdpa"
+    if implementation == "sdpa":
+        return mask
+    if implementation == "eager":
+        dtype = next(model.parameters()).dtype
+        additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+        return additive.masked_fill_(~mask, torch.finfo(dtype).min)
+    raise ValueError(
+        f"attn_implementation={implementation!r} cannot take the 4-D attention masks that "
+        "trees and sliding windows need here: load the model with attn_implementation='sdpa'"
+    )
 
 
 def _gather_slots(
@@ -166,14 +283,16 @@ def _gather_slots(
 
 
 def preallocated_cache(model: torch.nn.Module) -> DynamicCache:
-    """A ``DynamicCache`` for ``model`` whose full-attention layers are ``PreallocatedLayer``s.
+    """A ``DynamicCache`` for ``model`` whose every layer is a ``PreallocatedLayer``.
 
-    Other layer kinds the config asks for (sliding windows, ...) keep their own classes.
+    Sliding-window layers too: they keep every slot (the window is applied by the masks of
+    ``AttentionLayout``), where Hugging Face's ``DynamicSlidingWindowLayer`` would drop old
+    slots and could not be cropped back once full. Raises ``ValueError`` for layer kinds other
+    than full and sliding-window attention.
     """
+    layout = AttentionLayout.for_model(model)
     cache = DynamicCache(config=model.config)
-    cache.layers = [
-        PreallocatedLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers
-    ]
+    cache.layers = [PreallocatedLayer() for _ in layout.layer_types]
     return cache
 
 

@@ -9,10 +9,17 @@ with a few fused products per layer:
     h   = x + W_o . attn(rope(W_q n(x)), rope(W_k n(x)), W_v n(x))     (q, k, v one product)
     out = h + W_down (silu(W_gate n(h)) * W_up n(h))                  (gate, up one product)
 
-over the same weights, the same ``PreallocatedLayer`` cache and the same rotary tables (taken
-from the model's own ``rotary_emb``, so every static rope scaling carries over). Its logits
-match the model's to float rounding, not bit for bit (docs/theory.md §7 promises no more,
-as batched verification already differs from one-token steps in rounding). A drafter may use
+over the same weights, the same ``PreallocatedLayer`` cache and the same rotary angles, taken
+from the model's own ``rotary_emb``. Static rope types (default, linear, yarn, llama3,
+proportional) are tabulated once by position. Types whose angles depend on the length of the
+call (``dynamic`` NTK and ``longrope``, which Hugging Face switches by the largest position of
+each forward: longrope's long factors once it exceeds ``original_max_position_embeddings``)
+call ``rotary_emb`` with each call's positions, exactly as the model's forward does, so a
+table grown past the threshold can never switch factors for a short sequence. Sliding-window
+layers use the per-kind position masks of ``kv_cache.AttentionLayout``, as the model's forward
+does on this cache. Its logits match the model's to float rounding, not bit for bit
+(docs/theory.md §7 promises no more, as batched verification already differs from one-token
+steps in rounding). A drafter may use
 it freely: rejection sampling is exact for whatever ``q`` the draft computes. A target uses it
 unless ``SpeculativeDecoder(lean_target=False)``: the output then follows the target as this
 forward computes it; a target step falls from ~7.8 to ~5.4 ms on the 4 x 256 demo target.
@@ -26,12 +33,16 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from decode.kv_cache import PreallocatedLayer
+from decode.kv_cache import AttentionLayout, PreallocatedLayer
 from decode.llama_math import apply_rope, rms_norm
 
 # Decoder layers of these model types are the plain Llama block (optionally with q/k/v biases,
 # per-head q/k norms for Qwen3, and grouped key/value heads).
 LEAN_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+# Rope types whose angles are a fixed function of the position (computed once by the model's
+# rope init function); other known types depend on the call (see ``_angles_depend_on_call``).
+STATIC_ROPE_TYPES = frozenset({"default", "linear", "yarn", "llama3", "proportional"})
 
 
 @dataclass
@@ -62,7 +73,8 @@ class LeanDecoder:
     """``model.get_decoder()`` for incremental CPU decoding, with fused products.
 
     Call it like the decoder: ``input_ids`` [B, W], ``attention_mask`` ([B, S + W] 0/1 over
-    cache and new slots, or a [B, 1, W, S + W] bool mask), ``position_ids`` [B, W] and a
+    cache and new slots, a [B, 1, W, S + W] bool mask, or a dict of such masks keyed by layer
+    kind, which a model with sliding-window layers needs), ``position_ids`` [B, W] and a
     ``cache`` of ``PreallocatedLayer``s. The fused weights are copies, rebuilt when any weight
     of the model changes in place (tracked by tensor versions).
     """
@@ -74,6 +86,9 @@ class LeanDecoder:
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.eps = config.rms_norm_eps
+        self.layout = AttentionLayout.for_model(model)
+        rope_type = _rope_parameters(config).get("rope_type", "default")
+        self._rope_per_call = _angles_depend_on_call(rope_type)
         self._parameters = list(model.get_decoder().parameters())
         self._versions: list[int] = []
         self._layers: list[_LayerWeights] = []
@@ -87,7 +102,7 @@ class LeanDecoder:
     def __call__(
         self,
         input_ids: torch.Tensor,  # [B, W]
-        attention_mask: torch.Tensor,  # [B, S + W] 0/1, or [B, 1, W, S + W] bool
+        attention_mask: torch.Tensor | dict[str, torch.Tensor],  # see the class docstring
         position_ids: torch.Tensor,  # [B, W]
         cache: DynamicCache,
         output_hidden_states: bool = False,
@@ -97,10 +112,10 @@ class LeanDecoder:
         decoder = self.model.get_decoder()
         width = input_ids.shape[1]
         x = decoder.embed_tokens(input_ids)  # [B, W, H]
-        cos, sin = self._rotary(position_ids, x.dtype)  # [B, 1, W, D] each
-        mask = _attention_mask(attention_mask, width)  # [B, 1, W, S + W] bool or None
+        cos, sin = self._rotary(position_ids, x)  # [B, 1, W, D] each
+        masks = self._layer_masks(attention_mask, width)  # [B, 1, W, S + W] bool or None each
         hidden_states = [x] if output_hidden_states else None
-        for weights, cache_layer in zip(layers, cache.layers, strict=True):
+        for weights, cache_layer, mask in zip(layers, cache.layers, masks, strict=True):
             if not isinstance(cache_layer, PreallocatedLayer):
                 raise TypeError("LeanDecoder needs a cache of PreallocatedLayer (kv_cache.py)")
             x = x + self._attention(weights, x, cos, sin, mask, cache_layer)
@@ -144,15 +159,42 @@ class LeanDecoder:
         ).chunk(2, dim=-1)  # [B, W, I] each
         return _project(F.silu(gate) * up, weights.down, weights.down_bias)
 
+    def _layer_masks(
+        self,
+        attention_mask: torch.Tensor | dict[str, torch.Tensor],
+        width: int,
+    ) -> list[torch.Tensor | None]:  # per layer: [B, 1, W, S + W] bool or None
+        """Each layer's mask: one for all, or the one of its kind."""
+        if isinstance(attention_mask, dict):
+            by_kind = {kind: _attention_mask(m, width) for kind, m in attention_mask.items()}
+            return [by_kind[kind] for kind in self.layout.layer_types]
+        if self.layout.sliding and attention_mask.dim() != 4:
+            raise ValueError(
+                "sliding-window layers need position-based 4-D masks (as CachedSequence builds "
+                "them), not a 2-D padding mask"
+            )
+        return [_attention_mask(attention_mask, width)] * len(self.layout.layer_types)
+
     def _rotary(
-        self, positions: torch.Tensor, dtype: torch.dtype
+        self,
+        positions: torch.Tensor,  # [B, W]
+        x: torch.Tensor,  # [B, W, H] the embeddings (their dtype and device)
     ) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin [B, 1, W, D]
+        """The model's rotary angles at ``positions``.
+
+        Call-dependent rope types go through ``rotary_emb`` with these very positions, as the
+        model's forward does (the same call, the same state updates); static ones read a table
+        indexed by position, built by the same ``rotary_emb`` and grown on demand.
+        """
+        rotary = self.model.get_decoder().rotary_emb
+        if self._rope_per_call:
+            cos, sin = rotary(x, positions)  # [B, W, D]
+            return cos[:, None], sin[:, None]
         needed = int(positions.max()) + 1 if positions.numel() else 1
         if needed > self._cos.shape[0]:
             size = max(needed, 2 * self._cos.shape[0], 256)
-            table_positions = torch.arange(size)[None]  # [1, P]
-            probe = torch.empty(1, dtype=dtype)
-            cos, sin = self.model.get_decoder().rotary_emb(probe, table_positions)  # [1, P, D]
+            table_positions = torch.arange(size, device=x.device)[None]  # [1, P]
+            cos, sin = rotary(x[:1, :1], table_positions)  # [1, P, D]
             self._cos, self._sin = cos[0], sin[0]
         return self._cos[positions][:, None], self._sin[positions][:, None]
 
@@ -166,24 +208,36 @@ class LeanDecoder:
 
 
 def _is_plain_llama_on_cpu(model: torch.nn.Module) -> bool:
-    """Full causal attention only (no sliding windows), SiLU MLPs, a static rope, on CPU."""
+    """A Llama-family decoder with SiLU MLPs, full or sliding-window attention, a full-width
+    rope of a type ``_rotary`` reproduces, on CPU."""
     config = getattr(model, "config", None)
     if getattr(config, "model_type", None) not in LEAN_MODEL_TYPES:
         return False
     decoder = model.get_decoder()
-    sliding = getattr(config, "sliding_window", None) is not None and getattr(
-        config, "use_sliding_window", True
-    )
-    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
-    rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+    rope = _rope_parameters(config)
+    rope_type = rope.get("rope_type", "default")
+    try:
+        AttentionLayout.for_model(model)
+    except ValueError:
+        return False
     return (
         next(model.parameters()).device.type == "cpu"
         and getattr(config, "hidden_act", "silu") == "silu"
-        and not sliding
-        and all(kind == "full_attention" for kind in layer_types)
-        and rope_type != "dynamic"
+        and (rope_type in STATIC_ROPE_TYPES or _angles_depend_on_call(rope_type))
+        and rope.get("partial_rotary_factor", 1.0) == 1.0
         and hasattr(decoder, "rotary_emb")
     )
+
+
+def _rope_parameters(config: object) -> dict:
+    """The config's rope settings (Hugging Face 5.x ``rope_parameters``), or {} without any."""
+    return getattr(config, "rope_parameters", None) or {}
+
+
+def _angles_depend_on_call(rope_type: str) -> bool:
+    """Whether Hugging Face recomputes the rope frequencies from each forward's largest position
+    (the rule of ``transformers.modeling_rope_utils.dynamic_rope_update``)."""
+    return "dynamic" in rope_type or rope_type == "longrope"
 
 
 def _fuse(layer: torch.nn.Module) -> _LayerWeights:

@@ -7,32 +7,66 @@ the target's and the draft's logits alike, so the two can never disagree.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from numbers import Integral, Real
 
 import torch
+
+# Temperatures below this are greedy (vLLM's convention, its ``_SAMPLING_EPS``). Dividing
+# logits by a smaller positive number overflows them to inf (5e-324 turns a logit of 1 into
+# inf), and the softmax of infinities is NaN; at 1e-5 the largest logit already wins by any
+# margin a float32 softmax can tell apart from greedy.
+GREEDY_TEMPERATURE_FLOOR = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """Decoding parameters; ``temperature == 0`` means greedy (argmax)."""
+    """Decoding parameters, validated once here for every caller (API, server, evaluation).
+
+    ``temperature`` is a finite number >= 0; below ``GREEDY_TEMPERATURE_FLOOR`` (0 included)
+    decoding is greedy (argmax) and top-k/top-p do not apply. ``top_k`` is an integer >= 0 (0
+    disables it) and ``top_p`` a number in (0, 1] (1 disables it). Bad values raise
+    ``ValueError`` naming the field, wrong types (bools, strings, tensors) too.
+    """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+        temperature = _real(self.temperature, "temperature", "a finite number >= 0 (0 is greedy)")
+        if temperature < 0:
             raise ValueError(
-                f"temperature must be a number >= 0 (0 means greedy), got {self.temperature!r}"
+                f"temperature must be a finite number >= 0 (0 is greedy), got {self.temperature!r}"
             )
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+        top_p = _real(self.top_p, "top_p", "a number in (0, 1] (1 disables it)")
+        if not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p must lie in (0, 1] (1 disables it), got {self.top_p!r}")
+        if not isinstance(self.top_k, Integral) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        # Plain Python numbers from here on (numpy scalars compare and hash alike).
+        object.__setattr__(self, "temperature", temperature)
+        object.__setattr__(self, "top_p", top_p)
+        object.__setattr__(self, "top_k", int(self.top_k))
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Argmax decoding: ``temperature < GREEDY_TEMPERATURE_FLOOR``."""
+        return self.temperature < GREEDY_TEMPERATURE_FLOOR
+
+
+def _real(value: object, name: str, expected: str) -> float:
+    """``value`` as a finite float; ``ValueError`` for bools, non-numbers, NaN and infinities."""
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise ValueError(f"{name} must be {expected}, got {value!r} ({type(value).__name__})")
+    try:
+        number = float(value)
+    except OverflowError:  # an int too large for a float
+        number = math.inf
+    if not math.isfinite(number):
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+    return number
 
 
 def logits_to_probs(

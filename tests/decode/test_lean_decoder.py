@@ -86,10 +86,25 @@ def test_lean_forward_follows_in_place_weight_updates() -> None:
 
 
 def test_lean_forward_declines_what_it_does_not_implement() -> None:
-    assert LeanDecoder.for_model(tiny_causal_lm("mistral", sliding_window=16)) is None
     unknown = tiny_llama()
     unknown.config.model_type = "gemma2"
     assert LeanDecoder.for_model(unknown) is None
     gelu = tiny_llama()
     gelu.config.hidden_act = "gelu"
     assert LeanDecoder.for_model(gelu) is None
+    chunked = tiny_llama()
+    chunked.config.layer_types = ["chunked_attention", "full_attention"]
+    chunked.config.attention_chunk_size = 4
+    assert LeanDecoder.for_model(chunked) is None
+    for change in ({"rope_type": "mystery"}, {"partial_rotary_factor": 0.5}):
+        model = tiny_llama()
+        model.config.rope_parameters = {**model.config.rope_parameters, **change}
+        assert LeanDecoder.for_model(model) is None, change
+
+
+def test_lean_forward_serves_windows_and_call_dependent_ropes() -> None:
+    """Sliding windows and dynamic/longrope are matched now (tests/decode/test_exactness_configs.py
+    compares their logits); only what it cannot reproduce is declined."""
+    assert LeanDecoder.for_model(tiny_causal_lm("mistral", sliding_window=16)) is not None
+    dynamic = tiny_llama(rope_parameters={"rope_type": "dynamic", "factor": 2.0})
+    assert LeanDecoder.for_model(dynamic) is not None
