@@ -9,8 +9,10 @@ Then any OpenAI client works against ``http://127.0.0.1:8000/v1`` (completions, 
 completions through the tokenizer's chat template, ``stream: true``); ``GET /metrics`` gives
 Prometheus totals (tau, acceptance per position) and ``GET /health`` liveness. Binds loopback
 unless ``--host`` says otherwise; ``--api-key`` (or ``$DRAFTSMITH_API_KEY``) requires a bearer
-key; ``--trust-remote-code`` is off by default; weights load from safetensors only. All flags:
-``--help``; the routes and limits: decode/serving/app.py.
+key on every route but ``/health``; ``--trust-remote-code`` is off by default; weights load
+from safetensors only. Slow clients are cut off: ``--timeout-keep-alive`` (idle connections),
+``--timeout-headers``, ``--timeout-body``. All flags: ``--help``; the routes and limits:
+decode/serving/app.py; connection deadlines: decode/serving/connection.py.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ def build_server(config: ServeConfig) -> OpenAIServer:
         max_context_length=int(context),
         default_max_tokens=config.default_max_tokens,
         max_request_bytes=config.max_request_bytes,
+        keep_alive_timeout_s=config.timeout_keep_alive,
+        header_timeout_s=config.timeout_headers,
+        body_timeout_s=config.timeout_body,
     )
     return OpenAIServer(
         target,
@@ -83,13 +88,9 @@ def main(argv: list[str] | None = None) -> int:
         config.host,
         config.port,
     )
-    uvicorn.run(
-        server.app(),
-        host=config.host,
-        port=config.port,
-        log_level=config.log_level,
-        timeout_graceful_shutdown=10,
-    )
+    uvicorn.Server(
+        server.uvicorn_config(config.host, config.port, log_level=config.log_level)
+    ).run()
     return 0
 
 

@@ -7,8 +7,15 @@ acceptance statistics in an extra ``draftsmith`` field (in a stream: on the chun
 ``finish_reason``).
 
 Every failure is answered as ``{"error": {"message", "type", "param", "code"}}``: 400 for bad
-bodies, 401 for a missing or wrong API key, 404 for unknown models and routes, 413 for
-oversized bodies, 429 when the queue is full, 500/503 when generation fails or the server stops.
+bodies, 401 for a missing or wrong API key, 404 for unknown models and routes, 408 for a body
+that does not arrive in time, 413 for oversized bodies, 429 when the queue is full; 500/503
+only when the server itself fails (generation fails, the server stops), never for what a client
+sent. ``/openapi.json`` needs the API key like every route but ``/health``; ``/docs`` is off.
+
+A client that hangs up is noticed at once, not by polling: a task waits on the ASGI
+``http.disconnect`` message while the answer is produced, and the request's decoder row is
+dropped at the next round (a streamed or a plain answer alike). Such a request is counted
+as 499 (nginx's "client closed request").
 """
 
 from __future__ import annotations
@@ -20,12 +27,14 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from decode.drafters.base import Drafter
 from decode.serving.metrics import CONTENT_TYPE, ServerMetrics
@@ -34,6 +43,7 @@ from decode.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     error_body,
+    error_json,
     parse_body,
 )
 from decode.serving.responses import DONE, Answer, ChunkShape, sse
@@ -41,6 +51,7 @@ from decode.serving.scheduler import (
     BatchWorker,
     DoneEvent,
     ErrorEvent,
+    Event,
     GenerationJob,
     QueueFull,
     RequestQueue,
@@ -49,22 +60,40 @@ from decode.serving.scheduler import (
 )
 from decode.serving.text import TextStream
 
+if TYPE_CHECKING:
+    import uvicorn
+
 logger = logging.getLogger(__name__)
 
-DISCONNECT_POLL_S = 0.5  # how often a waiting request checks whether its client is still there
-ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
+ENDPOINTS = (
+    "/v1/models",
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/health",
+    "/metrics",
+    "/openapi.json",
+)
 IM_END = "<|im_end|>"
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer
 
 
 @dataclass(frozen=True)
 class ServingLimits:
-    """What one request may ask for; beyond it the answer is a 400 (413 for the body)."""
+    """What one request may ask for, and how long its client may take to send it.
+
+    Beyond the sizes the answer is a 400 (413 for the body). A connection that sends nothing
+    for ``keep_alive_timeout_s`` is closed; a request's headers must arrive within
+    ``header_timeout_s`` of its first byte and its body within ``body_timeout_s`` of its
+    headers, or the answer is 408 and the connection is closed.
+    """
 
     max_tokens_limit: int = 1024
     max_context_length: int = 2048
     default_max_tokens: int = 16
     max_request_bytes: int = 1 << 20
+    keep_alive_timeout_s: float = 5.0
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
 
 
 class _ClientGone(Exception):
@@ -146,11 +175,25 @@ class OpenAIServer:
             yield
             await asyncio.to_thread(self.worker.stop)
 
-        app = FastAPI(title="draftsmith", lifespan=lifespan, docs_url=None, redoc_url=None)
-        app.add_middleware(_CountResponses, metrics=self.metrics)
+        app = FastAPI(
+            title="draftsmith",
+            lifespan=lifespan,
+            docs_url=None,
+            redoc_url=None,
+            openapi_url=None,  # served below, behind the API key
+        )
+        # Outermost of the user middleware: no exception gets past it to Starlette's error
+        # middleware, which would re-raise it and make uvicorn reset the connection.
+        app.add_middleware(_Guard, metrics=self.metrics, body_timeout=self.limits.body_timeout_s)
         app.add_exception_handler(APIError, _api_error_response)  # type: ignore[arg-type]
         app.add_exception_handler(StarletteHTTPException, _http_error_response)  # type: ignore[arg-type]
-        app.add_exception_handler(Exception, _internal_error_response)
+        app.add_exception_handler(_ClientGone, _client_gone_response)  # type: ignore[arg-type]
+
+        async def openapi(request: Request) -> JSONResponse:
+            self._authorize(request)
+            return JSONResponse(app.openapi())
+
+        app.add_api_route("/openapi.json", openapi, methods=["GET"], include_in_schema=False)
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/metrics", self.prometheus, methods=["GET"])
         app.add_api_route("/v1/models", self.list_models, methods=["GET"])
@@ -158,6 +201,28 @@ class OpenAIServer:
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         return app
+
+    def uvicorn_config(self, host: str, port: int, **options: Any) -> uvicorn.Config:
+        """uvicorn's settings for this app: its connection deadlines, h11, graceful stop.
+
+        ``options`` go to ``uvicorn.Config`` as they are (``log_level``, ``log_config``).
+        """
+        import uvicorn
+
+        from decode.serving.connection import guarded_h11
+
+        def rejected(status: int) -> None:  # answered by the connection, before any route
+            self.metrics.record_response("other", status)
+
+        return uvicorn.Config(
+            self.app(),
+            host=host,
+            port=port,
+            http=guarded_h11(self.limits.header_timeout_s, rejected),
+            timeout_keep_alive=self.limits.keep_alive_timeout_s,  # type: ignore[arg-type]
+            timeout_graceful_shutdown=10,
+            **options,
+        )
 
     async def health(self) -> JSONResponse:
         alive = self.worker.alive
@@ -217,14 +282,19 @@ class OpenAIServer:
     async def _read_body(self, request: Request) -> bytes:
         limit = self.limits.max_request_bytes
         declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
+        if declared.isascii() and declared.isdigit() and int(declared[:20]) > limit:
             raise APIError(413, f"the request body is larger than this server's {limit} bytes")
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise APIError(413, f"the request body is larger than this server's {limit} bytes")
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise APIError(
+                        413, f"the request body is larger than this server's {limit} bytes"
+                    )
+                chunks.append(chunk)
+        except ClientDisconnect:  # it hung up mid-upload (or its body was too slow: 408)
+            raise _ClientGone from None
         return b"".join(chunks)
 
     def _check_model(self, model: str) -> None:
@@ -308,13 +378,7 @@ class OpenAIServer:
         max_tokens = self._max_tokens(requested_tokens, len(prompt_ids), chat)
         eos = () if body.ignore_eos else self.eos_token_ids
         text = TextStream(self.tokenizer, prompt_ids, body.stop_strings(), eos)
-        params = SamplingParams(
-            temperature=body.temperature,
-            top_p=body.top_p,
-            top_k=max(body.top_k, 0),
-            seed=body.seed,
-            ignore_eos=body.ignore_eos,
-        )
+        params = SamplingParams(body.sampling, seed=body.seed, ignore_eos=body.ignore_eos)
         job = GenerationJob(prompt_ids, max_tokens, params)
         try:
             self.queue.put(job)
@@ -329,33 +393,33 @@ class OpenAIServer:
         if body.stream:
             events = self._stream(request, job, text, shape, body.include_usage)
             return StreamingResponse(
-                events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+                events,
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+                # A client gone before the stream began never runs it: drop the job then too.
+                background=BackgroundTask(self._drop, job),
             )
         pieces: list[str] = []
         answer: Answer | None = None
-        try:
-            async with contextlib.aclosing(self._run(request, job, text)) as deltas:
-                async for delta, last in deltas:
-                    pieces.append(delta)
-                    answer = last or answer
-        except _ClientGone:
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        async with contextlib.aclosing(self._run(request, job, text)) as deltas:
+            async for delta, last in deltas:  # raises _ClientGone, answered 499
+                pieces.append(delta)
+                answer = last or answer
         assert answer is not None
         return JSONResponse(shape.response("".join(pieces), answer, self._extra(answer)))
 
     async def _run(
         self, request: Request, job: GenerationJob, text: TextStream
     ) -> AsyncIterator[tuple[str, Answer | None]]:
-        """Text deltas as tokens arrive; the last pair carries the finished answer."""
+        """Text deltas as tokens arrive; the last pair carries the finished answer.
+
+        Raises ``_ClientGone`` as soon as the client hangs up, whether or not tokens flow.
+        """
         done = False
+        gone = asyncio.ensure_future(_disconnected(request))
         try:
             while True:
-                try:
-                    event = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        raise _ClientGone from None
-                    continue
+                event = await _next_event(job, gone)
                 if isinstance(event, ErrorEvent):
                     done = True
                     raise APIError(event.status, event.message, type="server_error")
@@ -382,10 +446,22 @@ class OpenAIServer:
                 yield text.finish(), answer
                 return
         finally:
+            gone.cancel()
             if not done:  # the client left (or the handler was cancelled): free the slot
                 job.cancel()
-                self.queue.discard(job)
+                waiting = self.queue.discard(job)
                 self.metrics.record_cancelled()
+                logger.info(
+                    "client disconnected from %s: its request stopped %s after %d tokens",
+                    request.url.path,
+                    "in the queue" if waiting else "decoding",
+                    text.num_tokens,
+                )
+
+    def _drop(self, job: GenerationJob) -> None:
+        """Free the decoder row of a job whose answer is over (a no-op if it finished)."""
+        job.cancel()
+        self.queue.discard(job)
 
     async def _stream(
         self,
@@ -438,12 +514,47 @@ class OpenAIServer:
         }
 
 
-class _CountResponses:
-    """ASGI middleware: count every HTTP answer by endpoint and status code."""
+async def _disconnected(request: Request) -> None:
+    """Return once the client has hung up (ASGI ``http.disconnect``)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
-    def __init__(self, app: Any, metrics: ServerMetrics) -> None:
+
+async def _next_event(job: GenerationJob, gone: asyncio.Future[None]) -> Event:
+    """The job's next event, or ``_ClientGone`` as soon as ``gone`` is done, whichever first."""
+    if gone.done():
+        raise _ClientGone
+    if not job.events.empty():
+        return job.events.get_nowait()
+    getter = asyncio.ensure_future(job.events.get())
+    try:
+        await asyncio.wait((getter, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not getter.done():
+            getter.cancel()
+    if getter.cancelled():
+        raise _ClientGone
+    return getter.result()
+
+
+class _Guard:
+    """ASGI middleware around every route: a body deadline, no escaping exception, one count.
+
+    - The request body must arrive within ``body_timeout`` seconds of the headers; past it the
+      answer is 408 (``Connection: close``) and the route sees a disconnect.
+    - An answer that starts before the body was read whole closes the connection afterwards,
+      so a client cannot hold it by trickling a body nobody reads (after a 401, say).
+    - An exception that no handler turned into an answer is a bug of the server: logged with
+      its traceback and answered 500 here (if no answer started), so it never reaches
+      Starlette's error middleware, which re-raises and makes uvicorn reset the connection.
+    - ``draftsmith_requests_total`` counts each request once, by how it ended: the status sent,
+      or 499 when the client hung up before its answer was complete (a cut stream included).
+    """
+
+    def __init__(self, app: Any, metrics: ServerMetrics, body_timeout: float) -> None:
         self.app = app
         self.metrics = metrics
+        self.body_timeout = body_timeout
 
     async def __call__(
         self,
@@ -454,39 +565,130 @@ class _CountResponses:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        status = 500
-
-        async def send_with_status(message: dict[str, Any]) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
+        exchange = _Exchange(scope, receive, send, self.body_timeout)
         try:
-            await self.app(scope, receive, send_with_status)
+            await self.app(scope, exchange.receive, exchange.send)
+        except ClientDisconnect:
+            exchange.client_left = True
+        except Exception:
+            logger.exception("unhandled error answering %s %s", scope["method"], scope["path"])
+            await exchange.fail()
         finally:
             path = scope.get("path", "")
-            endpoint = path if path in ENDPOINTS else "other"
-            self.metrics.record_response(endpoint, status)
+            self.metrics.record_response(path if path in ENDPOINTS else "other", exchange.outcome())
 
 
-async def _api_error_response(_: Request, error: APIError) -> JSONResponse:
+class _Exchange:
+    """One request's ASGI channels as ``_Guard`` watches them."""
+
+    def __init__(
+        self,
+        scope: dict[str, Any],
+        receive: Callable[[], Awaitable[Any]],
+        send: Callable[[Any], Awaitable[None]],
+        body_timeout: float,
+    ) -> None:
+        self._receive = receive
+        self._send = send
+        self._body_timeout = body_timeout
+        self._deadline = asyncio.get_running_loop().time() + body_timeout
+        self.body_read = not _has_body(scope["headers"])
+        self.status: int | None = None  # of the answer started, if any
+        self.complete = False  # the whole answer went out
+        self.client_left = False  # a disconnect came before the answer was complete
+        self.answered_here = False  # the guard answered (408, 500): the route's answer is dropped
+        self.failed = False  # an exception cut an answer that had started
+
+    async def receive(self) -> dict[str, Any]:
+        if self.answered_here:
+            return {"type": "http.disconnect"}
+        if self.body_read:
+            message = await self._receive()
+        else:
+            remaining = self._deadline - asyncio.get_running_loop().time()
+            try:
+                message = await asyncio.wait_for(self._receive(), max(remaining, 0.0))
+            except asyncio.TimeoutError:
+                late = f"the request body did not arrive within {self._body_timeout:g} s"
+                await self.answer(408, late, "invalid_request_error", "request_timeout")
+                return {"type": "http.disconnect"}
+            if message["type"] == "http.request" and not message.get("more_body", False):
+                self.body_read = True
+        if message["type"] == "http.disconnect" and not self.complete:
+            self.client_left = True
+        return message
+
+    async def send(self, message: dict[str, Any]) -> None:
+        if self.answered_here:
+            return
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+            if not self.body_read:
+                headers = [*message.get("headers", []), (b"connection", b"close")]
+                message = {**message, "headers": headers}
+        elif message["type"] == "http.response.body" and not message.get("more_body", False):
+            self.complete = True  # before sending: the disconnect that follows is not a hang-up
+        await self._send(message)
+
+    async def answer(self, status: int, message: str, kind: str, code: str | None) -> None:
+        """Answer here, replacing whatever the route would have sent, and close."""
+        if self.status is not None:
+            return
+        self.answered_here = True
+        self.status = status
+        self.complete = True
+        body = error_json(error_body(message, kind, code=code))
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
+        await self._send({"type": "http.response.start", "status": status, "headers": headers})
+        await self._send({"type": "http.response.body", "body": body})
+
+    async def fail(self) -> None:
+        if self.status is None:
+            await self.answer(500, "internal server error", "server_error", None)
+        else:
+            self.failed = True  # uvicorn closes the connection of an unfinished answer
+
+    def outcome(self) -> int:
+        """The status this request is counted under."""
+        if self.failed:
+            return 500
+        if self.answered_here:
+            return self.status or 500
+        if self.client_left or not self.complete or self.status is None:
+            return CLIENT_CLOSED_REQUEST
+        return self.status
+
+
+def _has_body(headers: Sequence[tuple[bytes, bytes]]) -> bool:
+    for name, value in headers:
+        if name == b"transfer-encoding" or (name == b"content-length" and value.strip() != b"0"):
+            return True
+    return False
+
+
+def _error_response(
+    body: dict[str, Any], status: int, headers: dict[str, str] | None = None
+) -> Response:
+    return Response(error_json(body), status, headers, media_type="application/json")
+
+
+async def _api_error_response(_: Request, error: APIError) -> Response:
     headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
-    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+    return _error_response(error.body(), error.status, headers)
 
 
-async def _http_error_response(_: Request, error: StarletteHTTPException) -> JSONResponse:
+async def _http_error_response(_: Request, error: StarletteHTTPException) -> Response:
     code = "not_found" if error.status_code == 404 else None
-    return JSONResponse(
+    return _error_response(
         error_body(str(error.detail), "invalid_request_error", code=code),
-        status_code=error.status_code,
-        headers=getattr(error, "headers", None),
+        error.status_code,
+        getattr(error, "headers", None),
     )
 
 
-async def _internal_error_response(_: Request, error: Exception) -> JSONResponse:
-    logger.exception("unhandled error", exc_info=error)
-    return JSONResponse(
-        error_body(f"internal server error: {type(error).__name__}", "server_error"),
-        status_code=500,
-    )
+async def _client_gone_response(_: Request, __: _ClientGone) -> Response:
+    return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads it; _Guard counts it

@@ -61,6 +61,15 @@ class ServeConfig:
     )
     default_max_tokens: int = _f(16, "max_tokens of a completion that gives none (OpenAI: 16)")
     max_request_bytes: int = _f(1 << 20, "largest request body accepted")
+    timeout_keep_alive: float = _f(
+        5.0, "seconds a connection may stay idle (before its first request or between requests)"
+    )
+    timeout_headers: float = _f(
+        10.0, "seconds from a request's first byte to the end of its headers; then 408, closed"
+    )
+    timeout_body: float = _f(
+        30.0, "seconds from a request's headers to the end of its body; then 408, closed"
+    )
     seed: int = _f(0, "seed of the generator that draws per-batch seeds of unseeded sampling")
     log_level: str = _f("info", "uvicorn log level")
 
@@ -79,6 +88,10 @@ class ServeConfig:
         for name, value in positive.items():
             if value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        for name in ("timeout_keep_alive", "timeout_headers", "timeout_body"):
+            seconds = getattr(self, name)
+            if not 0 < seconds < float("inf"):
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds, got {seconds}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"--num-threads must be >= 1, got {self.num_threads}")
         if self.max_context_length is not None and self.max_context_length < 2:

@@ -72,13 +72,18 @@ class ServerMetrics:
         out.add(
             "draftsmith_requests_total",
             "counter",
-            "HTTP requests answered, by endpoint and status code.",
+            "HTTP requests by endpoint and how they ended: the status sent, or 499 when the "
+            "client hung up before its answer was complete (a cut stream included).",
             [({"endpoint": e, "code": c}, n) for (e, c), n in sorted(requests.items())],
         )
         for name, key, help_text in (
             ("prompt_tokens_total", "prompt_tokens", "Prompt tokens of answered requests."),
             ("generation_tokens_total", "generation_tokens", "Tokens in answers sent."),
-            ("requests_cancelled_total", "cancelled", "Requests whose client left early."),
+            (
+                "requests_cancelled_total",
+                "cancelled",
+                "Generation requests whose client left early (their decoder row was dropped).",
+            ),
             ("batches_total", "batches", "Generate calls (one prefill pass each)."),
             ("batch_rows_total", "batch_rows", "Requests decoded, summed over batches."),
         ):

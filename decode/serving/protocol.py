@@ -2,20 +2,30 @@
 
 Bodies are parsed by hand (size cap, then JSON, then a strict pydantic model) so that every
 problem, malformed JSON included, is answered as ``{"error": {"message", "type", "param",
-"code"}}`` with a 4xx status, never a crash. Types are strict: ``"0.5"`` is not a number and
-``true`` is not an integer. Parameters the server cannot honour (``n > 1``, penalties,
-``logprobs``, ``echo``, ...) are rejected by name instead of being silently ignored; unknown
-fields are rejected as OpenAI does.
+"code"}}`` with a 4xx status, never a crash. The JSON must be standard: ``NaN`` and
+``Infinity`` are not JSON, nesting is bounded by the parser, and a string holding a lone UTF-16
+surrogate (``"\\ud800"``: valid JSON, not valid Unicode, and fatal to the tokenizer and to UTF-8
+output) is refused naming its parameter. Types are strict: ``"0.5"`` is not a number and
+``true`` is not an integer. The sampling parameters become the decoder's ``SamplingConfig``,
+which is their one validator (a value it refuses is a 400 naming the parameter). Parameters the
+server cannot honour (``n > 1``, penalties, ``logprobs``, ``echo``, ...) are rejected by name
+instead of being silently ignored; unknown fields are rejected as OpenAI does.
 """
 
 from __future__ import annotations
 
 import json
+import re
+from functools import cached_property
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from decode.sampling import SamplingConfig
+
 MAX_STOP_SEQUENCES = 4
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+_ECHO_CHARS = 80  # how much of a rejected value an error message repeats
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 
 
@@ -47,6 +57,11 @@ def error_body(
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+def error_json(body: dict[str, Any]) -> bytes:
+    """An error body as JSON bytes; non-ASCII is escaped, so encoding can never fail."""
+    return json.dumps(body, separators=(",", ":")).encode("ascii")
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
@@ -60,9 +75,9 @@ class _GenerationRequest(_Strict):
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)  # vLLM's extension; -1 and 0 disable it
+    temperature: float = 1.0  # these three are checked by ``sampling`` (SamplingConfig)
+    top_p: float = 1.0
+    top_k: int = 0  # vLLM's extension; -1 and 0 disable it
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -100,6 +115,19 @@ class _GenerationRequest(_Strict):
         if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
             raise APIError(400, "'seed' must fit in 64 bits", param="seed")
         self.stop_strings()
+        _ = self.sampling
+
+    @cached_property
+    def sampling(self) -> SamplingConfig:
+        """The decoder's sampling settings; a value ``SamplingConfig`` refuses is a 400."""
+        top_k = 0 if self.top_k == -1 else self.top_k  # vLLM's "disabled" is the decoder's 0
+        try:
+            return SamplingConfig(temperature=self.temperature, top_k=top_k, top_p=self.top_p)
+        except ValueError as error:
+            message = str(error)
+            name = message.split(" ", 1)[0]
+            param = name if name in ("temperature", "top_k", "top_p") else None
+            raise APIError(400, message, param=param, code="invalid_value") from None
 
     @property
     def include_usage(self) -> bool:
@@ -187,21 +215,66 @@ RequestT = TypeVar("RequestT", bound=_GenerationRequest)
 def parse_body(body: bytes, model: type[RequestT]) -> RequestT:
     """JSON bytes -> a checked request, or an ``APIError`` naming the parameter at fault."""
     try:
-        data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        data = json.loads(body, parse_constant=_not_json)
+    except (UnicodeDecodeError, ValueError) as error:  # JSONDecodeError is a ValueError
         raise APIError(
             400,
             f"We could not parse the JSON body of your request ({error}). The body must be a "
             "JSON object.",
         ) from None
+    except RecursionError:
+        raise APIError(400, "the JSON body of your request is nested too deeply to parse") from None
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    param = _lone_surrogate(data)
+    if param is not None:
+        raise APIError(
+            400,
+            f"Invalid value for '{param}': the string holds a lone UTF-16 surrogate (such as "
+            "\\ud800), which is not Unicode text; send UTF-8 text (a character beyond U+FFFF is "
+            "escaped as a surrogate *pair*).",
+            param=param,
+            code="invalid_value",
+        )
     try:
         request = model.model_validate(data)
     except ValidationError as error:
         raise _validation_error(error) from None
     request.check_supported()
     return request
+
+
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not a JSON value")
+
+
+def _escaped(text: str) -> str:
+    """``text`` with any lone surrogate written as its escape, so it can be sent as UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _lone_surrogate(data: Any) -> str | None:
+    """The dotted path of the first string (value or key) holding a lone surrogate, if any.
+
+    Iterative, so a deeply nested body cannot exhaust the stack here.
+    """
+    stack: list[tuple[Any, str]] = [(data, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if not value.isascii() and _SURROGATE.search(value):
+                return path
+        elif isinstance(value, dict):
+            items = []
+            for key, item in value.items():
+                where = f"{path}.{_escaped(key)}" if path else _escaped(key)
+                if not key.isascii() and _SURROGATE.search(key):
+                    return where
+                items.append((item, where))
+            stack.extend(reversed(items))
+        elif isinstance(value, list):
+            stack.extend((value[i], f"{path}.{i}") for i in reversed(range(len(value))))
+    return None
 
 
 def _is_type_tag(part: str) -> bool:
@@ -218,9 +291,12 @@ def _validation_error(error: ValidationError) -> APIError:
         return APIError(400, f"Missing required parameter: '{param}'.", param=param)
     if kind == "extra_forbidden":
         return APIError(400, f"Unrecognized request argument supplied: {param}", param=param)
+    echo = repr(first.get("input"))
+    if len(echo) > _ECHO_CHARS:
+        echo = f"{echo[:_ECHO_CHARS]}..."
     return APIError(
         400,
-        f"Invalid value for '{param}': {first['msg']} (got {first.get('input')!r}).",
+        f"Invalid value for '{param}': {first['msg']} (got {echo}).",
         param=param,
         code="invalid_type" if kind.endswith(("_type", "_parsing")) else "invalid_value",
     )

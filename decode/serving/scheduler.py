@@ -26,7 +26,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -44,26 +44,23 @@ class QueueFull(Exception):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
+    """How one request samples: the decoder's (already validated) ``SamplingConfig``, a seed."""
+
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
     seed: int | None = None
     ignore_eos: bool = False
 
-    def __post_init__(self) -> None:
-        SamplingConfig(self.temperature, self.top_k, self.top_p)  # raises on bad values
-
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.sampling.greedy
 
-    def batch_key(self) -> tuple[float, float, int, bool] | None:
+    def batch_key(self) -> tuple[SamplingConfig | None, bool] | None:
         """Requests with equal keys share one generate call; None means run alone."""
         if self.greedy:
-            return (0.0, 1.0, 0, self.ignore_eos)
+            return (None, self.ignore_eos)  # greedy requests ignore the sampling knobs
         if self.seed is not None:
             return None
-        return (self.temperature, self.top_p, self.top_k, self.ignore_eos)
+        return (self.sampling, self.ignore_eos)
 
 
 @dataclass
@@ -340,9 +337,9 @@ class BatchWorker:
             input_ids.to(device),
             attention_mask.to(device),
             max_new_tokens=max(job.max_tokens for job in jobs),
-            temperature=params.temperature,
-            top_k=max(params.top_k, 0),
-            top_p=params.top_p,
+            temperature=params.sampling.temperature,
+            top_k=params.sampling.top_k,
+            top_p=params.sampling.top_p,
             eos_token_id=eos,
             generator=self._generator(params, device),
             pad_token_id=self.pad_token_id,

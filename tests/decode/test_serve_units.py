@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from transformers import PreTrainedTokenizerFast
 from data.tokenizer import train_byte_level_bpe
 from decode import SpeculativeDecoder
 from decode.drafters.draft_lm import DraftModelDrafter
+from decode.sampling import SamplingConfig
 from decode.serve import _is_loopback
 from decode.serving.config import ServeConfig, parse_serve_args
 from decode.serving.loading import load_target
@@ -127,12 +129,13 @@ def test_eos_ends_the_text_and_counts_as_a_token(tokenizer: PreTrainedTokenizerF
 def test_queue_batches_compatible_jobs_in_order_and_is_bounded() -> None:
     async def scenario() -> None:
         greedy = SamplingParams()
-        hot = SamplingParams(temperature=0.7)
+        hot = SamplingParams(SamplingConfig(temperature=0.7))
         jobs = {
             "g1": GenerationJob([1], 4, greedy),
             "s1": GenerationJob([1], 4, hot),
-            "g2": GenerationJob([1], 4, SamplingParams(top_p=0.5, seed=3)),  # greedy: knobs moot
-            "seeded": GenerationJob([1], 4, SamplingParams(temperature=0.7, seed=1)),
+            # greedy: the knobs are moot
+            "g2": GenerationJob([1], 4, SamplingParams(SamplingConfig(top_p=0.5), seed=3)),
+            "seeded": GenerationJob([1], 4, SamplingParams(SamplingConfig(0.7), seed=1)),
             "g_raw": GenerationJob([1], 4, SamplingParams(ignore_eos=True)),
             "s2": GenerationJob([1], 4, hot),
         }
@@ -163,11 +166,76 @@ def test_queue_batches_compatible_jobs_in_order_and_is_bounded() -> None:
     asyncio.run(scenario())
 
 
-def test_sampling_params_reject_bad_values() -> None:
-    with pytest.raises(ValueError, match="top_p"):
-        SamplingParams(temperature=1.0, top_p=0.0)
-    with pytest.raises(ValueError, match="temperature"):
-        SamplingParams(temperature=-1.0)
+@pytest.mark.parametrize(
+    ("fields", "values"),
+    [
+        ('"temperature": -1', {"temperature": -1.0}),
+        ('"temperature": 1e400', {"temperature": math.inf}),  # JSON's way to write infinity
+        ('"top_p": 0', {"top_p": 0.0}),
+        ('"top_p": 1.5', {"top_p": 1.5}),
+        ('"top_p": 1e400', {"top_p": math.inf}),
+        ('"top_k": -2', {"top_k": -2}),
+    ],
+)
+def test_sampling_values_are_checked_by_sampling_config(
+    fields: str, values: dict[str, float]
+) -> None:
+    with pytest.raises(APIError) as caught:
+        parse_body(f'{{"model": "m", "prompt": "a", {fields}}}'.encode(), CompletionRequest)
+    (param,) = values
+    assert caught.value.status == 400 and caught.value.param == param
+    with pytest.raises(ValueError) as direct:  # the one validator, with its own message
+        SamplingConfig(**{"temperature": 1.0, **values})  # type: ignore[arg-type]
+    assert caught.value.message == str(direct.value)
+
+
+def test_sampling_defaults_and_vllm_top_k() -> None:
+    request = parse_body(b'{"model": "m", "prompt": "a", "top_k": -1}', CompletionRequest)
+    assert request.sampling == SamplingConfig(temperature=1.0, top_k=0, top_p=1.0)
+    greedy = parse_body(b'{"model": "m", "prompt": "a", "temperature": 0}', CompletionRequest)
+    assert SamplingParams(greedy.sampling).greedy
+    hot = parse_body(b'{"model": "m", "prompt": "a", "temperature": 3.5}', CompletionRequest)
+    assert hot.sampling.temperature == 3.5  # no range beyond the sampler's own
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (b'{"model": "m", "prompt": "a\\\\ud800"}', None),  # an escaped backslash: plain text
+        (b'{"model": "m", "prompt": "a\ud800b"}', "prompt"),
+        (b'{"model": "m", "prompt": "\udfff"}', "prompt"),
+        (b'{"model": "m", "prompt": ["ok", "\ud800"]}', "prompt.1"),
+        (b'{"model": "m\ud800", "prompt": "a"}', "model"),
+        (b'{"model": "m", "prompt": "a", "stop": ["x", "\udc00"]}', "stop.1"),
+        (b'{"model": "m", "prompt": "a", "logit_bias": {"\ud800": 1}}', "logit_bias.\\ud800"),
+        (b'{"model": "m", "prompt": "a\ud83d\ude00"}', None),  # a pair: U+1F600, fine
+    ],
+)
+def test_lone_surrogates_are_refused_naming_the_parameter(body: bytes, param: str | None) -> None:
+    if param is None:
+        parse_body(body, CompletionRequest)
+        return
+    with pytest.raises(APIError, match="lone UTF-16 surrogate") as caught:
+        parse_body(body, CompletionRequest)
+    assert caught.value.status == 400 and caught.value.param == param
+    caught.value.message.encode("utf-8")  # the message itself is sendable
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        (b'{"model": "m", "prompt": "a", "temperature": NaN}', "NaN is not a JSON value"),
+        (b'{"model": "m", "prompt": "a", "top_p": -Infinity}', "-Infinity is not a JSON value"),
+        (
+            b'{"model": "m", "prompt": ' + b"[" * 200_000 + b"]" * 200_000 + b"}",
+            "nested too deeply",
+        ),
+    ],
+)
+def test_json_that_is_not_standard_is_refused(body: bytes, fragment: str) -> None:
+    with pytest.raises(APIError, match=fragment) as caught:
+        parse_body(body, CompletionRequest)
+    assert caught.value.status == 400
 
 
 # -- the batch worker ------------------------------------------------------------------------
@@ -277,7 +345,7 @@ def test_a_cancelled_row_is_dropped_and_the_others_finish(models: Models) -> Non
 
 def test_a_seed_fixes_the_sampled_answer(models: Models) -> None:
     worker = make_worker(models)
-    params = SamplingParams(temperature=0.9, seed=11, ignore_eos=True)
+    params = SamplingParams(SamplingConfig(temperature=0.9), seed=11, ignore_eos=True)
     first = tokens_of(run_jobs(worker, [([5, 9], 16, params)])[0])
     again = tokens_of(run_jobs(worker, [([5, 9], 16, params)])[0])
     target, draft = models
