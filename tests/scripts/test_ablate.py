@@ -1,0 +1,163 @@
+"""scripts/ablate.py: grid parsing and the recipe flags of each cell, regenerated data prepared
+once, and a 2 cells x 2 seeds grid on the tiny recipes that is interrupted and resumed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from train.config import parse_config
+from train.demo_target import build_demo_target
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("ablate", REPO / "scripts" / "ablate.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("t") / "tiny"
+    return build_demo_target(folder, preset="tiny", max_steps=20, progress_bar=False, verbose=False)
+
+
+def test_grid_axes_map_to_real_recipe_flags(tmp_path: Path) -> None:
+    ablate = _script()
+    grid = ablate.parse_grid(
+        ["kind=draft_lm,eagle3", "data=corpus,regenerated+onpolicy", "loss=lk,jsd:0.5"]
+    )
+    cells = ablate.cells_of(grid)
+    assert len(cells) == 8 and cells[0] == {"kind": "draft_lm", "data": "corpus", "loss": "lk"}
+    args = ablate.parse_args(
+        ["--preset", "tiny", "--max-minutes", "2.5", "--set", "lr_scheduler=constant"]
+    )
+    recipes = ablate.recipes_of(args)
+    regen = tmp_path / "regen.jsonl"
+    for cell in cells:
+        run_dir = ablate.run_folder(tmp_path, ablate.run_key(cell, 1))
+        try:
+            argv = ablate.run_argv(cell, 1, args, recipes, run_dir, regen)
+        except ablate.Skip as reason:  # only EAGLE-3 with on-policy data
+            assert cell["kind"] == "eagle3" and "onpolicy" in cell["data"]
+            assert "does not sample on-policy" in str(reason)
+            continue
+        config = parse_config(argv)  # every flag is a real recipe key with a valid value
+        assert config.drafter.drafter_kind == cell["kind"]
+        assert config.loss.loss == cell["loss"]
+        assert config.optim.seed == 1 and config.optim.max_minutes == 2.5
+        assert config.optim.lr_scheduler == "constant"
+        assert config.output.output_dir == str(run_dir)
+        assert config.speed_eval.speed_eval_temperatures == [0.0, 1.0]
+        assert config.speed_eval.speed_eval_tree_total_tokens == 0
+        regenerated = "regenerated" in cell["data"]
+        assert (config.data.dataset == str(regen)) == regenerated
+        assert config.data.dataset == (str(regen) if regenerated else "stdlib")
+        assert config.data.on_policy_fraction == (0.5 if "onpolicy" in cell["data"] else 0.0)
+    assert len({ablate.run_folder(tmp_path, ablate.run_key(c, 0)) for c in cells}) == 8
+    for bad, message in [
+        (["loss"], "write AXIS=V1,V2"),
+        (["data=corpus,web"], r"unknown source\(s\) \['web'\]"),
+        (["seed=1,2"], "set through --seeds"),
+        (["dataset=a,b"], "set through data=regenerated"),
+        (["flavour=1,2"], "unknown axis"),
+        (["loss=tv", "loss=ce"], "names axis 'loss' twice"),
+        (["loss=tv,tv"], "repeats a value"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            ablate.parse_grid(bad)
+    with pytest.raises(ValueError, match="repeats a seed"):
+        ablate.parse_args(["--seeds", "0", "0"])
+
+
+def test_regenerated_data_is_written_once_per_grid(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ablate = _script()
+    calls = []
+
+    def fake_run(command: list[str], **_: object) -> None:
+        calls.append(command)
+        output = Path(command[command.index("--output") + 1])
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text('{"prompt": "a", "response": "b", "text": "ab"}\n')
+
+    monkeypatch.setattr(ablate.subprocess, "run", fake_run)
+    args = ablate.parse_args(["--output", str(tmp_path), "--regen-prompts", "7"])
+    first = ablate.prepare_regenerated(args, "tiny", max_files=40)
+    again = ablate.prepare_regenerated(args, "tiny", max_files=40)
+    assert first == again == tmp_path / "data" / "regenerated.jsonl"
+    assert len(calls) == 1
+    command = calls[0]
+    assert command[1].endswith("regenerate_data.py")
+    assert command[command.index("--prompts") + 1] == "stdlib"
+    assert command[command.index("--num-prompts") + 1] == "7"
+    assert command[command.index("--max-files") + 1] == "40"
+    given = ablate.parse_args(["--regenerated", str(tmp_path / "missing.jsonl")])
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        ablate.prepare_regenerated(given, "tiny", max_files=None)
+
+
+@pytest.mark.slow  # four tiny distillations with their decoding step: ~75 s on 2 loaded cores
+def test_grid_of_two_cells_and_two_seeds_resumes_after_an_interruption(
+    target: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ablate = _script()
+    output = tmp_path / "ablation"
+    argv = [
+        "--preset", "tiny", "--target", str(target), "--grid", "loss=ce,lk",
+        "--seeds", "0", "1", "--max-steps", "2", "--max-minutes", "5",
+        "--tau-prompts", "1", "--tau-new-tokens", "8", "--output", str(output),
+        "--set", "max_train_sequences=16", "--set", "eval_sequences=2",
+        "--set", "eval_prompt_tokens=8", "--set", "eval_new_tokens=8",
+        "--set", "per_device_batch_size=2", "--set", "checkpoint_every=0",
+    ]  # fmt: skip
+    first = ablate.main([*argv, "--max-runs", "1"])
+    assert "stopped after 1 new runs" in capsys.readouterr().out
+    saved = json.loads((output / "ablation.json").read_text())
+    assert list(saved["runs"]) == ["loss=ce,seed=0"] == list(first["runs"])
+    done = saved["runs"]["loss=ce,seed=0"]
+
+    results = ablate.main(argv)
+    out = capsys.readouterr().out
+    assert "loss=ce,seed=0: done already, skipped" in out
+    assert out.count("[ablate] run ") == 3  # only the three missing runs trained
+    saved = json.loads((output / "ablation.json").read_text())
+    assert saved == json.loads(json.dumps(results))  # the file is the returned results
+    assert set(saved["runs"]) == {
+        f"loss={loss},seed={seed}" for loss in ("ce", "lk") for seed in (0, 1)
+    }
+    assert saved["runs"]["loss=ce,seed=0"] == done  # kept as it was, not trained again
+    for record in saved["runs"].values():
+        assert record["steps"] == 2
+        assert len(record["overlap"]) == 1 and 0.0 < record["overlap"][0] <= 1.0
+        assert set(record["tau"]) == {"0", "1"}
+        assert all(1.0 <= tau <= 5.0 for tau in record["tau"].values())  # N = 4 drafts
+    cells = {cell["key"]: cell for cell in saved["cells"]}
+    assert set(cells) == {"loss=ce", "loss=lk"}
+    for key, cell in cells.items():
+        assert cell["seeds"] == [0, 1]
+        for t in ("0", "1"):
+            values = [saved["runs"][f"{key},seed={s}"]["tau"][t] for s in (0, 1)]
+            stats = cell["tau"][t]
+            assert stats["n"] == 2 and stats["mean"] == pytest.approx(sum(values) / 2)
+            assert stats["min"] == min(values) and stats["max"] == max(values)
+            assert stats["std"] == pytest.approx(abs(values[0] - values[1]) / 2**0.5)
+    gain = cells["loss=lk"]["gain"]["loss=ce"]
+    assert gain["baseline"] == "loss=ce"
+    assert gain["tau"]["1"] == pytest.approx(
+        cells["loss=lk"]["tau"]["1"]["mean"] / cells["loss=ce"]["tau"]["1"]["mean"] - 1
+    )
+    assert "loss=ce" in out and "vs loss=ce" in out  # the printed table
+    assert (output / "overlap.png").stat().st_size > 0 and (output / "tau.png").stat().st_size > 0
+
+    with pytest.raises(ValueError, match=r"other settings \(max_steps\)"):
+        ablate.main([*argv, "--max-steps", "3"])
