@@ -531,8 +531,8 @@ async def _next_event(job: GenerationJob, gone: asyncio.Future[None]) -> Event:
         await asyncio.wait((getter, gone), return_when=asyncio.FIRST_COMPLETED)
     finally:
         if not getter.done():
-            getter.cancel()
-    if getter.cancelled():
+            getter.cancel()  # takes nothing from the queue
+    if not getter.done():
         raise _ClientGone
     return getter.result()
 

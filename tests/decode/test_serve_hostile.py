@@ -1,0 +1,453 @@
+"""The server against hostile clients, over real loopback sockets.
+
+The app runs under uvicorn in this process (``OpenAIServer.uvicorn_config``, the settings
+``decode/serve.py`` uses) with a tiny Llama target and short deadlines, so that the tests can
+pace the decoder round by round and read the server's counters directly. Every test must leave
+the server up (``/health`` 200), with no 5xx counted and no error or traceback logged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import logging
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import pytest
+import torch
+import uvicorn
+from serve_helpers import free_port, openai_error, parse_prometheus
+from tiny_models import tiny_llama, tiny_tokenizer
+
+from decode.drafters.none import NoDrafter
+from decode.serving.app import OpenAIServer, ServingLimits
+from decode.serving.scheduler import GenerationJob
+
+MODEL = "tiny"
+API_KEY = "hostile-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+IDLE_S = HEADERS_S = BODY_S = 1.0  # the deadlines under test
+MAX_TOKENS_LIMIT = 400
+GOOD = json.dumps({"model": MODEL, "prompt": "def add", "max_tokens": 3, "temperature": 0})
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.bad: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.levelno >= logging.ERROR or record.exc_info:
+            self.bad.append(record)
+
+
+@dataclass
+class Live:
+    server: OpenAIServer
+    runner: uvicorn.Server
+    port: int
+    records: _Records
+
+    def connect(self) -> socket.socket:
+        sock = socket.create_connection(("127.0.0.1", self.port))
+        sock.settimeout(60)  # a bound for a broken test, never reached by a passing one
+        return sock
+
+    def http(self) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+
+    def counts(self) -> dict[tuple[str, str], float]:
+        text = self.server.metrics.render(queue_depth=0, running=0)
+        return {
+            (dict(labels)["endpoint"], dict(labels)["code"]): value
+            for (name, labels), value in parse_prometheus(text).items()
+            if name == "draftsmith_requests_total"
+        }
+
+    def wait_for(self, condition: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + 60
+        while not condition():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.01)
+
+    def wait_for_count(self, before: dict, endpoint: str, code: str) -> None:
+        self.wait_for(
+            lambda: self.counts().get((endpoint, code), 0) == before.get((endpoint, code), 0) + 1,
+            f"{endpoint} {code} to be counted",
+        )
+
+
+@pytest.fixture(scope="module")
+def live() -> Iterator[Live]:
+    tokenizer = tiny_tokenizer()
+    target = tiny_llama(vocab_size=len(tokenizer), dtype=torch.float32)
+    for config in (target.config, target.generation_config):
+        config.eos_token_id = tokenizer.eos_token_id
+        config.pad_token_id = tokenizer.pad_token_id
+    limits = ServingLimits(
+        max_tokens_limit=MAX_TOKENS_LIMIT,
+        max_context_length=512,
+        keep_alive_timeout_s=IDLE_S,
+        header_timeout_s=HEADERS_S,
+        body_timeout_s=BODY_S,
+    )
+    server = OpenAIServer(
+        target, tokenizer, NoDrafter(len(tokenizer)), model_name=MODEL, limits=limits,
+        api_key=API_KEY,
+    )  # fmt: skip
+    port = free_port()
+    runner = uvicorn.Server(
+        server.uvicorn_config("127.0.0.1", port, log_level="warning", log_config=None)
+    )
+    records = _Records()
+    logging.getLogger().addHandler(records)
+    thread = threading.Thread(target=runner.run, name="uvicorn", daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not runner.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        yield Live(server, runner, port, records)
+    finally:
+        runner.should_exit = True
+        thread.join(30)
+        logging.getLogger().removeHandler(records)
+    assert not thread.is_alive()
+
+
+@pytest.fixture(autouse=True)
+def stays_healthy(live: Live) -> Iterator[None]:
+    """After each test: the server answers, nothing counted 5xx, nothing logged an error."""
+    yield
+    connection = live.http()
+    connection.request("GET", "/health")
+    assert connection.getresponse().status == 200
+    connection.close()
+    assert not [key for key in live.counts() if key[1].startswith("5")], live.counts()
+    assert not live.records.bad, [record.getMessage() for record in live.records.bad]
+
+
+def request_bytes(path: str, body: bytes, headers: dict[str, str] = AUTH) -> bytes:
+    lines = [f"POST {path} HTTP/1.1", "Host: test", f"Content-Length: {len(body)}"]
+    lines += [f"{name}: {value}" for name, value in headers.items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+def read_until_closed(sock: socket.socket) -> bytes:
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def parse_response(data: bytes) -> tuple[int, dict[str, str], bytes]:
+    head, _, body = data.partition(b"\r\n\r\n")
+    status_line, *header_lines = head.decode("latin-1").split("\r\n")
+    headers = {}
+    for line in header_lines:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    return int(status_line.split()[1]), headers, body
+
+
+def abort(sock: socket.socket) -> None:
+    """Close with a TCP reset, as a killed client does."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+
+
+# -- lone surrogates -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", rb'{"model": "tiny", "prompt": "a\ud800b"}', "prompt"),
+        ("/v1/completions", rb'{"model": "tiny", "prompt": ["\ud800"]}', "prompt.0"),
+        ("/v1/completions", rb'{"model": "tiny", "prompt": "\udfff", "stream": true}', "prompt"),
+        ("/v1/completions", rb'{"model": "tiny\ud800", "prompt": "a"}', "model"),
+        ("/v1/completions", rb'{"model": "tiny", "prompt": "a", "stop": "\ud800"}', "stop"),
+        (
+            "/v1/chat/completions",
+            rb'{"model": "tiny", "messages": [{"role": "user", "content": "hi \ud800"}]}',
+            "messages.0.content",
+        ),
+        (
+            "/v1/chat/completions",
+            rb'{"model": "tiny", "stream": true, "messages": [{"role": "user", "content": '
+            rb'[{"type": "text", "text": "\udc00"}]}]}',
+            "messages.0.content.0.text",
+        ),
+    ],
+)
+def test_a_lone_surrogate_is_a_400_and_the_connection_stays_usable(
+    live: Live, path: str, body: bytes, param: str
+) -> None:
+    connection = live.http()
+    connection.request("POST", path, body, AUTH)
+    response = connection.getresponse()
+    error = openai_error(json.loads(response.read()), "invalid_value")
+    assert response.status == 400 and error["param"] == param
+    assert "lone UTF-16 surrogate" in error["message"]
+    assert response.getheader("connection") is None  # keep-alive, not closed
+    sock = connection.sock
+    connection.request("POST", "/v1/completions", GOOD, AUTH)  # the same connection again
+    response = connection.getresponse()
+    assert response.status == 200 and json.loads(response.read())["usage"]["completion_tokens"]
+    assert connection.sock is sock
+    connection.close()
+
+
+def test_a_malformed_request_gets_the_openai_error_schema(live: Live) -> None:
+    before = live.counts()
+    with live.connect() as sock:
+        sock.sendall(b"GET /v1/models/\xff HTTP/1.1\r\nHost: test\r\n\r\n")
+        status, headers, body = parse_response(read_until_closed(sock))
+    assert status == 400 and headers["connection"] == "close"
+    openai_error(json.loads(body), "bad_request")
+    live.wait_for_count(before, "other", "400")
+
+
+# -- sampling values ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ('"temperature": NaN', None),  # not JSON at all
+        ('"top_p": NaN', None),
+        ('"temperature": -Infinity', None),
+        ('"temperature": 1e400', "temperature"),  # JSON for a number that overflows to inf
+        ('"temperature": -0.5', "temperature"),
+        ('"top_p": 1e-400', "top_p"),  # underflows to 0
+        ('"top_p": 1.01', "top_p"),
+        ('"top_k": -7', "top_k"),
+    ],
+)
+def test_sampling_values_the_sampler_refuses_are_400(
+    live: Live, fields: str, param: str | None
+) -> None:
+    body = f'{{"model": "tiny", "prompt": "def add", "max_tokens": 3, {fields}}}'
+    connection = live.http()
+    connection.request("POST", "/v1/completions", body, AUTH)
+    response = connection.getresponse()
+    error = openai_error(json.loads(response.read()))
+    assert response.status == 400 and error["param"] == param
+    connection.close()
+
+
+@pytest.mark.parametrize("temperature", ["1e-300", "5e-324", "1e-6"])
+def test_a_tiny_temperature_is_greedy(live: Live, temperature: str) -> None:
+    texts = []
+    for value in ("0", temperature):
+        body = f'{{"model": "tiny", "prompt": "def add", "max_tokens": 12, "temperature": {value}}}'
+        connection = live.http()
+        connection.request("POST", "/v1/completions", body, AUTH)
+        response = connection.getresponse()
+        assert response.status == 200
+        texts.append(json.loads(response.read())["choices"][0]["text"])
+        connection.close()
+    assert texts[0] == texts[1]
+
+
+# -- clients that leave ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["close", "reset"])
+def test_a_client_that_leaves_mid_body_is_a_499_not_a_500(live: Live, how: str) -> None:
+    before = live.counts()
+    sock = live.connect()
+    head = request_bytes("/v1/completions", b"x" * 1000)
+    sock.sendall(head[: head.index(b"\r\n\r\n") + 4] + b'{"model": "tiny", "pro')
+    # The route runs (reading the body) once the headers are in.
+    live.wait_for(lambda: len(live.runner.server_state.tasks) == 1, "the route to start")
+    (abort if how == "reset" else socket.socket.close)(sock)
+    live.wait_for_count(before, "/v1/completions", "499")
+
+
+@dataclass
+class Gate:
+    """The decoder thread waits here before each round's tokens are handed on."""
+
+    semaphore: threading.Semaphore
+    rounds: list[bool]  # what each round's streamer call returned (False: generation ends)
+    jobs: list[GenerationJob]
+    opened: threading.Event
+
+    def open(self) -> None:
+        """Stop holding rounds back."""
+        self.opened.set()
+        self.semaphore.release()  # the one round that may be waiting
+
+
+@contextlib.contextmanager
+def gated(live: Live, pace_s: float | None = None) -> Iterator[Gate]:
+    """Hold the decoder at every round until the test releases it (or pace it if ``pace_s``)."""
+    server = live.server
+    gate = Gate(threading.Semaphore(0), [], [], threading.Event())
+    deliver, put = server.worker._deliver, server.queue.put
+
+    def gated_deliver(*args: object) -> bool:
+        if pace_s is not None:
+            time.sleep(pace_s)
+        elif not gate.opened.is_set():
+            gate.semaphore.acquire()
+        keep_going = deliver(*args)
+        gate.rounds.append(keep_going)
+        return keep_going
+
+    def recording_put(job: GenerationJob) -> None:
+        gate.jobs.append(job)
+        put(job)
+
+    server.worker._deliver = gated_deliver  # type: ignore[method-assign]
+    server.queue.put = recording_put  # type: ignore[method-assign]
+    try:
+        yield gate
+    finally:
+        del server.worker._deliver, server.queue.put
+        gate.open()
+        live.wait_for(lambda: server.worker.running == 0, "the decoder to go idle")
+
+
+def long_request(stream: bool) -> bytes:
+    body = {"model": MODEL, "prompt": "def add", "max_tokens": MAX_TOKENS_LIMIT, "temperature": 0,
+            "ignore_eos": True, "stream": stream}  # fmt: skip
+    return request_bytes("/v1/completions", json.dumps(body).encode())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_hang_up_stops_the_decoder_within_one_round(live: Live, stream: bool) -> None:
+    before = live.counts()
+    with gated(live) as gate:
+        sock = live.connect()
+        sock.sendall(long_request(stream))
+        gate.semaphore.release(3)  # the prefill's token and two decoding rounds
+        live.wait_for(lambda: len(gate.rounds) == 3, "three rounds")
+        (job,) = gate.jobs
+        if stream:
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200 OK")
+        abort(sock)
+        # The decoder now waits before round four; the server learns of the hang-up meanwhile.
+        live.wait_for(lambda: job.cancelled, "the job to be cancelled")
+        gate.open()  # let it run: it must stop at once
+        live.wait_for(lambda: job.finished and live.server.worker.running == 0, "the job's end")
+    assert gate.rounds == [True, True, True, False]  # round four saw the cancel and ended
+    assert job.delivered == 3
+    live.wait_for_count(before, "/v1/completions", "499")
+    assert live.counts().get(("/v1/completions", "200"), 0) == before.get(
+        ("/v1/completions", "200"), 0
+    )
+
+
+def test_a_hang_up_is_noticed_while_tokens_keep_flowing(live: Live) -> None:
+    """A decoding job always has events: a hang-up must not wait for a pause in them."""
+    before = live.counts()
+    with gated(live, pace_s=0.003) as gate:  # ~1.2 s for max_tokens rounds
+        sock = live.connect()
+        sock.sendall(long_request(stream=False))
+        live.wait_for(lambda: len(gate.rounds) >= 5, "five rounds")
+        (job,) = gate.jobs
+        abort(sock)
+        live.wait_for(lambda: job.finished and live.server.worker.running == 0, "the job's end")
+    assert job.cancelled and job.delivered < MAX_TOKENS_LIMIT
+    live.wait_for_count(before, "/v1/completions", "499")
+
+
+# -- slow clients ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "partial",
+    [b"POST /v1/compl", b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nAuthoriz"],
+    ids=["request-line", "headers"],
+)
+def test_half_sent_headers_get_a_408_and_the_connection_closes(live: Live, partial: bytes) -> None:
+    before = live.counts()
+    with live.connect() as sock:
+        sock.sendall(partial)
+        status, headers, body = parse_response(read_until_closed(sock))
+    assert status == 408 and headers["connection"] == "close"
+    error = openai_error(json.loads(body), "request_timeout")
+    assert f"within {HEADERS_S:g} s" in error["message"]
+    live.wait_for_count(before, "other", "408")
+
+
+def test_trickled_headers_do_not_extend_the_deadline(live: Live) -> None:
+    """One header byte every 0.1 s would keep an idle timer from ever firing."""
+    sock = live.connect()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nX-Slow: ")
+    stop = threading.Event()
+
+    def trickle() -> None:
+        with contextlib.suppress(OSError):
+            while not stop.wait(0.1):
+                sock.send(b"a")
+
+    thread = threading.Thread(target=trickle, daemon=True)
+    thread.start()
+    try:
+        status, _, _ = parse_response(read_until_closed(sock))
+    finally:
+        stop.set()
+        thread.join()
+        sock.close()
+    assert status == 408
+
+
+def test_a_half_sent_body_gets_a_408_and_the_connection_closes(live: Live) -> None:
+    before = live.counts()
+    with live.connect() as sock:
+        sock.sendall(request_bytes("/v1/completions", b"x" * 100)[:-90])  # 10 of 100 bytes
+        status, headers, body = parse_response(read_until_closed(sock))
+    assert status == 408 and headers["connection"] == "close"
+    error = openai_error(json.loads(body), "request_timeout")
+    assert f"within {BODY_S:g} s" in error["message"]
+    live.wait_for_count(before, "/v1/completions", "408")
+
+
+def test_a_silent_connection_is_closed(live: Live) -> None:
+    with live.connect() as sock:
+        assert read_until_closed(sock) == b""
+
+
+def test_an_unread_body_does_not_hold_the_connection(live: Live) -> None:
+    """Refused before its body is read (401), the request's connection closes after the answer,
+    though the body never ends."""
+    headers = {"Content-Type": "application/json"}  # no key
+    with live.connect() as sock:
+        sock.sendall(request_bytes("/v1/completions", b"x" * 100, headers)[:-90])
+        status, response_headers, body = parse_response(read_until_closed(sock))
+    assert status == 401 and response_headers["connection"] == "close"
+    openai_error(json.loads(body), "invalid_api_key")
+
+
+# -- the API key -----------------------------------------------------------------------------
+
+
+def test_the_schema_needs_the_key_and_the_docs_are_off(live: Live) -> None:
+    for path, headers, status in [
+        ("/openapi.json", {}, 401),
+        ("/openapi.json", {"Authorization": "Bearer wrong"}, 401),
+        ("/docs", AUTH, 404),
+        ("/redoc", AUTH, 404),
+    ]:
+        connection = live.http()
+        connection.request("GET", path, headers=headers)
+        response = connection.getresponse()
+        assert response.status == status, path
+        openai_error(json.loads(response.read()))
+        connection.close()
+    connection = live.http()
+    connection.request("GET", "/openapi.json", headers=AUTH)
+    response = connection.getresponse()
+    assert response.status == 200
+    assert "/v1/chat/completions" in json.loads(response.read())["paths"]
+    connection.close()
