@@ -20,7 +20,8 @@ KIND=PATH`` replaces one). Axes:
   ``<output>/data/regenerated.jsonl``, or the file given by ``--regenerated``; the run gets
   ``--dataset <file>``), ``onpolicy`` (``--on_policy_fraction``, default 0.5: that share of
   batches is continued by the drafter itself and scored by the target; only the ``draft_lm``
-  objective samples on-policy, so other kinds skip these cells and the JSON says why);
+  objective samples on-policy, and only a loss with a target term learns from it, so other
+  kinds and a plain ``ce`` skip these cells and the JSON says why);
 - any other recipe field (``loss_temperature=0.5,1``), passed as ``--<field> <value>``.
 
 A run's held-out set comes from its own data (held-out prompts of that data continued by the
@@ -273,6 +274,7 @@ def run_argv(
                 f"data=onpolicy: the {kind} objective does not sample on-policy continuations "
                 f"(only {', '.join(ON_POLICY_KINDS)} does)"
             )
+        _check_on_policy_loss(cell.get("loss"), recipe)
         argv += ["--on_policy_fraction", str(args.on_policy_fraction)]
     else:
         argv += ["--on_policy_fraction", "0"]
@@ -282,6 +284,19 @@ def run_argv(
         elif axis not in ("kind", "data"):
             argv += [f"--{axis}", value]
     return argv
+
+
+def _check_on_policy_loss(loss: str | None, recipe: Path) -> None:
+    """On-policy batches carry the drafter's own samples: hard labels there teach nothing."""
+    from train.config import read_recipe
+    from train.losses import build_loss
+
+    spec = loss if loss is not None else read_recipe(recipe).get("loss", "tv")
+    if not build_loss(spec).needs_target:
+        raise Skip(
+            f"data=onpolicy with loss={spec}: on-policy batches are the drafter's own samples, "
+            "and a loss without a target term would train it on its own guesses"
+        )
 
 
 def settings_of(args: argparse.Namespace, recipes: dict[str, Path]) -> dict[str, Any]:

@@ -63,6 +63,11 @@ def test_grid_axes_map_to_real_recipe_flags(tmp_path: Path) -> None:
         assert config.data.dataset == (str(regen) if regenerated else "stdlib")
         assert config.data.on_policy_fraction == (0.5 if "onpolicy" in cell["data"] else 0.0)
     assert len({ablate.run_folder(tmp_path, ablate.run_key(c, 0)) for c in cells}) == 8
+    hard_labels = {"kind": "draft_lm", "data": "onpolicy", "loss": "ce"}
+    with pytest.raises(ablate.Skip, match="own guesses"):
+        ablate.run_argv(hard_labels, 0, args, recipes, tmp_path / "ce", None)
+    mixed = {**hard_labels, "loss": "tv+0.1*ce"}  # a target term: on-policy data is fine
+    assert "--on_policy_fraction" in ablate.run_argv(mixed, 0, args, recipes, tmp_path, None)
     for bad, message in [
         (["loss"], "write AXIS=V1,V2"),
         (["data=corpus,web"], r"unknown source\(s\) \['web'\]"),
