@@ -224,7 +224,8 @@ def _is_plain_llama_on_cpu(model: torch.nn.Module) -> bool:
         next(model.parameters()).device.type == "cpu"
         and getattr(config, "hidden_act", "silu") == "silu"
         and (rope_type in STATIC_ROPE_TYPES or _angles_depend_on_call(rope_type))
-        and rope.get("partial_rotary_factor", 1.0) == 1.0
+        # Proportional rope pads its table to the full head width; other types would not.
+        and (rope.get("partial_rotary_factor", 1.0) == 1.0 or rope_type == "proportional")
         and hasattr(decoder, "rotary_emb")
     )
 

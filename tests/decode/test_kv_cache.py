@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from tiny_models import tiny_llama, tiny_qwen2
 
@@ -94,3 +95,83 @@ def test_output_head_falls_back_for_heads_it_does_not_know() -> None:
     model = tiny_llama(seed=0)
     model.config.model_type = "gemma2"  # logits soft-capped after the projection
     assert OutputHead.for_model(model) is None
+
+
+def _windowed(model_type: str, **overrides: object) -> torch.nn.Module:
+    """A tiny model with 4-token sliding windows (float64)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=128,
+        sliding_window=4,
+        **overrides,
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).double().eval()
+
+
+WINDOWED = [
+    ("mistral", {}),  # every layer windowed
+    ("qwen2", {"use_sliding_window": True, "max_window_layers": 1}),  # full, then windowed
+    ("gemma2", {}),  # windowed, then full; eager attention
+    ("gemma3_text", {"layer_types": ["sliding_attention", "full_attention"]}),
+]
+
+
+@pytest.mark.parametrize(
+    ("model_type", "overrides", "lean"),
+    [(*case, False) for case in WINDOWED] + [(*case, True) for case in WINDOWED[:2]],
+)
+def test_sliding_windows_count_tokens_not_slots_and_roll_back_at_any_length(
+    model_type: str, overrides: dict, lean: bool
+) -> None:
+    """Holes must not eat a row's window, and rollbacks work long after the window filled up
+    (Hugging Face's own sliding layer cannot be cropped once full). ``lean`` runs the lean
+    forward (Mistral and Qwen2 have one)."""
+    from decode.lean_decoder import LeanDecoder
+
+    model = _windowed(model_type, **overrides)
+    head = OutputHead.for_model(model)
+    decoder = LeanDecoder.for_model(model) if lean else None
+    assert (decoder is not None) == lean
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, 64, (2, 6), generator=generator)
+    prompt_valid = torch.ones_like(prompt, dtype=torch.bool)
+    prompt_valid[1, :2] = False
+    committed = [prompt[row][prompt_valid[row]].tolist() for row in range(2)]
+    tolerance = 1e-6 if model_type == "gemma2" else 1e-10  # Gemma2's softmax runs in float32
+    with torch.no_grad():
+        sequence = CachedSequence(model, 2, torch.device("cpu"), head, decoder)
+        sequence.extend(prompt, prompt_valid)
+        for round_index in range(6):
+            block = torch.randint(3, 64, (2, 4), generator=generator)
+            sequence.extend(block)
+            keep = torch.randint(0, 5, (2,), generator=generator)
+            sequence.rollback(4, keep)
+            for row in range(2):
+                committed[row] += block[row, : keep[row]].tolist()
+            if round_index == 3:  # a tree step: keep the branch 0 -> 2 in both rows
+                nodes = torch.randint(3, 64, (2, 3), generator=generator)
+                sequence.extend(
+                    nodes,
+                    tree_mask=torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool),
+                    positions=sequence.lengths[:, None] + torch.tensor([[0, 1, 1]]),
+                )
+                sequence.keep_path(3, torch.tensor([[0, 2], [0, 2]]), torch.ones(2, 2).bool())
+                for row in range(2):
+                    committed[row] += [int(nodes[row, 0]), int(nodes[row, 2])]
+            follow = torch.randint(3, 64, (2, 1), generator=generator)
+            stepped = sequence.extend(follow).logits[:, -1]
+            for row in range(2):
+                committed[row].append(int(follow[row, 0]))
+                fresh = model(torch.tensor([committed[row]])).logits[0, -1]
+                assert torch.allclose(stepped[row], fresh, atol=tolerance), (round_index, row)
+        assert sequence.num_slots > 4 * model.config.sliding_window  # far past the window
