@@ -46,22 +46,18 @@ class EvalSettings:
 
 
 def load_target(path: str, device: str = "cpu", dtype: str = "float32", trust_remote_code=False):
-    """A target causal LM and its tokenizer, safetensors only."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """A target causal LM (eval mode, on ``device``) and its tokenizer, safetensors only."""
+    from decode import loading
 
     if not Path(path).is_dir():
         raise FileNotFoundError(
             f"target folder {path} does not exist: build the demo target with "
             "`python scripts/build_demo_target.py` or pass a Hugging Face model folder"
         )
-    model = AutoModelForCausalLM.from_pretrained(
-        path,
-        dtype=getattr(torch, dtype),
-        use_safetensors=True,
-        trust_remote_code=trust_remote_code,
+    model = loading.load_causal_lm(
+        path, dtype, device=device, trust_remote_code=trust_remote_code, flag="--target"
     )
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    return model.to(device).eval(), tokenizer
+    return model, loading.load_tokenizer(path, trust_remote_code, flag="--target")
 
 
 def check_same_tokenizer(target_tokenizer, drafter_path: str | None) -> None:

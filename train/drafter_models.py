@@ -37,18 +37,22 @@ def check_same_vocab(drafter: torch.nn.Module, target: torch.nn.Module) -> None:
 
 
 def build_draft_lm(config: DrafterConfig, target: PreTrainedModel, seed: int) -> torch.nn.Module:
-    """The trainable draft LM described by ``config`` (a peft model when ``lora_rank > 0``)."""
-    from transformers import AutoModelForCausalLM
+    """The trainable draft LM described by ``config`` (a peft model when ``lora_rank > 0``).
 
+    ``drafter_path`` loads through ``decode.loading`` (safetensors only, no remote code, NaN or
+    infinite weights refused).
+    """
     if config.drafter_path is not None:
-        try:
-            drafter = AutoModelForCausalLM.from_pretrained(config.drafter_path, dtype=torch.float32)
-        except OSError as error:
-            raise FileNotFoundError(
-                f"--drafter_path {config.drafter_path}: not a loadable causal-LM folder ({error}); "
-                "pass a folder with config.json and weights, or drop it to build the draft from "
-                "the target's config"
-            ) from error
+        from decode.loading import check_model_finite, load_causal_lm
+
+        drafter = load_causal_lm(
+            config.drafter_path, torch.float32, frozen=False, flag="--drafter_path"
+        )
+        check_model_finite(
+            drafter,
+            f"--drafter_path {config.drafter_path}",
+            "pass another folder, or drop --drafter_path to build the draft from the target",
+        )
         check_same_vocab(drafter, target)
     else:
         drafter = _thin_copy(config, target, seed)

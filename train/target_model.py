@@ -1,4 +1,8 @@
-"""Finding and loading the frozen target: a demo preset, a local folder or a hub id."""
+"""Finding and loading the frozen target: a demo preset, a local folder or a hub id.
+
+Loading itself is ``decode.loading``'s (safetensors only; remote code only with
+``--trust_remote_code``).
+"""
 
 from __future__ import annotations
 
@@ -6,12 +10,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from decode import loading
 from train.config import DEMO_TARGET_PRESETS
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class TargetRef(str):
@@ -65,12 +67,7 @@ def target_location(ref: TargetRef, allow_build: bool = True) -> tuple[str, str]
 
 def load_tokenizer(location: str, trust_remote_code: bool = False) -> Any:
     """The target's tokenizer; one without a pad token gets eos as pad."""
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code)
-    except OSError as error:
-        raise FileNotFoundError(_load_error(location, "tokenizer", error)) from error
+    tokenizer = loading.load_tokenizer(location, trust_remote_code, flag="--target")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -78,15 +75,9 @@ def load_tokenizer(location: str, trust_remote_code: bool = False) -> Any:
 
 def load_model(location: str, dtype: str = "float32", trust_remote_code: bool = False) -> Any:
     """The frozen target in eval mode, without gradients."""
-    from transformers import AutoModelForCausalLM
-
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            location, dtype=_DTYPES[dtype], trust_remote_code=trust_remote_code
-        )
-    except OSError as error:
-        raise FileNotFoundError(_load_error(location, "causal LM", error)) from error
-    return model.eval().requires_grad_(False)
+    return loading.load_causal_lm(
+        location, dtype, trust_remote_code=trust_remote_code, frozen=True, flag="--target"
+    )
 
 
 def load_target(
@@ -96,10 +87,3 @@ def load_target(
     location, name = target_location(ref)
     tokenizer = load_tokenizer(location, trust_remote_code)
     return load_model(location, dtype, trust_remote_code), tokenizer, name
-
-
-def _load_error(location: str, what: str, error: Exception) -> str:
-    return (
-        f"--target {location}: could not load its {what} ({error}); for a hub id the model "
-        "must be reachable or already in the local cache (HF_HUB_OFFLINE=1 allows only the cache)"
-    )

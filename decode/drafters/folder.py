@@ -1,7 +1,11 @@
 """The on-disk drafter folder shared by the head drafters (docs/interfaces.md).
 
-Native folders hold ``drafter.json`` (the kind), ``config.json`` and ``model.safetensors``;
-the loaders also accept an inference engine's export, recognised by ``architectures``.
+Native folders hold ``drafter.json`` (the kind and ``format_version``), ``config.json`` and
+``model.safetensors``; the loaders also accept an inference engine's export, recognised by
+``architectures``. A drafter folder may come from someone else, so everything read from it is
+checked (``decode.loading``): malformed JSON, a missing ``kind``, a ``format_version`` newer
+than this code reads, a corrupt safetensors file and NaN or infinite weights are errors naming
+the file and the fix.
 """
 
 from __future__ import annotations
@@ -11,9 +15,37 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
+
+from decode.loading import LoadError, load_safetensors, read_json_object
 
 FORMAT_VERSION = 1
+"""The newest ``drafter.json`` format this code reads (and the one it writes)."""
+DRAFTER_FILE = "drafter.json"
+_REEXPORT = "re-export the drafter with train/distill.py or use a folder written by it"
+
+
+def read_drafter_marker(folder: str | Path) -> dict[str, Any]:
+    """``drafter.json`` of ``folder``, checked: a string ``kind`` and a readable version."""
+    file = Path(folder) / DRAFTER_FILE
+    marker = read_json_object(
+        file, f'it must be an object such as {{"kind": "draft_lm"}}; {_REEXPORT}'
+    )
+    kind = marker.get("kind")
+    if not isinstance(kind, str) or not kind:
+        raise LoadError(
+            f"{file} declares no drafter kind (a 'kind' string such as \"draft_lm\", "
+            f'"eagle3" or "medusa"); add it, or {_REEXPORT}'
+        )
+    version = marker.get("format_version", 1)
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise LoadError(f"{file}: format_version must be a positive integer, got {version!r}")
+    if version > FORMAT_VERSION:
+        raise LoadError(
+            f"{file}: format_version {version} is newer than this draftsmith reads "
+            f"({FORMAT_VERSION}); upgrade draftsmith, or {_REEXPORT}"
+        )
+    return marker
 
 
 def save_native_folder(
@@ -23,7 +55,7 @@ def save_native_folder(
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     marker = {"kind": kind, "format_version": FORMAT_VERSION}
-    (folder / "drafter.json").write_text(json.dumps(marker, indent=2) + "\n")
+    (folder / DRAFTER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     weights = {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}
     save_file(weights, str(folder / "model.safetensors"))
@@ -37,14 +69,13 @@ def read_folder(
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{folder} has no config.json: not a drafter folder")
-    raw = json.loads(config_path.read_text())
-    marker = folder / "drafter.json"
-    if marker.is_file():
-        found = json.loads(marker.read_text()).get("kind")
+    raw = read_json_object(config_path, _REEXPORT)
+    if (folder / DRAFTER_FILE).is_file():
+        found = read_drafter_marker(folder)["kind"]
         if found != kind:
             raise ValueError(f"{folder} holds a {found!r} drafter, not {kind!r}")
         native = True
-    elif engine_architecture in raw.get("architectures", []):
+    elif engine_architecture in (raw.get("architectures") or []):
         native = False
     else:
         raise ValueError(
@@ -54,4 +85,4 @@ def read_folder(
     weights_path = folder / "model.safetensors"
     if not weights_path.is_file():
         raise FileNotFoundError(f"{folder} has no model.safetensors")
-    return raw, native, load_file(str(weights_path))
+    return raw, native, load_safetensors(weights_path, _REEXPORT)

@@ -7,15 +7,14 @@ vLLM/SGLang export; it is never guessed from a path name (docs/interfaces.md).
 from __future__ import annotations
 
 import importlib
-import json
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from decode.drafters.base import Drafter
-
-DRAFTER_FILE = "drafter.json"
+from decode.drafters.folder import DRAFTER_FILE, read_drafter_marker
+from decode.loading import check_model_finite, load_causal_lm, read_json_object
 
 # kind -> "module:function" building a runtime Drafter from (path, target); imported lazily so
 # that loading one kind never imports the others.
@@ -39,15 +38,15 @@ def detect_drafter_kind(path: str | Path) -> str:
             f"drafter folder {folder} does not exist: pass the folder written by "
             "train/distill.py (or --drafter-kind ngram, which needs none)"
         )
-    declared = folder / DRAFTER_FILE
-    if declared.is_file():
-        kind = json.loads(declared.read_text())["kind"]
+    if (folder / DRAFTER_FILE).is_file():
+        kind = read_drafter_marker(folder)["kind"]
         _check_kind(kind)
         return kind
     config = folder / "config.json"
     if not config.is_file():
         raise ValueError(f"{folder} has neither {DRAFTER_FILE} nor config.json: not a drafter")
-    for architecture in json.loads(config.read_text()).get("architectures") or []:
+    raw = read_json_object(config, "pass a drafter folder written by train/distill.py")
+    for architecture in raw.get("architectures") or []:
         if architecture in _EXPORT_ARCHITECTURES:
             return _EXPORT_ARCHITECTURES[architecture]
     return "draft_lm"
@@ -73,15 +72,12 @@ def load_drafter(
 
 def load_draft_lm(path: str | Path | None, target: torch.nn.Module) -> Drafter:
     """A draft causal LM from a Hugging Face folder, safetensors only, no remote code."""
-    from transformers import AutoModelForCausalLM
-
     from decode.drafters.draft_lm import DraftModelDrafter
 
     if path is None:
         raise ValueError("the draft_lm drafter needs a folder: pass --drafter PATH")
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=target.dtype, use_safetensors=True, trust_remote_code=False
-    )
+    model = load_causal_lm(path, target.dtype, trust_remote_code=False, flag="--drafter")
+    check_model_finite(model, f"--drafter {path}", "retrain it with a lower learning rate")
     return DraftModelDrafter(model.to(next(target.parameters()).device))
 
 

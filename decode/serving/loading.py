@@ -1,8 +1,9 @@
-"""Target, tokenizer and drafter from folders, with the server's security defaults.
+"""Target, tokenizer and drafter from local folders, with the server's security defaults.
 
-Weights load from safetensors only (``use_safetensors=True``: a folder holding only pickled
-``.bin`` weights is refused rather than unpickled) and custom modelling code runs only when
-``trust_remote_code`` is set. Nothing is fetched from a hub: paths must be local folders.
+Loading goes through ``decode.loading``: weights from safetensors only (a folder holding only
+pickled ``.bin`` weights is refused rather than unpickled), custom modelling code only when
+``trust_remote_code`` is set, drafter folders checked (``decode.drafters.folder``). Nothing is
+fetched from a hub: paths must be local folders.
 """
 
 from __future__ import annotations
@@ -12,15 +13,9 @@ from typing import Any
 
 import torch
 
+from decode import loading
 from decode.drafters.base import Drafter
 from decode.serving.config import ServeConfig
-
-_DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float64": torch.float64,
-}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -36,23 +31,15 @@ def load_target(
     path: str | Path, dtype: str, device: torch.device, trust_remote_code: bool
 ) -> torch.nn.Module:
     """The target causal LM in eval mode on ``device``."""
-    from transformers import AutoModelForCausalLM
-
-    folder = _local_folder(path, "--target")
-    model = AutoModelForCausalLM.from_pretrained(
-        folder,
-        dtype="auto" if dtype == "auto" else _DTYPES[dtype],
-        use_safetensors=True,
-        trust_remote_code=trust_remote_code,
+    folder = loading.local_folder(path, "--target")
+    return loading.load_causal_lm(
+        folder, dtype, device=device, trust_remote_code=trust_remote_code, flag="--target"
     )
-    return model.to(device).eval()
 
 
 def load_tokenizer(path: str | Path, trust_remote_code: bool) -> Any:
-    from transformers import AutoTokenizer
-
-    folder = _local_folder(path, "--tokenizer")
-    return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    folder = loading.local_folder(path, "--tokenizer")
+    return loading.load_tokenizer(folder, trust_remote_code, flag="--tokenizer")
 
 
 def load_components(config: ServeConfig) -> tuple[torch.nn.Module, Any, Drafter]:
@@ -66,13 +53,3 @@ def load_components(config: ServeConfig) -> tuple[torch.nn.Module, Any, Drafter]
     tokenizer = load_tokenizer(config.tokenizer or config.target, config.trust_remote_code)
     drafter = load_drafter(config.drafter, target, kind=config.drafter_kind)
     return target, tokenizer, drafter
-
-
-def _local_folder(path: str | Path, flag: str) -> Path:
-    folder = Path(path).expanduser()
-    if not folder.is_dir():
-        raise FileNotFoundError(
-            f"{flag} {path}: no such folder; the server loads local Hugging Face folders only "
-            "(build one with scripts/build_demo_target.py or save_pretrained)"
-        )
-    return folder

@@ -1,0 +1,107 @@
+"""Loading checks every drafter file it reads: clear errors naming the file and the fix."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tiny_models import save_tiny_pair, tiny_llama
+
+from decode import loading
+from decode.drafters.medusa import MedusaHeads
+from decode.drafters.registry import detect_drafter_kind, load_drafter
+from decode.loading import LoadError
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return save_tiny_pair(tmp_path_factory.mktemp("pair"))
+
+
+@pytest.fixture
+def medusa_folder(tmp_path: Path) -> Path:
+    folder = tmp_path / "medusa"
+    MedusaHeads.from_target(tiny_llama(), num_heads=2, num_layers=1).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ('{"format_version": 1}', r"drafter\.json declares no drafter kind.*add it, or re-export"),
+        ('{"kind": "medusa", ', r"drafter\.json is not valid JSON.*re-export the drafter"),
+        ('["medusa"]', r"drafter\.json holds a JSON list, not an object"),
+        ('{"kind": 3}', r"declares no drafter kind"),
+        ('{"kind": "medusa", "format_version": 999}', r"format_version 999 is newer.*upgrade"),
+        ('{"kind": "medusa", "format_version": "1"}', r"format_version must be a positive int"),
+    ],
+    ids=["no-kind", "malformed", "not-an-object", "kind-not-a-string", "too-new", "bad-version"],
+)
+def test_a_bad_drafter_json_is_named(medusa_folder: Path, text: str, expected: str) -> None:
+    (medusa_folder / "drafter.json").write_text(text)
+    with pytest.raises(LoadError, match=expected) as error:
+        detect_drafter_kind(medusa_folder)
+    assert str(medusa_folder / "drafter.json") in str(error.value)
+    with pytest.raises(LoadError, match=expected):
+        MedusaHeads.from_pretrained(medusa_folder)
+
+
+def test_a_malformed_config_json_is_named(medusa_folder: Path) -> None:
+    (medusa_folder / "config.json").write_text("{oops")
+    with pytest.raises(LoadError, match=r"config\.json is not valid JSON"):
+        MedusaHeads.from_pretrained(medusa_folder)
+    (medusa_folder / "drafter.json").unlink()
+    with pytest.raises(LoadError, match=r"config\.json is not valid JSON"):
+        detect_drafter_kind(medusa_folder)
+
+
+def test_non_finite_head_weights_are_refused(medusa_folder: Path) -> None:
+    weights = load_file(str(medusa_folder / "model.safetensors"))
+    name = sorted(weights)[0]
+    weights[name] = weights[name].clone()
+    weights[name].view(-1)[0] = float("nan")
+    save_file(weights, str(medusa_folder / "model.safetensors"))
+    with pytest.raises(LoadError, match=rf"model\.safetensors: weight {name} holds 1 NaN"):
+        MedusaHeads.from_pretrained(medusa_folder)
+
+
+def test_a_corrupt_safetensors_file_is_named(medusa_folder: Path) -> None:
+    weights = medusa_folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # truncated by a failed copy, say
+    with pytest.raises(LoadError, match=r"model\.safetensors is not a readable safetensors file"):
+        MedusaHeads.from_pretrained(medusa_folder)
+
+
+def test_a_draft_lm_with_nan_weights_is_refused(pair: tuple[Path, Path], tmp_path: Path) -> None:
+    target_dir, draft_dir = pair
+    target = loading.load_causal_lm(target_dir)
+    bad = tmp_path / "draft"
+    model = loading.load_causal_lm(draft_dir, frozen=False)
+    with torch.no_grad():
+        model.get_input_embeddings().weight[3, 0] = float("inf")
+    model.save_pretrained(bad)
+    (bad / "drafter.json").write_text(json.dumps({"kind": "draft_lm", "format_version": 1}))
+    with pytest.raises(LoadError, match=rf"--drafter {bad}: weight .*embed_tokens.* 1 NaN or inf"):
+        load_drafter(bad, target)
+    assert load_drafter(draft_dir, target).kind == "draft_lm"  # the untouched folder loads
+
+
+def test_pickled_weights_are_never_loaded(pair: tuple[Path, Path], tmp_path: Path) -> None:
+    _, draft_dir = pair
+    model = loading.load_causal_lm(draft_dir)
+    pickled = tmp_path / "pickled"
+    model.config.save_pretrained(pickled)
+    torch.save(model.state_dict(), pickled / "pytorch_model.bin")
+    with pytest.raises(FileNotFoundError, match=r"only pickled \.bin weights, which are never"):
+        loading.load_causal_lm(pickled, flag="--drafter")
+
+
+def test_dtype_names_come_from_one_table() -> None:
+    assert loading.resolve_dtype("bfloat16") is torch.bfloat16
+    assert loading.resolve_dtype("auto") == "auto"
+    assert loading.resolve_dtype(torch.float16) is torch.float16
+    with pytest.raises(ValueError, match="unknown dtype 'fp32'; choose one of auto, float32"):
+        loading.resolve_dtype("fp32")
