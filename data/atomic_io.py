@@ -23,11 +23,16 @@ from typing import Any
 
 def write_json_atomic(path: str | Path, data: Any, *, indent: int | None = 2) -> Path:
     """Write ``data`` as JSON (a trailing newline) to ``path`` through a temporary sibling."""
+    return write_text_atomic(path, json.dumps(data, indent=indent) + "\n")
+
+
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` through a temporary sibling renamed into place."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     temp = path.parent / f".{path.name}.tmp-{os.getpid()}"
     try:
-        temp.write_text(json.dumps(data, indent=indent) + "\n", encoding="utf-8")
+        temp.write_text(text, encoding="utf-8")
         os.replace(temp, path)
     finally:
         temp.unlink(missing_ok=True)

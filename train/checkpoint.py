@@ -112,6 +112,14 @@ class CheckpointManager:
             )
         return path
 
+    def step_of(self, path: Path) -> int:
+        """The step a checkpoint was written at (from its ``trainer_state.json``)."""
+        state = _read_json(Path(path) / STATE_FILE)
+        step = state.get("step") if isinstance(state, dict) else None
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise CheckpointError(_broken(Path(path) / STATE_FILE, "it holds no valid 'step'"))
+        return step
+
     def save(
         self,
         accelerator: Accelerator,

@@ -1,7 +1,7 @@
 """Typed configuration of ``train/distill.py``: one default per field, YAML recipes, flags.
 
-Seven sections, one dataclass each: target, drafter, data, loss, optim, logging, output. Field
-names are unique across sections, so every field is also a command-line flag of the same name
+Eight sections, one dataclass each: target, drafter, data, loss, optim, logging, output,
+speed_eval. Field names are unique across sections, so every field is also a command-line flag of the same name
 (``--learning_rate 3e-4``). A recipe YAML groups them by section::
 
     target:
@@ -10,8 +10,13 @@ names are unique across sections, so every field is also a command-line flag of 
       loss: tv
       loss_temperature: 1.0
 
-``--config recipe.yaml`` sets values, flags override them, and an unknown section or key is
-an error that lists the valid ones (parsed with ``transformers.HfArgumentParser``). The
+``--config recipe.yaml`` (given once) sets values, flags override them, and an unknown section
+or key is an error that lists the valid ones (parsed with ``transformers.HfArgumentParser``).
+Types are strict: a recipe value must have its field's type (``max_steps: 2.5``, ``null`` or
+``[1, 2]`` is an error naming the key and the expected type; an integer is accepted where a
+float is expected), a flag that does not parse is an error (a flag given twice keeps the
+last value, as argparse does; ``--config`` given twice is an error), and every float must be
+finite. Errors are ``ValueError``s, never an argparse exit. The
 defaults are the demo recipe (``configs/demo.yaml``): ``python train/distill.py`` with no
 argument distils a one-layer draft LM from the demo target on the embedded corpus.
 """
@@ -19,9 +24,13 @@ argument distils a one-layer draft LM from the demo target on the embedded corpu
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import yaml
 
@@ -292,9 +301,28 @@ class DistillConfig:
             "medusa_num_heads": self.drafter.medusa_num_heads,
             "medusa_num_layers": self.drafter.medusa_num_layers,
         }
+        positive["max_steps"] = self.optim.max_steps
         for name, value in positive.items():
             if value < 1:
                 raise ValueError(f"--{name} must be >= 1, got {value}")
+        for name, value in self.flat().items():
+            floats = value if isinstance(value, list) else [value]
+            if any(isinstance(v, float) and not math.isfinite(v) for v in floats):
+                raise ValueError(f"--{name} must be a finite number, got {value}")
+        if self.optim.learning_rate <= 0:
+            raise ValueError(f"--learning_rate must be > 0, got {self.optim.learning_rate}")
+        for name in ("max_grad_norm", "weight_decay", "warmup_steps"):
+            if getattr(self.optim, name) < 0:
+                raise ValueError(
+                    f"--{name} must be >= 0 (0 disables it), got {getattr(self.optim, name)}"
+                )
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0.0 <= getattr(self.optim, name) < 1.0:
+                raise ValueError(f"--{name} must lie in [0, 1), got {getattr(self.optim, name)}")
+        if self.optim.max_minutes is not None and self.optim.max_minutes <= 0:
+            raise ValueError(
+                f"--max_minutes must be > 0 (or unset for no budget), got {self.optim.max_minutes}"
+            )
         if self.loss.loss_temperature <= 0:
             raise ValueError(f"--loss_temperature must be > 0, got {self.loss.loss_temperature}")
         if self.loss.eval_temperature < 0:
@@ -314,7 +342,16 @@ def make_parser() -> Any:
 
     parser = HfArgumentParser(tuple(SECTIONS.values()))
     parser.add_argument("--config", default=None, help="recipe YAML; flags override its values")
+    parser.error = _flag_error  # a ValueError naming the flag, not argparse's exit
     return parser
+
+
+class _FlagError(ValueError):
+    """A flag argparse could not read (a bad value, a missing argument)."""
+
+
+def _flag_error(message: str) -> NoReturn:
+    raise _FlagError(f"{message}; see --help for each flag and its type")
 
 
 def read_recipe(path: str | Path) -> dict[str, Any]:
@@ -346,8 +383,80 @@ def read_recipe(path: str | Path) -> dict[str, Any]:
                     f"{path}: unknown key {key!r} in section {section!r}{hint}; valid keys: "
                     f"{', '.join(valid)}"
                 )
-            flat[key] = value
+            flat[key] = _checked_value(path, section, key, value)
     return flat
+
+
+def _checked_value(path: Path, section: str, key: str, value: Any) -> Any:
+    """``value`` if it has the field's type (an int widened to float), else ``ValueError``."""
+    hint = typing.get_type_hints(SECTIONS[section])[key]
+    ok, converted = _matches(value, hint)
+    if not ok:
+        raise ValueError(
+            f"{path}: {section}.{key} must be {_describe(hint)}, got "
+            f"{'null' if value is None else repr(value)} "
+            f"({_yaml_kind(value)}); fix the value in the recipe or pass --{key}"
+        )
+    return converted
+
+
+def _matches(value: Any, hint: Any) -> tuple[bool, Any]:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(hint):
+            ok, converted = _matches(value, option)
+            if ok:
+                return True, converted
+        return False, value
+    if hint is type(None):
+        return value is None, value
+    if origin is list:
+        if not isinstance(value, list):
+            return False, value
+        (item,) = typing.get_args(hint)
+        checked = [_matches(v, item) for v in value]
+        return all(ok for ok, _ in checked), [v for _, v in checked]
+    if hint is bool:
+        return isinstance(value, bool), value
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if hint is float:
+        if isinstance(value, str) and _FLOAT_TEXT.match(value.strip()):
+            value = float(value)  # YAML 1.1 reads 1e-3 (no dot) as a string
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return math.isfinite(value), float(value)
+        return False, value
+    if hint is str:
+        return isinstance(value, str), value
+    return False, value
+
+
+_FLOAT_TEXT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+
+
+def _describe(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(option) for option in typing.get_args(hint))
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        return f"a list of {_describe(item).removeprefix('a ').removeprefix('an ')}s"
+    names = {
+        bool: "true or false",
+        int: "an integer",
+        float: "a finite number",
+        str: "a string",
+        type(None): "null",
+    }
+    return names.get(hint, str(hint))
+
+
+def _yaml_kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    return {bool: "a boolean", int: "an integer", float: "a float", str: "a string"}.get(
+        type(value), f"a {type(value).__name__}"
+    )
 
 
 def parse_config(argv: list[str] | None = None) -> DistillConfig:
@@ -359,6 +468,8 @@ def parse_config(argv: list[str] | None = None) -> DistillConfig:
         parser.set_defaults(**read_recipe(config_file))
     try:
         parsed = parser.parse_args_into_dataclasses(args=args, look_for_args_file=False)
+    except _FlagError:
+        raise
     except ValueError as error:
         valid = sorted(f.name for cls in SECTIONS.values() for f in dataclasses.fields(cls))
         raise ValueError(f"{error}; valid flags: --{', --'.join(valid)}") from error
@@ -369,17 +480,26 @@ def parse_config(argv: list[str] | None = None) -> DistillConfig:
 
 
 def _pop_config_flag(args: list[str]) -> str | None:
-    for i, arg in enumerate(args):
-        if arg == "--config":
+    """Remove ``--config PATH`` (or ``--config=PATH``) from ``args``; given twice is an error."""
+    found: list[str] = []
+    i = 0
+    while i < len(args):
+        if args[i] == "--config":
             if i + 1 >= len(args):
                 raise ValueError("--config needs a path to a recipe YAML")
-            value = args[i + 1]
+            found.append(args[i + 1])
             del args[i : i + 2]
-            return value
-        if arg.startswith("--config="):
+        elif args[i].startswith("--config="):
+            found.append(args[i].split("=", 1)[1])
             del args[i]
-            return arg.split("=", 1)[1]
-    return None
+        else:
+            i += 1
+    if len(found) > 1:
+        raise ValueError(
+            f"--config is given {len(found)} times ({', '.join(found)}); pass one recipe and "
+            "override its values with flags"
+        )
+    return found[0] if found else None
 
 
 def _section_of(key: str) -> str | None:

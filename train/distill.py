@@ -57,6 +57,7 @@ def distill(config: DistillConfig) -> dict[str, Any]:
     objective_cls = get_objective_class(config.drafter.drafter_kind)
     target_ref = resolve_target(config.target.target)
     output_dir = Path(config.output.output_dir).expanduser()
+    _check_output_dir(output_dir)
     checkpoints = CheckpointManager(output_dir / "checkpoints", config.output.keep_checkpoints)
     resume = _resume_point(config, checkpoints)
     # Before the run's Accelerator exists: a demo-target build trains through its own one.
@@ -119,8 +120,9 @@ def distill(config: DistillConfig) -> dict[str, Any]:
         config.logging.run_name or output_dir.name,
         config.to_dict(),
         output_dir,
+        resume_step=None if resume is None else checkpoints.step_of(resume),
     )
-    if cache_stats is not None:
+    if cache_stats is not None and resume is None:  # logged at step 0 by the first run
         tracker.log({"cache/bytes_per_token": cache_stats.bytes_per_token}, 0)
     loop_config = LoopConfig(
         max_steps=config.optim.max_steps,
@@ -219,6 +221,18 @@ def _measure_speed(
     )
     keys = ("tau", "predicted_tau", "speedup", "tokens_per_s_baseline", "tokens_per_s_speculative")
     return {t: {k: r[k] for k in keys} for t, r in report["by_temperature"].items()}
+
+
+def _check_output_dir(output_dir: Path) -> None:
+    """The run folder and every existing parent must be folders (created when missing)."""
+    for path in (output_dir, *output_dir.parents):
+        if path.exists():
+            if not path.is_dir():
+                raise FileExistsError(
+                    f"--output_dir {output_dir}: {path} is a file, not a folder; pass a folder "
+                    "path (it is created when missing) or move the file away"
+                )
+            return
 
 
 def _resume_point(config: DistillConfig, checkpoints: Any) -> Path | None:
@@ -348,10 +362,17 @@ def _print_summary(summary: dict[str, Any]) -> None:
 
 def _run_as_script() -> int:
     from train.export import HubUploadError
+    from train.loop import NonFiniteLossError
 
     try:
         main()
-    except (ValueError, FileNotFoundError, FileExistsError, HubUploadError) as error:
+    except (
+        ValueError,  # includes train.checkpoint.CheckpointError
+        FileNotFoundError,
+        FileExistsError,
+        HubUploadError,
+        NonFiniteLossError,
+    ) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     return 0

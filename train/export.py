@@ -4,7 +4,9 @@ Layout (docs/interfaces.md, "The drafter folder"): the kind-specific files writt
 objective (for ``draft_lm`` a normal Hugging Face causal-LM folder with its tokenizer, LoRA
 merged) and ``drafter.json``, plus ``README.md`` (target, data, loss, held-out acceptance per
 position) and ``provenance.json`` (resolved config, git revision, package versions). The folder
-is assembled under a temporary name and renamed into place.
+is assembled under a temporary name and renamed into place (``data.atomic_io.atomic_folder``:
+the temporary folder of an export that was killed is removed by the next export). Weights that
+are NaN or infinite are never exported (``NonFiniteWeightsError``).
 
 ``push_to_hub`` uploads an exported folder with ``huggingface_hub``; it is called only after the
 local export, and fails fast with a message naming the saved folder when the hub is offline or
@@ -16,12 +18,13 @@ from __future__ import annotations
 import json
 import os
 import platform
-import shutil
 import subprocess
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from data.atomic_io import atomic_folder
 
 PACKAGES = (
     "draftsmith",
@@ -41,6 +44,10 @@ class HubUploadError(RuntimeError):
     """The drafter was saved locally but could not be uploaded."""
 
 
+class NonFiniteWeightsError(ValueError):
+    """The trained weights hold NaN or infinite values: nothing is exported."""
+
+
 def export_drafter(
     objective: Any,
     folder: Path,
@@ -57,10 +64,8 @@ def export_drafter(
     trainable state (see ``Objective.save_drafter``).
     """
     folder = Path(folder)
-    temp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
-    shutil.rmtree(temp, ignore_errors=True)
-    temp.mkdir(parents=True)
-    try:
+    check_finite_weights(state_dict if state_dict is not None else objective.unwrapped_module)
+    with atomic_folder(folder) as temp:
         objective.save_drafter(temp, tokenizer, state_dict)
         provenance = build_provenance(resolved_config)
         (temp / "provenance.json").write_text(json.dumps(provenance, indent=2) + "\n")
@@ -69,14 +74,27 @@ def export_drafter(
         (temp / "eval_results.json").write_text(json.dumps(held_out, indent=2) + "\n")
         card = model_card(objective.kind, summary, describe(objective), provenance)
         (temp / "README.md").write_text(card)
-        old = folder.parent / f".{folder.name}.old-{os.getpid()}"
-        if folder.exists():
-            os.replace(folder, old)
-        os.replace(temp, folder)
-        shutil.rmtree(old, ignore_errors=True)
-    finally:
-        shutil.rmtree(temp, ignore_errors=True)
     return folder
+
+
+def check_finite_weights(weights: Any) -> None:
+    """Raise ``NonFiniteWeightsError`` if a floating tensor of a state dict or module is not finite."""
+    import torch
+
+    tensors = weights.state_dict() if isinstance(weights, torch.nn.Module) else weights
+    bad = [
+        name
+        for name, tensor in tensors.items()
+        if isinstance(tensor, torch.Tensor)
+        and tensor.is_floating_point()
+        and not bool(torch.isfinite(tensor).all())
+    ]
+    if bad:
+        raise NonFiniteWeightsError(
+            f"refusing to export: {len(bad)} weight tensor(s) hold NaN or infinite values "
+            f"({', '.join(bad[:4])}{', ...' if len(bad) > 4 else ''}); the run diverged: lower "
+            "--learning_rate (or raise --warmup_steps) and train again"
+        )
 
 
 def describe(objective: Any) -> dict[str, Any]:

@@ -5,7 +5,8 @@ list. W&B switches itself to offline mode (``WANDB_MODE=offline``: the run is wr
 ``<output_dir>/wandb/offline-run-*`` and can be uploaded later with ``wandb sync``) when no API
 key is configured or its server cannot be reached; an explicit ``WANDB_MODE`` is respected.
 Whatever the trackers, ``<output_dir>/logs/metrics.jsonl`` receives one JSON object per logged
-step (appended, so a resumed run continues the same file).
+step (appended, so a resumed run continues the same file; on resume the rows after the
+checkpoint's step are dropped first, since those steps run again).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from accelerate import Accelerator
+
+from data.atomic_io import write_text_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +84,7 @@ class RunTracker:
         run_name: str,
         config: dict[str, Any],
         output_dir: Path,
+        resume_step: int | None = None,
     ) -> None:
         self.accelerator = accelerator
         self.reporters = [name for name in reporters if name != "none"]
@@ -89,6 +93,8 @@ class RunTracker:
         if not accelerator.is_main_process:
             return
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_step is not None:
+            truncate_metrics_log(self.log_path, resume_step)
         if not self.reporters:
             return
         init_kwargs: dict[str, Any] = {}
@@ -117,6 +123,31 @@ class RunTracker:
     def finish(self) -> None:
         if self.reporters:
             self.accelerator.end_training()
+
+
+def truncate_metrics_log(path: Path, last_step: int) -> int:
+    """Keep the records up to ``last_step`` (a resumed run logs later steps again).
+
+    A line that does not parse (a write cut short by a kill) is dropped too. Returns the
+    number of records removed.
+    """
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    kept, removed = [], 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+            keep = isinstance(record, dict) and int(record["step"]) <= last_step
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            keep = False
+        if keep:
+            kept.append(line)
+        elif line.strip():
+            removed += 1
+    if removed:
+        write_text_atomic(path, "".join(f"{line}\n" for line in kept))
+    return removed
 
 
 def read_metrics_log(path: Path) -> list[dict[str, float]]:

@@ -63,3 +63,59 @@ def test_bad_values_are_rejected_with_the_choices() -> None:
         parse_config(["--on_policy_fraction", "1.5"])
     with pytest.raises(FileNotFoundError, match="no such file"):
         parse_config(["--config", "does/not/exist.yaml"])
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        ("max_steps: 2.5", r"optim\.max_steps must be an integer, got 2\.5 \(a float\)"),
+        ("max_steps: null", r"optim\.max_steps must be an integer, got null"),
+        ("max_steps: [1, 2]", r"optim\.max_steps must be an integer, got \[1, 2\] \(a list\)"),
+        ("max_minutes: fast", r"optim\.max_minutes must be a finite number or null"),
+        ("learning_rate: .nan", r"optim\.learning_rate must be a finite number"),
+        ("mixed_precision: 16", r"optim\.mixed_precision must be a string, got 16"),
+    ],
+)
+def test_recipe_values_must_have_their_field_type(tmp_path: Path, line: str, expected: str) -> None:
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"optim:\n  {line}\n")
+    with pytest.raises(ValueError, match=expected):
+        parse_config(["--config", str(recipe)])
+
+
+def test_recipe_numbers_widen_to_float_and_yaml_exponents_read_as_numbers(tmp_path: Path) -> None:
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("optim:\n  learning_rate: 1e-3\n  max_grad_norm: 2\n")
+    config = parse_config(["--config", str(recipe)])
+    assert config.optim.learning_rate == 0.001
+    assert config.optim.max_grad_norm == 2.0 and isinstance(config.optim.max_grad_norm, float)
+    recipe.write_text("drafter:\n  aux_hidden_state_layer_ids: [1, 2.5]\n")
+    with pytest.raises(ValueError, match="must be a list of integers or null"):
+        parse_config(["--config", str(recipe)])
+
+
+def test_bad_flags_and_a_second_config_are_errors_not_exits(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"--max_steps.*invalid int value: '2\.5'"):
+        parse_config(["--max_steps", "2.5"])
+    with pytest.raises(ValueError, match="expected one argument"):
+        parse_config(["--max_steps"])
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("optim:\n  max_steps: 3\n")
+    with pytest.raises(ValueError, match=r"--config is given 2 times"):
+        parse_config(["--config", str(recipe), f"--config={recipe}"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--max_grad_norm", "-1"], "--max_grad_norm must be >= 0"),
+        (["--weight_decay", "-0.1"], "--weight_decay must be >= 0"),
+        (["--learning_rate", "nan"], "--learning_rate must be a finite number"),
+        (["--learning_rate", "0"], "--learning_rate must be > 0"),
+        (["--adam_beta2", "1.0"], r"--adam_beta2 must lie in \[0, 1\)"),
+        (["--max_steps", "0"], "--max_steps must be >= 1"),
+    ],
+)
+def test_out_of_range_optimisation_values(argv: list[str], expected: str) -> None:
+    with pytest.raises(ValueError, match=expected):
+        parse_config(argv)

@@ -6,9 +6,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 from tiny_models import tiny_llama
 
 from train.distill import main
+from train.loop import NonFiniteLossError
 
 Argv = Callable[..., list[str]]
 
@@ -29,7 +32,7 @@ def test_missing_target_path(tmp_path: Path, tiny_argv: Argv) -> None:
 
 
 def test_unknown_loss_name(tmp_path: Path, tiny_argv: Argv) -> None:
-    with pytest.raises(ValueError, match=r"unknown loss .kl.*valid names: fkl, rkl, jsd, tv, ce"):
+    with pytest.raises(ValueError, match=r"unknown loss .kl.*valid names: fkl, rkl, jsd, tv"):
         main(tiny_argv(tmp_path, "--loss", "kl"))
     assert _nothing_trained(tmp_path)
 
@@ -72,11 +75,46 @@ def test_existing_run_needs_resume_or_overwrite(tmp_path: Path, tiny_argv: Argv)
         main(tiny_argv(tmp_path, "--resume_from_checkpoint", str(tmp_path / "nope")))
 
 
-def test_multi_process_run_does_not_build_a_missing_demo_target(
+def test_a_launch_without_a_process_group_builds_no_demo_target(
     tmp_path: Path, tiny_argv: Argv, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # Launched ranks build a missing demo target on the main one (tests/train/test_distill_fsdp.py);
+    # a process that was told it is one of two but formed no group is refused before any build.
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(FileNotFoundError, match=r"build it once first with .*--preset tiny"):
-        main([*tiny_argv(tmp_path / "out"), "--target", "tiny"])
+    recipe = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+    argv = ["--config", str(recipe), "--target", "tiny"]
+    with pytest.raises(RuntimeError, match="formed no process group"):
+        main([*argv, "--output_dir", str(tmp_path / "out")])
     assert not (tmp_path / "cache").exists()
+
+
+def test_a_diverging_run_stops_with_the_step_and_exports_nothing(
+    tmp_path: Path, tiny_argv: Argv
+) -> None:
+    argv = tiny_argv(tmp_path, "--learning_rate", "1e20", "--warmup_steps", "0", "--max_steps", "4")
+    with pytest.raises(NonFiniteLossError, match=r"at step \d+.*Lower the learning rate") as error:
+        main([*argv, "--checkpoint_every", "1"])
+    assert "nothing is exported" in str(error.value)
+    assert not (tmp_path / "drafter").exists()
+    assert not (tmp_path / "summary.json").exists()
+    # Every checkpoint that was written holds finite weights only.
+    for checkpoint in (tmp_path / "checkpoints").glob("checkpoint-*"):
+        for tensor in load_file(str(checkpoint / "model.safetensors")).values():
+            assert torch.isfinite(tensor).all(), checkpoint
+
+
+def test_output_dir_that_is_a_file(tmp_path: Path, tiny_argv: Argv) -> None:
+    taken = tmp_path / "taken"
+    taken.write_text("not a folder")
+    for output in (taken, taken / "run"):
+        with pytest.raises(FileExistsError, match=r"is a file, not a folder; pass a folder"):
+            main(tiny_argv(output))
+
+
+def test_fp16_on_the_cpu_names_the_fix(tmp_path: Path, tiny_argv: Argv) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("fp16 is valid with a GPU")
+    with pytest.raises(ValueError, match=r"fp16 needs a GPU.*use --mixed_precision bf16 or no"):
+        main(tiny_argv(tmp_path, "--mixed_precision", "fp16"))
+    assert _nothing_trained(tmp_path)

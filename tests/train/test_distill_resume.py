@@ -32,7 +32,7 @@ FLAGS = (
 
 
 def _losses(log: Path) -> dict[int, float]:
-    """Step -> train loss; a step logged twice (before the kill and after resuming) keeps the last."""
+    """Step -> train loss."""
     return {r["step"]: r["train/loss"] for r in read_metrics_log(log) if "train/loss" in r}
 
 
@@ -66,6 +66,11 @@ def test_sigkill_then_resume_replays_the_uninterrupted_losses(
     expected = _losses(tmp_path / "reference" / "logs" / "metrics.jsonl")
     got = _losses(run / "logs" / "metrics.jsonl")
     assert sorted(got) == list(range(1, 25))
+    # The steps re-run after the checkpoint replaced their first rows: one row per step.
+    logged = [r["step"] for r in read_metrics_log(run / "logs" / "metrics.jsonl")]
+    assert logged == [
+        r["step"] for r in read_metrics_log(tmp_path / "reference" / "logs" / "metrics.jsonl")
+    ]
     for step in range(1, 25):
         assert got[step] == pytest.approx(expected[step], rel=1e-5, abs=1e-6), step
     assert resumed["held_out"]["overlap@1"] == pytest.approx(
