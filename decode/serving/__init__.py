@@ -8,6 +8,7 @@
 - ``metrics``: counters and their Prometheus text exposition;
 - ``responses``: OpenAI's response and chunk objects, server-sent-event framing;
 - ``app``: the FastAPI routes (completions, chat, models, health, metrics);
+- ``connection``: uvicorn's h11 protocol with deadlines on idle connections and on headers;
 - ``loading``: target, tokenizer and drafter from folders (safetensors only).
 
 Nothing here is imported by ``decode`` itself: inference never needs the web stack.

@@ -631,20 +631,17 @@ class _Exchange:
         await self._send(message)
 
     async def answer(self, status: int, message: str, kind: str, code: str | None) -> None:
-        """Answer here, replacing whatever the route would have sent, and close."""
+        """Answer here, replacing whatever the route would have sent."""
         if self.status is not None:
             return
-        self.answered_here = True
-        self.status = status
-        self.complete = True
         body = error_json(error_body(message, kind, code=code))
         headers = [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),
-            (b"connection", b"close"),
         ]
-        await self._send({"type": "http.response.start", "status": status, "headers": headers})
-        await self._send({"type": "http.response.body", "body": body})
+        await self.send({"type": "http.response.start", "status": status, "headers": headers})
+        await self.send({"type": "http.response.body", "body": body})
+        self.answered_here = True
 
     async def fail(self) -> None:
         if self.status is None:

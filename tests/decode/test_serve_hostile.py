@@ -53,6 +53,7 @@ class Live:
     runner: uvicorn.Server
     port: int
     records: _Records
+    server_bugs: int = 0  # 500s a test provoked on purpose
 
     def connect(self) -> socket.socket:
         sock = socket.create_connection(("127.0.0.1", self.port))
@@ -130,7 +131,8 @@ def stays_healthy(live: Live) -> Iterator[None]:
     connection.request("GET", "/health")
     assert connection.getresponse().status == 200
     connection.close()
-    assert not [key for key in live.counts() if key[1].startswith("5")], live.counts()
+    failures = sum(n for (_, code), n in live.counts().items() if code.startswith("5"))
+    assert failures == live.server_bugs, live.counts()
     assert not live.records.bad, [record.getMessage() for record in live.records.bad]
 
 
@@ -450,4 +452,32 @@ def test_the_schema_needs_the_key_and_the_docs_are_off(live: Live) -> None:
     response = connection.getresponse()
     assert response.status == 200
     assert "/v1/chat/completions" in json.loads(response.read())["paths"]
+    connection.close()
+
+
+def test_a_server_bug_is_a_500_that_keeps_the_connection(
+    live: Live, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only the server's own failures are 5xx; even then the answer is OpenAI's schema and the
+    keep-alive connection survives (no re-raise into Starlette's error middleware)."""
+
+    def broken(*_: object) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(live.server, "_render_chat", broken)
+    connection = live.http()
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+    connection.request("POST", "/v1/chat/completions", body, AUTH)
+    response = connection.getresponse()
+    assert response.status == 500
+    assert openai_error(json.loads(response.read()))["type"] == "server_error"
+    live.server_bugs += 1
+    (record,) = live.records.bad
+    assert record.exc_info and "RuntimeError: a bug" in logging.Formatter().format(record)
+    live.records.bad.clear()
+    sock = connection.sock
+    connection.request("POST", "/v1/completions", GOOD, AUTH)
+    response = connection.getresponse()
+    assert response.status == 200 and response.read()
+    assert connection.sock is sock
     connection.close()
