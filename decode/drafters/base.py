@@ -80,6 +80,7 @@ class Drafter(ABC):
     kind: ClassVar[str]
     needs_hidden_states: ClassVar[bool] = False
     supports_trees: ClassVar[bool] = False
+    supports_external_drafts: ClassVar[bool] = False  # implements ``replace_drafts``
 
     @property
     @abstractmethod
@@ -127,6 +128,23 @@ class Drafter(ABC):
         target_pass: TargetPass,  # the verify pass over [pending, d_1 .. d_N]
     ) -> None:
         """Bring the drafter's state to the newly committed sequence."""
+
+    def usage(self) -> dict[str, float] | None:
+        """What the drafter reports about its own work (the hybrid: how often each part
+        drafted), or None."""
+        return None
+
+    def replace_drafts(
+        self,
+        tokens: torch.Tensor,  # [B, W] the tokens the round verifies instead of the proposal
+        replaced: torch.Tensor,  # [B] bool: rows whose proposal was replaced
+    ) -> None:
+        """Between ``propose`` and ``commit``: another proposer (prompt lookup, in the hybrid
+        drafter) drafted the ``replaced`` rows; the round verifies ``tokens`` there (the other
+        rows keep this drafter's proposal, so ``W`` equals its width unless every row was
+        replaced after a zero-width proposal). ``commit`` then brings the state to what was
+        accepted of them. Drafters with ``supports_external_drafts`` implement it."""
+        raise NotImplementedError(f"the {self.kind} drafter cannot verify another's drafts")
 
     def propose_tree(self, spec: TreeSpec, depth: int) -> TreeProposal:
         """Draft a tree of at most ``depth`` levels (drafters with ``supports_trees``)."""

@@ -21,6 +21,7 @@ class DraftModelDrafter(Drafter):
     """Drafts with a Hugging Face causal LM (``AutoModelForCausalLM``)."""
 
     kind = "draft_lm"
+    supports_external_drafts = True
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model.eval()
@@ -31,7 +32,9 @@ class DraftModelDrafter(Drafter):
         self._sequence: CachedSequence | None = None
         self._unread: torch.Tensor | None = None  # [B, W] tokens the draft has not read
         self._unread_valid: torch.Tensor | None = None  # [B, W] bool
-        self._last_drafts: torch.Tensor | None = None  # [B, N]
+        self._last_drafts: torch.Tensor | None = None  # [B, N] the tokens the round verifies
+        self._replaced: torch.Tensor | None = None  # [B] bool rows drafted by another proposer
+        self._own_width = 0  # tokens this drafter proposed (and read all but the last of)
 
     @property
     def vocab_size(self) -> int:
@@ -61,6 +64,7 @@ class DraftModelDrafter(Drafter):
         generator: torch.Generator | None,
     ) -> DraftProposal:
         sequence = self._require_state()
+        self._own_width = num_tokens
         if num_tokens == 0:  # nothing read: the unread tokens wait for the next proposal
             self._last_drafts = self._unread.new_empty(self._unread.shape[0], 0)
             return DraftProposal(tokens=self._last_drafts, probs=None)
@@ -76,30 +80,62 @@ class DraftModelDrafter(Drafter):
         stacked = None if sampling.greedy else torch.stack(probs, dim=1)
         return DraftProposal(tokens=self._last_drafts, probs=stacked)
 
+    def replace_drafts(
+        self,
+        tokens: torch.Tensor,  # [B, W]
+        replaced: torch.Tensor,  # [B] bool
+    ) -> None:
+        drafts = self._last_drafts
+        if drafts.shape[1] and tokens.shape[1] != drafts.shape[1]:
+            raise ValueError(
+                f"replacement drafts have width {tokens.shape[1]}, the proposal {drafts.shape[1]}"
+            )
+        if drafts.shape[1]:
+            self._last_drafts = torch.where(replaced[:, None], tokens, drafts)
+            self._replaced = replaced
+        else:  # a zero-width proposal: every row verifies the other proposer's tokens
+            self._last_drafts = tokens
+            self._replaced = torch.ones_like(replaced)
+
     def commit(
         self,
         num_accepted: torch.Tensor,  # [B]
         next_tokens: torch.Tensor,  # [B]
         target_pass: TargetPass,
     ) -> None:
+        """Keep what the draft read of the accepted tokens; queue the rest to read next time.
+
+        The draft read ``d_1 .. d_{N-1}`` of its own proposal; rows whose drafts were replaced
+        (``replace_drafts``) read none of the verified ones. Unread: ``d_N`` when all N of a
+        row's own drafts were accepted, a replaced row's accepted drafts, then the next token.
+        """
         sequence = self._require_state()
-        drafts = self._last_drafts
+        drafts = self._last_drafts  # [B, N] the verified tokens
+        replaced, self._replaced = self._replaced, None
         num_drafts = drafts.shape[1]
-        if num_drafts == 0:  # a round without drafts: one more token to read later
-            self._unread = torch.cat([self._unread, next_tokens[:, None]], dim=1)
+        read_own = self._own_width > 0
+        ones = torch.ones_like(next_tokens, dtype=torch.bool)[:, None]
+        if not read_own:  # nothing was read this round: queue the accepted drafts too
+            columns = torch.arange(num_drafts, device=drafts.device)[None, :]
+            self._unread = torch.cat([self._unread, drafts, next_tokens[:, None]], dim=1)
             self._unread_valid = torch.cat(
-                [self._unread_valid, torch.ones_like(next_tokens, dtype=torch.bool)[:, None]], 1
+                [self._unread_valid, columns < num_accepted[:, None], ones], dim=1
             )
             return
-        # The draft read d_1 .. d_{N-1}; it keeps those that were accepted.
-        sequence.rollback(num_drafts - 1, num_accepted.clamp(max=num_drafts - 1))
-        all_accepted = num_accepted == num_drafts  # [B]
-        if bool(all_accepted.any()):
-            self._unread = torch.stack([drafts[:, -1], next_tokens], dim=1)
-            self._unread_valid = torch.stack([all_accepted, torch.ones_like(all_accepted)], 1)
+        if replaced is None:
+            replaced = torch.zeros_like(next_tokens, dtype=torch.bool)
+        # Own rows keep the accepted drafts among d_1 .. d_{N-1}; replaced rows keep none.
+        keep = torch.where(replaced, 0, num_accepted.clamp(max=num_drafts - 1))
+        sequence.rollback(num_drafts - 1, keep)
+        columns = torch.arange(num_drafts, device=drafts.device)[None, :]
+        first_unread = torch.where(replaced, 0, num_drafts - 1)[:, None]  # [B, 1]
+        unread_valid = (columns >= first_unread) & (columns < num_accepted[:, None])
+        if bool(unread_valid.any()):
+            self._unread = torch.cat([drafts, next_tokens[:, None]], dim=1)
+            self._unread_valid = torch.cat([unread_valid, ones], dim=1)
         else:
             self._unread = next_tokens[:, None]
-            self._unread_valid = torch.ones_like(self._unread, dtype=torch.bool)
+            self._unread_valid = ones
 
     def _require_state(self) -> CachedSequence:
         if self._sequence is None:

@@ -17,17 +17,19 @@ from torch import nn
 
 from decode.drafters.base import Drafter, DraftProposal, TargetPass, TreeSpec
 from decode.drafters.eagle import Eagle3Head, block_visibility, positions_from_mask
+from decode.drafters.eagle_lean import LeanEagle3
+from decode.kv_cache import PreallocatedLayer
 from decode.sampling import SamplingConfig, select_tokens
 from decode.tree import Frontier, TreeProposal, TreeVerification, build_dynamic_tree
 
 
 @dataclass
 class _DrafterState:
-    keys: torch.Tensor  # [B, KV, S, D] committed entries (padding and holes marked in `valid`)
-    values: torch.Tensor  # [B, KV, S, D]
+    cache: PreallocatedLayer  # [B, KV, S, D] committed entries (padding and holes in `valid`)
     valid: torch.Tensor  # [B, S] bool
+    has_holes: bool  # some committed slot of some row is invalid (padding or a hole)
     hidden: torch.Tensor  # [B, H] pre-norm output of each row's last committed entry
-    logits: torch.Tensor  # [B, V_target] draft logits for the token after the pending one
+    logits: torch.Tensor  # [B, V_draft] draft logits for the token after the pending one
     next_pos: torch.Tensor  # [B] position of the next entry (the pending token's pair)
     drafts: torch.Tensor | None = None  # [B, N] the last chain proposal, until committed
 
@@ -37,15 +39,18 @@ class Eagle3Drafter(Drafter):
 
     The drafter keeps its own KV cache of committed entries (f_t, x_{t+1}): ``prefill`` reads
     the prompt's target features, ``commit`` the verify pass's features of the accepted tokens
-    and the pending one. Drafted entries are temporary and dropped after each proposal. Rows
-    advance independently; rejected or padded entries stay in memory as masked holes and are
-    compacted when they outnumber the live ones. The head is moved to the target's embedding
-    device and dtype.
+    and the pending one. Drafted entries are appended for the proposal and cropped off after
+    it. The head runs through :class:`LeanEagle3` (fused products, preallocated cache, logits
+    over the pruned draft vocabulary; draft ids are mapped to target ids only when chosen).
+    Rows advance independently; slots that some row rejected while another kept them stay as
+    masked holes and are compacted when they outnumber the live ones. The head is moved to the
+    target's embedding device and dtype.
     """
 
     kind: ClassVar[str] = "eagle3"
     needs_hidden_states: ClassVar[bool] = True
     supports_trees: ClassVar[bool] = True
+    supports_external_drafts: ClassVar[bool] = True
 
     def __init__(self, head: Eagle3Head, target: nn.Module) -> None:
         embed = target.get_input_embeddings()
@@ -62,6 +67,7 @@ class Eagle3Drafter(Drafter):
                 f"{config.target_num_hidden_layers}-layer target, this target has {depth} layers"
             )
         self.head = head.to(device=embed.weight.device, dtype=embed.weight.dtype).eval()
+        self.lean = LeanEagle3(self.head)
         self._embed = embed
         self._state: _DrafterState | None = None
         self.check_compatible(target)
@@ -91,16 +97,18 @@ class Eagle3Drafter(Drafter):
             raise ValueError("prompts must be left-padded: every row's last column must be real")
         next_ids = torch.cat((input_ids[:, 1:], pending[:, None]), dim=1)
         positions = positions_from_mask(attention_mask)
-        fused = self.head.fuse(self.head.gather_aux(hidden_states))
-        visible = block_visibility(None, valid)
-        prenorm, (keys, values) = self.head(fused, self._embed(next_ids), positions, None, visible)
+        fused = self.lean.fuse(self.head.gather_aux(hidden_states))
+        cache = PreallocatedLayer()
+        prenorm = self.lean.step(
+            fused, self._embed(next_ids), positions, cache, block_visibility(None, valid)
+        )
         last = prenorm[:, -1]
         self._state = _DrafterState(
-            keys=keys,
-            values=values,
+            cache=cache,
             valid=valid,
+            has_holes=not bool(valid.all()),
             hidden=last,
-            logits=self._target_logits(last),
+            logits=self.lean.draft_logits(last),
             next_pos=positions[:, -1] + 1,
         )
 
@@ -115,31 +123,32 @@ class Eagle3Drafter(Drafter):
         if num_tokens == 0:  # a round without drafts; commit still reads its features
             state.drafts = state.logits.new_empty(state.logits.shape[0], 0, dtype=torch.long)
             return DraftProposal(tokens=state.drafts, probs=None)
-        keys, values, valid = state.keys, state.values, state.valid
+        committed = state.cache.get_seq_length()
         logits, hidden = state.logits, state.hidden
         tokens, probs = [], []
         for step in range(num_tokens):
-            token, q = select_tokens(logits, sampling, generator)
+            draft_id, q = select_tokens(logits, sampling, generator)  # draft vocabulary
+            token = self.lean.to_target_ids(draft_id)
             tokens.append(token)
             probs.append(q)
             if step == num_tokens - 1:
                 break
-            block_valid = torch.ones_like(token, dtype=torch.bool)[:, None]
-            prenorm, (key, value) = self.head(
+            visible = None
+            if state.has_holes:  # the new entry sees the valid committed ones and the drafts
+                drafted = torch.ones_like(state.valid[:, :1]).expand(-1, step + 1)
+                visible = torch.cat((state.valid, drafted), dim=1)[:, None]
+            hidden = self.lean.step(
                 hidden[:, None],
                 self._embed(token)[:, None],
                 (state.next_pos + step)[:, None],
-                (keys, values),
-                block_visibility(valid, block_valid),
-            )
-            keys, values = torch.cat((keys, key), 2), torch.cat((values, value), 2)
-            valid = torch.cat((valid, block_valid), 1)
-            hidden = prenorm[:, 0]
-            logits = self._target_logits(hidden)
+                state.cache,
+                visible,
+            )[:, 0]
+            logits = self.lean.draft_logits(hidden)
+        state.cache.crop(committed - state.cache.get_seq_length())
         state.drafts = torch.stack(tokens, dim=1)
-        return DraftProposal(
-            tokens=state.drafts, probs=None if sampling.greedy else torch.stack(probs, dim=1)
-        )
+        q = None if sampling.greedy else self.lean.to_target_probs(torch.stack(probs, dim=1))
+        return DraftProposal(tokens=state.drafts, probs=q)
 
     @torch.no_grad()
     def commit(
@@ -155,11 +164,31 @@ class Eagle3Drafter(Drafter):
         hidden_states = _require_hidden(target_pass, drafts.shape[1] + 1)
         self._append_committed(drafts, num_accepted, next_tokens, hidden_states)
 
+    def replace_drafts(
+        self,
+        tokens: torch.Tensor,  # [B, W]
+        replaced: torch.Tensor,  # [B] bool
+    ) -> None:
+        """Commit reads the target's features of whatever was verified: swap the tokens."""
+        state = self._require_state()
+        drafts = state.drafts
+        if drafts is None:
+            raise RuntimeError("replace_drafts() needs a preceding propose()")
+        if drafts.shape[1] == 0:
+            state.drafts = tokens
+        elif tokens.shape[1] != drafts.shape[1]:
+            raise ValueError(
+                f"replacement drafts have width {tokens.shape[1]}, the proposal {drafts.shape[1]}"
+            )
+        else:
+            state.drafts = torch.where(replaced[:, None], tokens, drafts)
+
     # -- trees ----------------------------------------------------------------------------
     @torch.no_grad()
     def propose_tree(self, spec: TreeSpec, depth: int) -> TreeProposal:
         """EAGLE-2 dynamic tree from the head's own log-probabilities (deterministic children).
 
+        The tree is built over the draft vocabulary and its tokens mapped to target ids.
         Verify it with :func:`decode.tree.verify_tree_greedy` / ``verify_tree_stochastic`` over
         the target's pass on ``tree.input_ids(pending)``, then call :meth:`commit_tree`.
         """
@@ -172,30 +201,31 @@ class Eagle3Drafter(Drafter):
                 f"top_k={top_k} exceeds the draft vocabulary ({self.head.config.draft_vocab_size})"
             )
         batch = state.hidden.shape[0]
-        keys, values = state.keys, state.values
-        committed = state.valid
+        committed = state.cache.get_seq_length()
         outputs = state.hidden[:, None].expand(batch, top_k, -1)  # parents' outputs
-        seen = torch.zeros(batch, top_k, 0, dtype=torch.bool, device=committed.device)
+        seen = torch.zeros(batch, top_k, 0, dtype=torch.bool, device=state.valid.device)
 
-        def expand(frontier: Frontier) -> torch.Tensor:  # [B, K, V] log-probs of children
-            nonlocal keys, values, outputs, seen
+        def expand(frontier: Frontier) -> torch.Tensor:  # [B, K, V_draft] children log-probs
+            nonlocal outputs, seen
             slots = frontier.parent_slots.clamp(min=0)
             hidden_in = outputs.gather(1, slots[..., None].expand(-1, -1, outputs.shape[-1]))
             ancestors = seen.gather(1, slots[..., None].expand(-1, -1, seen.shape[-1]))
             own = torch.eye(top_k, dtype=torch.bool, device=seen.device).expand(batch, -1, -1)
             seen = torch.cat((ancestors, own), dim=-1)
-            visible = torch.cat((committed[:, None].expand(-1, top_k, -1), seen), dim=-1)
+            visible = torch.cat((state.valid[:, None].expand(-1, top_k, -1), seen), dim=-1)
             positions = (state.next_pos + frontier.step)[:, None].expand(-1, top_k)
-            prenorm, (key, value) = self.head(
-                hidden_in, self._embed(frontier.tokens), positions, (keys, values), visible
+            tokens = self.lean.to_target_ids(frontier.tokens)
+            outputs = self.lean.step(
+                hidden_in, self._embed(tokens), positions, state.cache, visible
             )
-            keys, values = torch.cat((keys, key), 2), torch.cat((values, value), 2)
-            outputs = prenorm
-            return torch.log_softmax(self._target_logits(prenorm).float(), dim=-1)
+            return torch.log_softmax(self.lean.draft_logits(outputs).float(), dim=-1)
 
         root = torch.log_softmax(state.logits.float(), dim=-1)
         state.drafts = None
-        return build_dynamic_tree(root, expand, top_k=top_k, depth=depth, total_tokens=total_tokens)
+        tree = build_dynamic_tree(root, expand, top_k=top_k, depth=depth, total_tokens=total_tokens)
+        state.cache.crop(committed - state.cache.get_seq_length())
+        tree.tokens = self.lean.to_target_ids(tree.tokens)
+        return tree
 
     @torch.no_grad()
     def commit_tree(
@@ -223,9 +253,6 @@ class Eagle3Drafter(Drafter):
             raise RuntimeError("the drafter has no batch: call prefill() first")
         return self._state
 
-    def _target_logits(self, prenorm: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., V_t]
-        return self.head.to_target_logits(self.head.compute_logits(prenorm))
-
     def _append_committed(
         self,
         drafts: torch.Tensor,  # [B, D] drafted tokens; the first num_accepted are accepted
@@ -233,7 +260,10 @@ class Eagle3Drafter(Drafter):
         next_tokens: torch.Tensor,  # [B]
         hidden_states: Sequence[torch.Tensor],  # each [B, D + 1, H]: [pending, d_1 .. d_D]
     ) -> None:
-        """Add entries (f_pending, d_1), ..., (f_{d_n}, next) per row; the rest are holes."""
+        """Add entries (f_pending, d_1), ..., (f_{d_n}, next) per row; the rest are holes.
+
+        Slots past the longest kept row are cropped off, so a batch of one never holds holes.
+        """
         state = self._require_state()
         width = drafts.shape[1] + 1
         cols = torch.arange(width, device=drafts.device)
@@ -241,34 +271,32 @@ class Eagle3Drafter(Drafter):
         tokens = torch.where(cols < num_accepted[:, None], padded, next_tokens[:, None])
         block_valid = cols <= num_accepted[:, None]
         positions = state.next_pos[:, None] + cols
-        fused = self.head.fuse(self.head.gather_aux(hidden_states))
-        prenorm, (key, value) = self.head(
-            fused,
-            self._embed(tokens),
-            positions,
-            (state.keys, state.values),
-            block_visibility(state.valid, block_valid),
-        )
+        fused = self.lean.fuse(self.head.gather_aux(hidden_states))
+        visible = None
+        if width > 1 or state.has_holes:
+            visible = block_visibility(state.valid, block_valid)
+        prenorm = self.lean.step(fused, self._embed(tokens), positions, state.cache, visible)
+        fewest, most = (int(n) + 1 for n in torch.aminmax(num_accepted))
+        state.cache.crop(most - width)
+        state.valid = torch.cat((state.valid, block_valid[:, :most]), 1)
+        state.has_holes = state.has_holes or fewest < most
         rows = torch.arange(drafts.shape[0], device=drafts.device)
-        state.keys = torch.cat((state.keys, key), 2)
-        state.values = torch.cat((state.values, value), 2)
-        state.valid = torch.cat((state.valid, block_valid), 1)
         state.hidden = prenorm[rows, num_accepted]
-        state.logits = self._target_logits(state.hidden)
+        state.logits = self.lean.draft_logits(state.hidden)
         state.next_pos = state.next_pos + num_accepted + 1
         state.drafts = None
-        live = int(state.valid.sum(1).max())
-        if state.valid.shape[1] > 2 * live:  # amortised: each compaction halves the cache
-            self._compact(live)
+        if state.has_holes:
+            live = int(state.valid.sum(1).max())
+            if state.valid.shape[1] > 2 * live:  # amortised: each compaction halves the cache
+                self._compact(live)
 
     def _compact(self, live: int) -> None:
         """Drop holes: keep each row's valid entries in order, right-aligned in ``live`` slots."""
         state = self._require_state()
-        order = torch.sort(state.valid.long(), dim=1, stable=True).indices[:, -live:]
-        index = order[:, None, :, None].expand(-1, state.keys.shape[1], -1, state.keys.shape[-1])
-        state.keys = state.keys.gather(2, index)
-        state.values = state.values.gather(2, index)
+        order = torch.sort(state.valid.long(), dim=1, stable=True).indices[:, -live:]  # [B, L]
+        state.cache.keep_slots(0, order)
         state.valid = state.valid.gather(1, order)
+        state.has_holes = not bool(state.valid.all())
 
 
 def _require_hidden(target_pass: TargetPass, width: int | None) -> tuple[torch.Tensor, ...]:

@@ -19,6 +19,7 @@ class NgramDrafter(Drafter):
     """Looks up the newest ``n``-gram (``max_ngram`` down to ``min_ngram``) in the row's history."""
 
     kind = "ngram"
+    supports_external_drafts = True
 
     def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1) -> None:
         if not 1 <= min_ngram <= max_ngram:
@@ -58,13 +59,31 @@ class NgramDrafter(Drafter):
         sampling: SamplingConfig,
         generator: torch.Generator | None,
     ) -> DraftProposal:
-        found = [self._lookup(history, num_tokens) for history in self._history]
+        found = [self.lookup(history, num_tokens)[0] for history in self._history]
         width = max(len(drafts) for drafts in found)
         # Pads are real one-hot proposals: if the target accepts one, it is emitted and kept.
         self._last_drafts = [drafts + [0] * (width - len(drafts)) for drafts in found]
         tokens = torch.tensor(self._last_drafts, dtype=torch.long, device=self._device)
         tokens = tokens.reshape(len(found), width)
         return DraftProposal(tokens=tokens, probs=None)
+
+    @property
+    def histories(self) -> list[list[int]]:
+        """Each row's committed tokens (prompt, then everything emitted)."""
+        return self._history
+
+    def replace_drafts(
+        self,
+        tokens: torch.Tensor,  # [B, W]
+        replaced: torch.Tensor,  # [B] bool
+    ) -> None:
+        """The round verifies ``tokens``: commit extends the histories with their accepted part."""
+        rows = tokens.tolist()
+        own = self._last_drafts if len(self._last_drafts) == len(rows) else rows
+        self._last_drafts = [
+            new if swap else old
+            for new, old, swap in zip(rows, own, replaced.tolist(), strict=True)
+        ]
 
     def commit(
         self,
@@ -82,12 +101,12 @@ class NgramDrafter(Drafter):
             history.extend(drafts[:accepted])
             history.append(token)
 
-    def _lookup(self, history: list[int], num_tokens: int) -> list[int]:
-        """Tokens after an earlier occurrence of the longest matching suffix.
+    def lookup(self, history: list[int], num_tokens: int) -> tuple[list[int], int]:
+        """Tokens after an earlier occurrence of the longest matching suffix, and its length.
 
         The most recent occurrence that still has ``num_tokens`` tokens after it wins (on a
         repeated pattern the nearest match would leave only one token to copy); failing that,
-        the occurrence with the longest continuation.
+        the occurrence with the longest continuation. ``([], 0)`` when nothing matches.
         """
         length = len(history)
         for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
@@ -98,9 +117,9 @@ class NgramDrafter(Drafter):
                 if history[start : start + n] == suffix:
                     continuation = history[start + n : start + n + num_tokens]
                     if len(continuation) == num_tokens:
-                        return continuation
+                        return continuation, n
                     if len(continuation) > len(best):
                         best = continuation
             if best:
-                return best
-        return []
+                return best, n
+        return [], 0

@@ -24,6 +24,7 @@ DRAFTER_LOADERS: dict[str, str] = {
     "none": "decode.drafters.registry:load_no_drafter",
     "medusa": "decode.drafters.medusa:load_runtime_drafter",
     "eagle3": "decode.drafters.eagle_drafter:load_runtime_drafter",
+    "hybrid": "decode.drafters.registry:load_hybrid",
 }
 
 # Architectures written by other engines' export formats.
@@ -93,6 +94,21 @@ def load_no_drafter(path: str | Path | None, target: torch.nn.Module) -> Drafter
     from decode.drafters.none import NoDrafter
 
     return NoDrafter(vocab_size=target.get_output_embeddings().weight.shape[0])
+
+
+def load_hybrid(path: str | Path | None, target: torch.nn.Module) -> Drafter:
+    """Prompt lookup plus the learned drafter (draft_lm or eagle3) stored at ``path``."""
+    from decode.drafters.hybrid import HybridDrafter
+
+    if path is None:
+        raise ValueError(
+            "the hybrid drafter pairs prompt lookup with a trained drafter: pass --drafter PATH "
+            "(a draft_lm or eagle3 folder)"
+        )
+    learned_kind = detect_drafter_kind(path)
+    if learned_kind == "hybrid":
+        raise ValueError(f"{path} declares kind 'hybrid': point --drafter at the learned drafter")
+    return HybridDrafter(load_drafter(path, target, kind=learned_kind))
 
 
 def _check_kind(kind: str) -> None:

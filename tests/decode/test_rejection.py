@@ -68,6 +68,6 @@ def test_ngram_lookup_copies_a_full_continuation_on_repeats() -> None:
     from decode import NgramDrafter
 
     drafter = NgramDrafter(vocab_size=10, max_ngram=2)
-    assert drafter._lookup([5, 5, 5, 5, 5, 5], 3) == [5, 5, 5]
-    assert drafter._lookup([1, 2, 3, 4, 1, 2], 3) == [3, 4, 1]
-    assert drafter._lookup([1, 2, 3, 4, 9], 3) == []
+    assert drafter.lookup([5, 5, 5, 5, 5, 5], 3) == ([5, 5, 5], 2)
+    assert drafter.lookup([1, 2, 3, 4, 1, 2], 3) == ([3, 4, 1], 2)
+    assert drafter.lookup([1, 2, 3, 4, 9], 3) == ([], 0)

@@ -1,0 +1,107 @@
+"""The hybrid drafter (prompt lookup + a learned drafter) is exact like every other kind."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from decode_helpers import (
+    chi_square_p_value,
+    exact_two_token_law,
+    noisy_copy,
+    tiny_eagle_drafter,
+    tiny_medusa_drafter,
+)
+from tiny_models import tiny_llama
+
+from decode import DraftModelDrafter, SpeculativeDecoder
+from decode.drafters.hybrid import HybridDrafter
+from decode.sampling import SamplingConfig
+
+# Row 0 repeats itself (lookup matches), row 1 does not at first (the learned drafter drafts).
+REPEATING = [5, 9, 12, 5, 9, 12, 5, 9, 12, 5]
+PLAIN = [3, 17, 40, 22, 8, 31, 14, 60, 27, 11]
+# Every token once: whatever token is sampled next occurred before (lookup drafts); one token
+# over and over: almost nothing sampled next occurred before (the learned drafter drafts).
+EVERY_TOKEN = list(range(64))
+ONE_TOKEN = [7] * 64
+
+
+@pytest.fixture(scope="module")
+def target() -> torch.nn.Module:
+    return tiny_llama(seed=0)
+
+
+def _learned(target: torch.nn.Module, kind: str):
+    if kind == "draft_lm":
+        return DraftModelDrafter(noisy_copy(target, 0.5))
+    return tiny_eagle_drafter(target)
+
+
+@pytest.mark.parametrize("kind", ["draft_lm", "eagle3"])
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_hybrid_greedy_equals_target_generate(
+    target: torch.nn.Module, kind: str, adaptive: bool
+) -> None:
+    ids = torch.tensor([REPEATING, PLAIN, [0, 0, 0, *REPEATING[:7]]])
+    mask = (torch.arange(10)[None] >= torch.tensor([0, 0, 3])[:, None]).long()
+    reference = target.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False
+    )
+    for num_draft_tokens in (1, 4):
+        hybrid = HybridDrafter(_learned(target, kind))
+        decoder = SpeculativeDecoder(target, hybrid, num_draft_tokens, adaptive=adaptive)
+        for rows in (slice(0, 1), slice(0, 3)):  # batch 1, then a ragged batch of 3
+            out = decoder.generate(ids[rows], attention_mask=mask[rows], max_new_tokens=20)
+            assert torch.equal(out.sequences, reference[rows]), (kind, num_draft_tokens, rows)
+        usage = hybrid.usage()
+        assert usage["lookup_rows"] > 0 and usage["learned_rows"] > 0, usage
+
+
+@pytest.mark.parametrize("kind", ["draft_lm", "eagle3"])
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 10, 0.9)])
+def test_hybrid_mixed_rounds_follow_target_law(
+    target: torch.nn.Module, kind: str, temperature: float, top_k: int, top_p: float
+) -> None:
+    """Half the batch drafts by lookup and half by the learned drafter in the same rounds;
+    each half's first two tokens follow its own prompt's exact law."""
+    rows = 1500
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+    prompts = torch.tensor([EVERY_TOKEN] * rows + [ONE_TOKEN] * rows)
+    hybrid = HybridDrafter(_learned(target, kind))
+    decoder = SpeculativeDecoder(target, hybrid, 3)
+    out = decoder.generate(
+        prompts,
+        max_new_tokens=3,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        eos_token_id=[],
+        generator=torch.Generator().manual_seed(0),
+    )
+    new = out.sequences[:, prompts.shape[1] :]
+    for half, prompt in ((slice(0, rows), EVERY_TOKEN), (slice(rows, None), ONE_TOKEN)):
+        first_law, second_law = exact_two_token_law(target, torch.tensor(prompt), sampling)
+        first = torch.bincount(new[half, 0], minlength=64)
+        second = torch.bincount(new[half, 1], minlength=64)
+        assert chi_square_p_value(first, first_law) > 1e-4, (kind, half)
+        assert chi_square_p_value(second, second_law) > 1e-4, (kind, half)
+    usage = hybrid.usage()
+    assert usage["lookup_rows"] >= rows and usage["learned_rows"] >= rows, usage
+
+
+def test_hybrid_counts_every_round(target: torch.nn.Module) -> None:
+    hybrid = HybridDrafter(DraftModelDrafter(noisy_copy(target, 0.5)))
+    decoder = SpeculativeDecoder(target, hybrid, 4)
+    out = decoder.generate(torch.tensor([REPEATING]), max_new_tokens=24, eos_token_id=[])
+    usage = hybrid.usage()
+    assert usage["lookup_rows"] + usage["learned_rows"] == out.stats.rounds
+    accepted = usage["lookup_mean_accepted"] * usage["lookup_rows"]
+    accepted += usage["learned_mean_accepted"] * usage["learned_rows"]
+    assert round(accepted) == sum(out.stats.accepted_per_position)
+
+
+def test_hybrid_refuses_a_drafter_that_cannot_commit_other_drafts(
+    target: torch.nn.Module,
+) -> None:
+    with pytest.raises(ValueError, match="cannot commit drafts it did not propose"):
+        HybridDrafter(tiny_medusa_drafter(target))
