@@ -45,6 +45,7 @@ def distill(config: DistillConfig) -> dict[str, Any]:
     from train.batches import ShardedBatches, shard_list
     from train.checkpoint import CheckpointManager
     from train.distill_data import collate_rows, load_sequences
+    from train.distributed import format_report, parallel_report, target_on_main_first
     from train.export import export_drafter, push_to_hub
     from train.loop import LoopConfig, make_accelerator, run_training
     from train.losses import build_loss
@@ -60,9 +61,11 @@ def distill(config: DistillConfig) -> dict[str, Any]:
     _check_output_dir(output_dir)
     checkpoints = CheckpointManager(output_dir / "checkpoints", config.output.keep_checkpoints)
     resume = _resume_point(config, checkpoints)
-    # Before the run's Accelerator exists: a demo-target build trains through its own one.
+    # One process builds a missing demo target before its Accelerator exists (the build trains
+    # through its own); under a launcher the main process builds it while the others wait.
     launched = int(os.environ.get("WORLD_SIZE", "1"))
-    location, target_name = target_location(target_ref, allow_build=launched == 1)
+    if launched == 1:
+        location, target_name = target_location(target_ref)
 
     reporters = [name for name in config.logging_reporters() if name != "none"]
     accelerator = make_accelerator(
@@ -71,6 +74,8 @@ def distill(config: DistillConfig) -> dict[str, Any]:
         log_with=reporters,
         project_dir=output_dir,
     )
+    if launched > 1:
+        location, target_name = target_on_main_first(target_ref, accelerator)
     if resume is None and config.output.overwrite_output_dir and accelerator.is_main_process:
         shutil.rmtree(output_dir / "checkpoints", ignore_errors=True)
         (output_dir / "logs" / "metrics.jsonl").unlink(missing_ok=True)
@@ -151,6 +156,9 @@ def distill(config: DistillConfig) -> dict[str, Any]:
         checkpoints=checkpoints,
         resume_from=resume,
     )
+    parallel = parallel_report(objective.module, accelerator)  # a collective
+    if accelerator.is_main_process:
+        print(format_report(parallel))
 
     summary = {
         "target": target_name,
@@ -171,6 +179,7 @@ def distill(config: DistillConfig) -> dict[str, Any]:
         "tokens_per_s": result.tokens_per_second,
         "world_size": result.world_size,
         "params_in_sync": result.params_in_sync,
+        "distributed": parallel,
         "train_sequences": len(train_rows),
         "last_checkpoint": str(result.last_checkpoint) if result.last_checkpoint else None,
         "cache": None if cache_stats is None else _cache_summary(cache_stats),

@@ -68,6 +68,7 @@ def export_drafter(
     with atomic_folder(folder) as temp:
         objective.save_drafter(temp, tokenizer, state_dict)
         provenance = build_provenance(resolved_config)
+        provenance["distributed"] = summary.get("distributed")  # type, world size, shards
         (temp / "provenance.json").write_text(json.dumps(provenance, indent=2) + "\n")
         # Machine-readable held-out metrics (overlap@j ...) for benchmarks and dashboards.
         held_out = summary.get("held_out", {})

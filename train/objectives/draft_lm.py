@@ -172,7 +172,13 @@ class DraftLMObjective(Objective):
         if hasattr(model, "merge_and_unload"):  # peft: fold the LoRA deltas into the weights
             import copy
 
-            copy.deepcopy(model).merge_and_unload().save_pretrained(folder)
+            from train.distributed import whole_peft_copy
+
+            # The gathered state when given: under FSDP the local model holds shards only.
+            whole = (
+                copy.deepcopy(model) if state_dict is None else whole_peft_copy(model, state_dict)
+            )
+            whole.merge_and_unload().save_pretrained(folder)
         else:
             model.save_pretrained(folder, state_dict=state_dict)
         if tokenizer is not None:
