@@ -1,8 +1,10 @@
-"""scripts/ablate.py: grid parsing and the recipe flags of each cell, regenerated data prepared
-once, and a 2 cells x 2 seeds grid on the tiny recipes that is interrupted and resumed."""
+"""scripts/ablate.py over train/ablation.py: grid parsing and the recipe flags of each cell,
+regenerated data prepared once, and a 2 cells x 2 seeds grid on the tiny recipes that is
+interrupted and resumed."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 from pathlib import Path
@@ -10,6 +12,7 @@ from types import ModuleType
 
 import pytest
 
+from train import ablation
 from train.config import parse_config
 from train.demo_target import build_demo_target
 
@@ -32,21 +35,23 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_grid_axes_map_to_real_recipe_flags(tmp_path: Path) -> None:
     ablate = _script()
-    grid = ablate.parse_grid(
+    grid = ablation.parse_grid(
         ["kind=draft_lm,eagle3", "data=corpus,regenerated+onpolicy", "loss=lk,jsd:0.5"]
     )
-    cells = ablate.cells_of(grid)
+    cells = ablation.cells_of(grid)
     assert len(cells) == 8 and cells[0] == {"kind": "draft_lm", "data": "corpus", "loss": "lk"}
     args = ablate.parse_args(
         ["--preset", "tiny", "--max-minutes", "2.5", "--set", "lr_scheduler=constant"]
     )
-    recipes = ablate.recipes_of(args)
     regen = tmp_path / "regen.jsonl"
+    regen.write_text("")
+    args.regenerated = regen
+    settings = ablate.settings_from(args)
     for cell in cells:
-        run_dir = ablate.run_folder(tmp_path, ablate.run_key(cell, 1))
+        run_dir = ablation.run_folder(tmp_path, ablation.run_key(cell, 1))
         try:
-            argv = ablate.run_argv(cell, 1, args, recipes, run_dir, regen)
-        except ablate.Skip as reason:  # only EAGLE-3 with on-policy data
+            argv = ablation.run_argv(cell, 1, settings, run_dir)
+        except ablation.Skip as reason:  # only EAGLE-3 with on-policy data
             assert cell["kind"] == "eagle3" and "onpolicy" in cell["data"]
             assert "does not sample on-policy" in str(reason)
             continue
@@ -62,12 +67,12 @@ def test_grid_axes_map_to_real_recipe_flags(tmp_path: Path) -> None:
         assert (config.data.dataset == str(regen)) == regenerated
         assert config.data.dataset == (str(regen) if regenerated else "stdlib")
         assert config.data.on_policy_fraction == (0.5 if "onpolicy" in cell["data"] else 0.0)
-    assert len({ablate.run_folder(tmp_path, ablate.run_key(c, 0)) for c in cells}) == 8
+    assert len({ablation.run_folder(tmp_path, ablation.run_key(c, 0)) for c in cells}) == 8
     hard_labels = {"kind": "draft_lm", "data": "onpolicy", "loss": "ce"}
-    with pytest.raises(ablate.Skip, match="own guesses"):
-        ablate.run_argv(hard_labels, 0, args, recipes, tmp_path / "ce", None)
+    with pytest.raises(ablation.Skip, match="own guesses"):
+        ablation.run_argv(hard_labels, 0, settings, tmp_path / "ce")
     mixed = {**hard_labels, "loss": "tv+0.1*ce"}  # a target term: on-policy data is fine
-    assert "--on_policy_fraction" in ablate.run_argv(mixed, 0, args, recipes, tmp_path, None)
+    assert "--on_policy_fraction" in ablation.run_argv(mixed, 0, settings, tmp_path)
     for bad, message in [
         (["loss"], "write AXIS=V1,V2"),
         (["data=corpus,web"], r"unknown source\(s\) \['web'\]"),
@@ -78,9 +83,13 @@ def test_grid_axes_map_to_real_recipe_flags(tmp_path: Path) -> None:
         (["loss=tv,tv"], "repeats a value"),
     ]:
         with pytest.raises(ValueError, match=message):
-            ablate.parse_grid(bad)
+            ablation.parse_grid(bad)
     with pytest.raises(ValueError, match="repeats a seed"):
-        ablate.parse_args(["--seeds", "0", "0"])
+        ablation.run_grid({"loss": ["tv"]}, [0, 0], settings)
+    with pytest.raises(ValueError, match="set through --seeds"):
+        ablate.settings_from(ablate.parse_args(["--set", "seed=3"]))
+    with pytest.raises(ValueError, match="tau-prompts must be >= 1"):
+        ablate.settings_from(ablate.parse_args(["--tau-prompts", "0"]))
 
 
 def test_regenerated_data_is_written_once_per_grid(
@@ -96,9 +105,11 @@ def test_regenerated_data_is_written_once_per_grid(
         output.write_text('{"prompt": "a", "response": "b", "text": "ab"}\n')
 
     monkeypatch.setattr(ablate.subprocess, "run", fake_run)
-    args = ablate.parse_args(["--output", str(tmp_path), "--regen-prompts", "7"])
-    first = ablate.prepare_regenerated(args, "tiny", max_files=40)
-    again = ablate.prepare_regenerated(args, "tiny", max_files=40)
+    settings = ablate.settings_from(
+        ablate.parse_args(["--output", str(tmp_path), "--regen-prompts", "7"])
+    )
+    first = ablate.prepare_regenerated(settings, "tiny", max_files=40)
+    again = ablate.prepare_regenerated(settings, "tiny", max_files=40)
     assert first == again == tmp_path / "data" / "regenerated.jsonl"
     assert len(calls) == 1
     command = calls[0]
@@ -106,9 +117,66 @@ def test_regenerated_data_is_written_once_per_grid(
     assert command[command.index("--prompts") + 1] == "stdlib"
     assert command[command.index("--num-prompts") + 1] == "7"
     assert command[command.index("--max-files") + 1] == "40"
-    given = ablate.parse_args(["--regenerated", str(tmp_path / "missing.jsonl")])
+    given = ablate.settings_from(
+        ablate.parse_args(["--regenerated", str(tmp_path / "missing.jsonl")])
+    )
     with pytest.raises(FileNotFoundError, match="no such file"):
         ablate.prepare_regenerated(given, "tiny", max_files=None)
+    # the grid runner itself never writes it: it asks for the file
+    missing = ablation.GridSettings(output=tmp_path / "other", recipes=settings.recipes)
+    with pytest.raises(FileNotFoundError, match="data=regenerated needs"):
+        ablation.run_grid({"data": ["regenerated"]}, [0], missing)
+
+
+def test_run_grid_resumes_retries_failures_and_summarizes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The runner's bookkeeping with the training replaced by a deterministic stand-in."""
+    trained: list[str] = []
+    broken: set[str] = set()
+
+    def fake(argv: list[str]) -> dict:
+        loss, seed = argv[argv.index("--loss") + 1], int(argv[argv.index("--seed") + 1])
+        key = f"loss={loss},seed={seed}"
+        trained.append(key)
+        if key in broken:
+            raise RuntimeError("diverged")
+        tau = {"ce": 2.0, "lk": 2.5}[loss] + 0.1 * seed
+        return {
+            "overlap": [0.5 + 0.1 * seed, 0.4],
+            "greedy_match": [0.6],
+            "tau": {"0": tau, "1": tau / 2},
+        }
+
+    monkeypatch.setattr(ablation, "train_and_measure", fake)
+    settings = ablation.GridSettings(
+        output=tmp_path, recipes=ablation.recipes_for("tiny"), max_steps=2
+    )
+    grid = {"loss": ["ce", "lk"]}
+    first = ablation.run_grid(grid, [0, 1], settings, max_runs=3, log=lambda _: None)
+    assert first["stopped"] and first["new_runs"] == 3
+    assert trained == ["loss=ce,seed=0", "loss=lk,seed=0", "loss=ce,seed=1"]  # seeds outer
+    second = ablation.run_grid(grid, [0, 1], settings, log=lambda _: None)
+    assert trained[3:] == ["loss=lk,seed=1"] and not second["stopped"]
+    saved = json.loads((tmp_path / "ablation.json").read_text())
+    assert set(saved["runs"]) == {f"loss={loss},seed={s}" for loss in ("ce", "lk") for s in (0, 1)}
+    assert saved["failed"] == {}
+    cells = {c["key"]: c for c in saved["cells"]}
+    lk = cells["loss=lk"]
+    assert lk["tau"]["0"]["mean"] == pytest.approx(2.55) and lk["tau"]["0"]["n"] == 2
+    assert lk["tau"]["0"]["std"] == pytest.approx(0.1 / 2**0.5)
+    assert (lk["overlap"][0]["min"], lk["overlap"][0]["max"]) == pytest.approx((0.5, 0.6))
+    assert len(lk["overlap"]) == 2 and len(lk["greedy_match"]) == 1
+    assert saved["baselines"] == {"loss": "ce"}
+    assert lk["gain"]["loss=ce"]["tau"]["1"] == pytest.approx(2.55 / 2.05 - 1)
+    assert "gain" not in cells["loss=ce"] or cells["loss=ce"]["gain"] == {}
+    # a failure is recorded, not kept as a run, and retried by the next call
+    broken.add("loss=ce,seed=2")
+    third = ablation.run_grid(grid, [0, 1, 2], settings, log=lambda _: None)
+    assert trained[4:] == ["loss=ce,seed=2", "loss=lk,seed=2"]
+    assert "loss=ce,seed=2" in third["failed"] and "loss=ce,seed=2" not in third["runs"]
+    with pytest.raises(ValueError, match=r"other settings \(max_minutes\)"):
+        ablation.run_grid(grid, [0], dataclasses.replace(settings, max_minutes=1.0))
 
 
 @pytest.mark.slow  # four tiny distillations with their decoding step: ~75 s on 2 loaded cores
@@ -136,7 +204,8 @@ def test_grid_of_two_cells_and_two_seeds_resumes_after_an_interruption(
     assert "loss=ce,seed=0: done already, skipped" in out
     assert out.count("[ablate] run ") == 3  # only the three missing runs trained
     saved = json.loads((output / "ablation.json").read_text())
-    assert saved == json.loads(json.dumps(results))  # the file is the returned results
+    status = ("stopped", "new_runs", "path")  # the runner's own report, not in the file
+    assert saved == {k: v for k, v in json.loads(json.dumps(results)).items() if k not in status}
     assert set(saved["runs"]) == {
         f"loss={loss},seed={seed}" for loss in ("ce", "lk") for seed in (0, 1)
     }

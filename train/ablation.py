@@ -1,0 +1,497 @@
+"""Ablation grids of distillation recipes: cells x seeds, trained and measured, one results file.
+
+A grid is the product of axes of recipe overrides (:func:`parse_grid`): ``loss`` (a spec of
+``train.losses``), ``kind`` (the drafter kind, which picks its recipe), ``data`` (``corpus``,
+``regenerated``, ``onpolicy``, joined with ``+``) and any other recipe field. Every cell runs
+once per seed through ``train.distill.main`` (:func:`run_argv` gives its flags, the
+``data`` sources mapped to the recipe keys ``--dataset`` and ``--on_policy_fraction``), and the
+run's own summary gives what the grid compares (:func:`train_and_measure`): the held-out
+overlap per draft position, ``overlap@j`` (the expected acceptance ``alpha_j`` of
+docs/theory.md §5), and tau, the tokens per target pass that the speed step measures with the
+decoder (``train.speed_report`` over ``decode.evaluate``) at each decoding temperature.
+
+:func:`run_grid` keeps every run in one JSON (``ablation.json``), rewritten atomically after
+each run with the per-cell spread over seeds (:func:`summarize`: mean, sample standard
+deviation, min, max) and each cell's relative gain over its baseline cell
+(:func:`compare_with_baselines`, e.g. ``loss=ce``). Rerun on the same file, it skips the runs
+already there, so an interrupted grid continues where it stopped; runs made with other
+settings (:meth:`GridSettings.fingerprint`) are refused rather than mixed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import json
+import math
+import re
+import time
+import traceback
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from train.config import SECTIONS, read_recipe
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS_FILE = "ablation.json"
+FORMAT_VERSION = 1
+
+# preset -> drafter kind -> recipe; the grid's "kind" axis picks one.
+RECIPES: dict[str, dict[str, str]] = {
+    preset: {
+        "draft_lm": f"configs/{preset}.yaml",
+        "eagle3": f"configs/{preset}_eagle3.yaml",
+        "medusa": f"configs/{preset}_medusa.yaml",
+    }
+    for preset in ("demo", "bench", "tiny")
+}
+DATA_SOURCES = ("corpus", "regenerated", "onpolicy")
+ON_POLICY_KINDS = ("draft_lm",)  # objectives that sample their own continuations
+# Fields the tool sets itself; the grid names them through its own axes.
+RESERVED = {
+    "drafter_kind": "kind",
+    "dataset": "data=regenerated (or --recipe)",
+    "on_policy_fraction": "data=onpolicy and --on-policy-fraction",
+    "seed": "--seeds",
+    "output_dir": "--output",
+}
+
+
+class Skip(Exception):
+    """A cell that cannot run (e.g. on-policy data for a kind that does not sample)."""
+
+
+@dataclass
+class GridSettings:
+    """Everything but the grid and the seeds: where results go and how each run is made."""
+
+    output: Path
+    recipes: dict[str, Path]  # drafter kind -> recipe (see recipes_for)
+    target: str | None = None  # overrides every recipe's --target
+    max_minutes: float | None = None  # each run's time box
+    max_steps: int | None = None  # each run's step cap
+    overrides: dict[str, str] = field(default_factory=dict)  # recipe field -> value, every run
+    tau_prompts: int = 8  # held-out prompts decoded to measure tau
+    tau_new_tokens: int = 64  # tokens per prompt
+    temperatures: tuple[float, ...] = (0.0, 1.0)
+    num_draft_tokens: int = 4  # chain length for every kind
+    on_policy_fraction: float = 0.5  # data=onpolicy
+    regenerated: Path | None = None  # data=regenerated: this JSONL (else written per grid)
+    regen_prompts: int = 1000
+    regen_prompt_tokens: int = 32
+    regen_new_tokens: int = 192
+
+    def __post_init__(self) -> None:
+        for name in ("tau_prompts", "tau_new_tokens", "num_draft_tokens", "regen_prompts"):
+            if getattr(self, name) < 1:
+                flag = name.replace("_", "-")
+                raise ValueError(f"--{flag} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 < self.on_policy_fraction <= 1.0:
+            raise ValueError(
+                f"--on-policy-fraction must lie in (0, 1], got {self.on_policy_fraction}"
+            )
+        for name in RESERVED:
+            if name in self.overrides:
+                raise ValueError(f"--set {name}: set through {RESERVED[name]}")
+
+    @property
+    def regenerated_file(self) -> Path:
+        """The JSONL of ``data=regenerated``: the given one, else ``<output>/data/``."""
+        return self.regenerated or self.output / "data" / "regenerated.jsonl"
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What makes runs comparable; a resumed grid must have the same (JSON types)."""
+        out = dataclasses.asdict(self)
+        del out["output"]
+        out["recipes"] = {kind: str(path) for kind, path in sorted(self.recipes.items())}
+        out["temperatures"] = [float(t) for t in self.temperatures]
+        out["regenerated"] = str(self.regenerated_file)
+        if self.regenerated is not None:  # a given file: how it was made is not ours
+            for name in ("regen_prompts", "regen_prompt_tokens", "regen_new_tokens"):
+                del out[name]
+        return out
+
+
+def default(name: str) -> Any:
+    """The default of a :class:`GridSettings` field (the command line's defaults)."""
+    spec = GridSettings.__dataclass_fields__[name]
+    return (
+        spec.default_factory() if spec.default_factory is not dataclasses.MISSING else spec.default
+    )
+
+
+def recipes_for(preset: str, replaced: dict[str, str] | None = None) -> dict[str, Path]:
+    """The recipes of ``preset`` per drafter kind, with ``replaced`` kinds pointing elsewhere."""
+    if preset not in RECIPES:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(sorted(RECIPES))}")
+    recipes = {kind: REPO / path for kind, path in RECIPES[preset].items()}
+    for kind, path in (replaced or {}).items():
+        recipes[kind] = Path(path)
+    return recipes
+
+
+# --------------------------------------------------------------------------- the grid
+
+
+def parse_grid(items: Sequence[str]) -> dict[str, list[str]]:
+    """``["loss=ce,tv", "kind=draft_lm"]`` -> ``{"loss": ["ce", "tv"], "kind": ["draft_lm"]}``."""
+    fields = {f for cls in SECTIONS.values() for f in cls.__dataclass_fields__}
+    grid: dict[str, list[str]] = {}
+    for item in items:
+        axis, sep, values = item.partition("=")
+        axis = axis.strip()
+        parsed = [v.strip() for v in values.split(",") if v.strip()]
+        if not sep or not axis or not parsed:
+            raise ValueError(f"--grid {item!r}: write AXIS=V1,V2 (e.g. loss=ce,tv)")
+        if axis in grid:
+            raise ValueError(f"--grid names axis {axis!r} twice; give all its values at once")
+        if axis in RESERVED:
+            raise ValueError(f"--grid {axis}: set through {RESERVED[axis]}, not as a grid axis")
+        if axis not in ("loss", "kind", "data") and axis not in fields:
+            raise ValueError(
+                f"--grid {axis}: unknown axis; use loss, data, kind or a recipe field "
+                "(see python train/distill.py --help)"
+            )
+        if len(set(parsed)) != len(parsed):
+            raise ValueError(f"--grid {item!r} repeats a value")
+        if axis == "data":
+            for value in parsed:
+                bad = [part for part in value.split("+") if part not in DATA_SOURCES]
+                if bad:
+                    raise ValueError(
+                        f"--grid data={value}: unknown source(s) {bad}; use "
+                        f"{', '.join(DATA_SOURCES)}, or several joined with '+'"
+                    )
+        grid[axis] = parsed
+    return grid
+
+
+def parse_pairs(items: Iterable[str], flag: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"{flag} {item!r}: write KEY=VALUE")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def cells_of(grid: dict[str, list[str]]) -> list[dict[str, str]]:
+    """The product of the axes, in the order given (the last axis varies fastest)."""
+    return [dict(zip(grid, values, strict=True)) for values in itertools.product(*grid.values())]
+
+
+def cell_key(cell: dict[str, str]) -> str:
+    return ",".join(f"{axis}={value}" for axis, value in cell.items())
+
+
+def run_key(cell: dict[str, str], seed: int) -> str:
+    return f"{cell_key(cell)},seed={seed}"
+
+
+def run_folder(output: Path, key: str) -> Path:
+    """A file-system-safe folder per run: a readable slug plus a short hash of the key."""
+    slug = re.sub(r"[^A-Za-z0-9._=-]+", "_", key.replace(",", "__"))[:80]
+    digest = hashlib.sha1(key.encode()).hexdigest()[:8]
+    return output / "runs" / f"{slug}-{digest}"
+
+
+def run_argv(
+    cell: dict[str, str],
+    seed: int,
+    settings: GridSettings,
+    run_dir: Path,
+) -> list[str]:
+    """The ``train/distill.py`` flags of one run; raises :class:`Skip` for impossible cells."""
+    kind = cell.get("kind", "draft_lm")
+    recipes = settings.recipes
+    if kind not in recipes:
+        raise ValueError(
+            f"no recipe for drafter kind {kind!r}: pass --recipe {kind}=PATH "
+            f"(known: {', '.join(sorted(recipes))})"
+        )
+    recipe = recipes[kind]
+    if not recipe.is_file():
+        raise FileNotFoundError(f"recipe {recipe} of kind {kind!r} does not exist: pass --recipe")
+    argv = ["--config", str(recipe), "--drafter_kind", kind, "--output_dir", str(run_dir)]
+    argv += ["--overwrite_output_dir", "true", "--seed", str(seed), "--report_to", "none"]
+    argv += ["--progress_bar", "false"]
+    if settings.target is not None:
+        argv += ["--target", settings.target]
+    if settings.max_minutes is not None:
+        argv += ["--max_minutes", str(settings.max_minutes)]
+    if settings.max_steps is not None:
+        argv += ["--max_steps", str(settings.max_steps)]
+    argv += ["--speed_eval_prompts", str(settings.tau_prompts)]
+    argv += ["--speed_eval_new_tokens", str(settings.tau_new_tokens)]
+    argv += ["--speed_eval_draft_tokens", str(settings.num_draft_tokens)]
+    argv += ["--speed_eval_tree_total_tokens", "0"]  # chains: every kind drafts alike
+    argv += ["--speed_eval_temperatures", *(f"{t:g}" for t in settings.temperatures)]
+    for name, value in settings.overrides.items():
+        argv += [f"--{name}", value]
+    sources = cell.get("data", "corpus").split("+")
+    if "regenerated" in sources:
+        argv += ["--dataset", str(settings.regenerated_file)]
+    if "onpolicy" in sources:
+        if kind not in ON_POLICY_KINDS:
+            raise Skip(
+                f"data=onpolicy: the {kind} objective does not sample on-policy continuations "
+                f"(only {', '.join(ON_POLICY_KINDS)} does)"
+            )
+        _check_on_policy_loss(cell.get("loss"), recipe)
+        argv += ["--on_policy_fraction", str(settings.on_policy_fraction)]
+    else:
+        argv += ["--on_policy_fraction", "0"]
+    for axis, value in cell.items():
+        if axis == "loss":
+            argv += ["--loss", value]
+        elif axis not in ("kind", "data"):
+            argv += [f"--{axis}", value]
+    return argv
+
+
+def _check_on_policy_loss(loss: str | None, recipe: Path) -> None:
+    """On-policy batches carry the drafter's own samples: hard labels there teach nothing."""
+    from train.losses import build_loss  # torch: imported when first needed
+
+    spec = loss if loss is not None else read_recipe(recipe).get("loss", "tv")
+    if not build_loss(spec).needs_target:
+        raise Skip(
+            f"data=onpolicy with loss={spec}: on-policy batches are the drafter's own samples, "
+            "and a loss without a target term would train it on its own guesses"
+        )
+
+
+def grid_target(settings: GridSettings, kinds: Iterable[str]) -> str:
+    """The one target of the grid (``--target``, else the recipes' common one)."""
+    if settings.target is not None:
+        return settings.target
+    targets = {read_recipe(settings.recipes[kind]).get("target", "demo") for kind in kinds}
+    if len(targets) != 1:
+        raise ValueError(
+            f"the recipes of this grid name different targets {sorted(targets)}: pass --target"
+        )
+    return targets.pop()
+
+
+# --------------------------------------------------------------------------- one run
+
+
+def train_and_measure(argv: list[str]) -> dict[str, Any]:
+    """One run through ``train.distill.main``; its summary reduced to what the grid compares."""
+    from train.distill import main as distill_main
+
+    summary = distill_main(argv)
+    held_out = summary["held_out"]
+    speed = summary.get("speed") or {}
+    return {
+        "overlap": _per_position(held_out, "overlap@"),
+        "greedy_match": _per_position(held_out, "greedy_match@"),
+        "held_out": held_out,
+        "tau": {t: r["tau"] for t, r in speed.items()},
+        "predicted_tau": {t: r["predicted_tau"] for t, r in speed.items()},
+        "speedup": {t: r["speedup"] for t, r in speed.items()},
+        "steps": summary["steps"],
+        "stop_reason": summary["stop_reason"],
+        "minutes": summary["minutes"],
+        "tokens_seen": summary["tokens_seen"],
+        "data": summary["data"],
+        "eval_description": summary["eval_description"],
+    }
+
+
+def _per_position(held_out: dict[str, float], prefix: str) -> list[float]:
+    keys = [k for k in held_out if k.startswith(prefix) and k[len(prefix) :].isdigit()]
+    return [held_out[k] for k in sorted(keys, key=lambda k: int(k[len(prefix) :]))]
+
+
+# --------------------------------------------------------------------------- aggregation
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+    """Mean, sample standard deviation (0 for one value), min, max and count."""
+    n = len(values)
+    mean = sum(values) / n
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else 0.0
+    return {"mean": mean, "std": std, "min": min(values), "max": max(values), "n": n}
+
+
+def summarize(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per cell: overlap and greedy match per position and tau per temperature over seeds."""
+    by_cell: dict[str, list[dict[str, Any]]] = {}
+    for record in runs.values():
+        by_cell.setdefault(cell_key(record["cell"]), []).append(record)
+    cells = []
+    for key, records in by_cell.items():
+        records.sort(key=lambda r: r["seed"])
+        entry: dict[str, Any] = {
+            "key": key,
+            "cell": records[0]["cell"],
+            "seeds": [r["seed"] for r in records],
+        }
+        for metric in ("overlap", "greedy_match"):
+            length = min(len(r[metric]) for r in records)
+            entry[metric] = [spread([r[metric][j] for r in records]) for j in range(length)]
+        temperatures = set.intersection(*(set(r["tau"]) for r in records))
+        entry["tau"] = {
+            t: spread([r["tau"][t] for r in records]) for t in sorted(temperatures, key=float)
+        }
+        cells.append(entry)
+    return cells
+
+
+def compare_with_baselines(
+    cells: list[dict[str, Any]], baselines: dict[str, str]
+) -> list[dict[str, Any]]:
+    """Relative gains (``mean / baseline mean - 1``) of each cell over its baseline cells.
+
+    The baseline of a cell for ``axis=value`` is the cell equal to it on every other axis.
+    """
+    index = {cell_key(c["cell"]): c for c in cells}
+    for entry in cells:
+        gains: dict[str, Any] = {}
+        for axis, value in baselines.items():
+            if axis not in entry["cell"] or entry["cell"][axis] == value:
+                continue
+            base = index.get(cell_key({**entry["cell"], axis: value}))
+            if base is None:
+                continue
+            gain: dict[str, Any] = {"baseline": base["key"], "tau": {}}
+            for t, stats in entry["tau"].items():
+                if t in base["tau"] and base["tau"][t]["mean"] > 0:
+                    gain["tau"][t] = stats["mean"] / base["tau"][t]["mean"] - 1.0
+            if entry["overlap"] and base["overlap"] and base["overlap"][0]["mean"] > 0:
+                gain["overlap@1"] = entry["overlap"][0]["mean"] / base["overlap"][0]["mean"] - 1
+            gains[f"{axis}={value}"] = gain
+        entry["gain"] = gains
+    return cells
+
+
+def default_baselines(grid: dict[str, list[str]]) -> dict[str, str]:
+    out = {}
+    for axis, value in (("loss", "ce"), ("data", "corpus")):
+        if value in grid.get(axis, []):
+            out[axis] = value
+    return out
+
+
+# --------------------------------------------------------------------------- results file
+
+
+def load_results(path: Path, settings: dict[str, Any]) -> dict[str, Any]:
+    """The results written so far (empty for a new grid); refuses other settings."""
+    if not path.is_file():
+        return {"format_version": FORMAT_VERSION, "settings": settings, "runs": {}}
+    results = json.loads(path.read_text())
+    if results.get("settings") != settings:
+        changed = sorted(
+            k
+            for k in set(settings) | set(results.get("settings", {}))
+            if settings.get(k) != results.get("settings", {}).get(k)
+        )
+        raise ValueError(
+            f"{path} holds runs made with other settings ({', '.join(changed)}): rerun with "
+            "the same settings to continue that grid, or pass another --output"
+        )
+    return results
+
+
+def save_results(
+    path: Path,
+    results: dict[str, Any],
+    baselines: dict[str, str],
+    skipped: dict[str, str],
+    failed: dict[str, str],
+) -> None:
+    """Recompute the per-cell summary and write everything atomically (a crash mid-write
+    leaves the previous file)."""
+    from data.atomic_io import write_json_atomic
+
+    results["cells"] = compare_with_baselines(summarize(results["runs"]), baselines)
+    results["baselines"] = baselines
+    results["skipped"] = skipped
+    results["failed"] = failed  # not in "runs": the next invocation retries them
+    write_json_atomic(path, results)
+
+
+# --------------------------------------------------------------------------- the grid runner
+
+
+def needs_regenerated(cells: Iterable[dict[str, str]]) -> bool:
+    return any("regenerated" in cell.get("data", "").split("+") for cell in cells)
+
+
+def run_grid(
+    grid: dict[str, list[str]],
+    seeds: Sequence[int],
+    settings: GridSettings,
+    baselines: dict[str, str] | None = None,
+    max_runs: int | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Run (or continue) the grid; return the results written to ``<output>/ablation.json``.
+
+    Seeds are the outer loop, so a partial grid has whole seeds to compare. ``max_runs``
+    stops after that many new runs (``results["stopped"]``). A run that raises is logged and
+    left out of ``runs`` (``results["failed"]``), so the next call retries it.
+    """
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds repeats a seed: {list(seeds)}")
+    if max_runs is not None and max_runs < 1:
+        raise ValueError(f"--max-runs must be >= 1, got {max_runs}")
+    cells = cells_of(grid)
+    if needs_regenerated(cells) and not settings.regenerated_file.is_file():
+        raise FileNotFoundError(
+            f"data=regenerated needs {settings.regenerated_file}: write it with "
+            "scripts/regenerate_data.py (scripts/ablate.py does so once per grid)"
+        )
+    baselines = default_baselines(grid) if baselines is None else baselines
+    path = settings.output / RESULTS_FILE
+    results = load_results(path, settings.fingerprint())
+    runs: dict[str, dict[str, Any]] = results["runs"]
+    skipped: dict[str, str] = {}
+    failed: dict[str, str] = {}
+    new_runs = 0
+    stopped = False
+    total = len(cells) * len(seeds)
+    for seed in seeds:
+        for cell in cells:
+            key = run_key(cell, seed)
+            run_dir = run_folder(settings.output, key)
+            try:
+                run_args = run_argv(cell, seed, settings, run_dir)
+            except Skip as reason:
+                skipped[cell_key(cell)] = str(reason)
+                continue
+            if key in runs:
+                log(f"[ablate] {key}: done already, skipped")
+                continue
+            if max_runs is not None and new_runs >= max_runs:
+                stopped = True
+                break
+            log(f"[ablate] run {len(runs) + 1}/{total}: {key}")
+            start = time.perf_counter()
+            try:
+                measured = train_and_measure(run_args)
+            except Exception as error:  # one bad cell must not lose the grid
+                traceback.print_exc()
+                failed[key] = f"{type(error).__name__}: {error}"
+                continue
+            runs[key] = {
+                "key": key,
+                "cell": cell,
+                "seed": seed,
+                "run_dir": str(run_dir),
+                "argv": run_args,
+                "wall_minutes": (time.perf_counter() - start) / 60,
+                **measured,
+            }
+            new_runs += 1
+            save_results(path, results, baselines, skipped, failed)
+        if stopped:
+            break
+    save_results(path, results, baselines, skipped, failed)
+    return {**results, "stopped": stopped, "new_runs": new_runs, "path": str(path)}
