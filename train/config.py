@@ -135,7 +135,9 @@ class DataConfig:
 class LossConfig:
     """The distillation objective (train.losses)."""
 
-    loss: str = _f("tv", "loss spec: tv, fkl, rkl, jsd:0.5, ce, or a mix like 0.5*fkl+0.5*tv")
+    loss: str = _f(
+        "tv", "loss spec: tv, fkl, rkl, jsd:0.5, lk, nla, ce, or a mix like 0.5*fkl+0.5*tv"
+    )
     loss_temperature: float = _f(1.0, "temperature both distributions are taken at in the loss")
     eval_temperature: float = _f(1.0, "decoding temperature the held-out overlap is measured at")
     unroll_steps: int = _f(4, "eagle3: training-time-test steps (draft positions trained)")
