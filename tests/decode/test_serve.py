@@ -11,9 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +26,7 @@ import torch
 from decode_helpers import noisy_copy
 from openai import OpenAI
 from openai.types import Completion
+from serve_helpers import Metrics, free_port, metric, openai_error, parse_prometheus, tail
 from tiny_models import tiny_llama
 
 from data.tokenizer import train_byte_level_bpe
@@ -47,9 +46,6 @@ TEXTS = [
     "the quick brown fox jumps over the lazy dog",
 ] * 10
 PROMPTS = ["def add", "hello world", "import os", "the quick", "fox", "return a", "lazy", "b):"]
-
-
-Metrics = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
 @dataclass
@@ -107,51 +103,6 @@ class Served:
         raise AssertionError(f"timed out waiting for {what}; server log:\n{tail(self.log)}")
 
 
-def metric(metrics: Metrics, name: str, **labels: str) -> float:
-    return metrics.get((name, frozenset(labels.items())), 0.0)
-
-
-SAMPLE = re.compile(
-    r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\]|\\.)*"'
-    r'(?:,[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\]|\\.)*")*)\})? (?P<value>[-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|NaN|Inf))$'
-)
-
-
-def parse_prometheus(text: str) -> Metrics:
-    """Prometheus text format 0.0.4, strictly: HELP and TYPE before every metric's samples."""
-    assert text.endswith("\n")
-    samples: Metrics = {}
-    typed: dict[str, str] = {}
-    helped: set[str] = set()
-    for line in text.splitlines():
-        if line.startswith("# HELP "):
-            helped.add(line.split()[2])
-        elif line.startswith("# TYPE "):
-            _, _, name, kind = line.split()
-            assert kind in {"counter", "gauge"}, line
-            typed[name] = kind
-        else:
-            match = SAMPLE.match(line)
-            assert match, f"not a Prometheus sample line: {line!r}"
-            name = match["name"]
-            assert name in typed and name in helped, f"{name} has no # TYPE / # HELP"
-            labels = frozenset(
-                re.findall(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"', match["labels"] or "")
-            )
-            samples[(name, labels)] = float(match["value"])
-    return samples
-
-
-def tail(path: Path, lines: int = 40) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     root = tmp_path_factory.mktemp("serve")
@@ -188,7 +139,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 
         # The reference copy loads while the server boots.
         reloaded = AutoModelForCausalLM.from_pretrained(root / "target", use_safetensors=True)
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300  # a busy machine imports torch slowly
         while True:
             if process.poll() is not None:
                 raise AssertionError(f"the server exited with {process.returncode}:\n{tail(log)}")
@@ -241,15 +192,7 @@ def post(served: Served, path: str, body: object, headers: dict | None = None) -
 
 def assert_openai_error(response: httpx.Response, status: int, code: str | None = None) -> dict:
     assert response.status_code == status, response.text
-    body = response.json()
-    assert set(body) == {"error"}
-    error = body["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert isinstance(error["message"], str) and error["message"]
-    assert isinstance(error["type"], str) and error["type"]
-    if code is not None:
-        assert error["code"] == code
-    return error
+    return openai_error(response.json(), code)
 
 
 # -- answers ------------------------------------------------------------------------------
@@ -445,6 +388,14 @@ def test_client_disconnect_frees_its_slot(served: Served) -> None:
         before, "draftsmith_decoded_tokens_total"
     )
     assert 0 < decoded < MAX_TOKENS_LIMIT  # stopped long before its max_tokens
+
+    def count(metrics: Metrics, code: str) -> float:
+        name = "draftsmith_requests_total"
+        return metric(metrics, name, endpoint="/v1/completions", code=code)
+
+    # Counted as a hang-up (499), not as the 200 its stream had started with.
+    after = served.wait_for(lambda m: count(m, "499") == count(before, "499") + 1, "a 499")
+    assert count(after, "200") == count(before, "200")
     answer = served.openai().completions.create(model=MODEL, prompt="fox", max_tokens=3)
     assert answer.usage.completion_tokens <= 3
 
@@ -503,8 +454,12 @@ def test_api_key_is_required(served: Served) -> None:
         response = post(served, "/v1/completions", body, headers=headers)
         assert_openai_error(response, 401, "invalid_api_key")
         assert response.headers["www-authenticate"] == "Bearer"
-    for path in ("/v1/models", "/metrics"):
+    for path in ("/v1/models", "/metrics", "/openapi.json"):
         assert_openai_error(httpx.get(f"{served.url}{path}", timeout=10), 401)
+    schema = httpx.get(f"{served.url}/openapi.json", headers=served.auth, timeout=10)
+    assert schema.status_code == 200 and "/v1/completions" in schema.json()["paths"]
+    for path in ("/docs", "/redoc"):
+        assert_openai_error(httpx.get(f"{served.url}{path}", headers=served.auth), 404)
     from openai import AuthenticationError
 
     with pytest.raises(AuthenticationError):

@@ -399,6 +399,11 @@ def test_config_errors_name_the_fix() -> None:
         ServeConfig(target="t", drafter_kind="ngram", max_queue=0).validate()
     with pytest.raises(ValueError, match="--dtype"):
         ServeConfig(target="t", drafter_kind="ngram", dtype="int8").validate()
+    for value in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="--timeout-headers must be > 0 seconds"):
+            ServeConfig(target="t", drafter_kind="ngram", timeout_headers=value).validate()
+    config = parse_serve_args(["--target", "t", "--drafter-kind", "ngram", "--timeout-body", "2.5"])
+    assert (config.timeout_keep_alive, config.timeout_headers, config.timeout_body) == (5, 10, 2.5)
 
 
 def test_only_safetensors_weights_load(tmp_path: Path) -> None:
