@@ -262,23 +262,23 @@ class Eagle3Drafter(Drafter):
     ) -> None:
         """Add entries (f_pending, d_1), ..., (f_{d_n}, next) per row; the rest are holes.
 
-        Slots past the longest kept row are cropped off, so a batch of one never holds holes.
+        Entries past the longest kept row are never computed, so a batch of one never holds
+        holes and a round that kept little costs little.
         """
         state = self._require_state()
-        width = drafts.shape[1] + 1
-        cols = torch.arange(width, device=drafts.device)
-        padded = torch.cat((drafts, next_tokens[:, None]), dim=1)
+        # Only the first max(num_accepted) + 1 entries of any row are kept: run those alone.
+        fewest, most = (int(n) + 1 for n in torch.aminmax(num_accepted))
+        cols = torch.arange(most, device=drafts.device)
+        padded = torch.cat((drafts, next_tokens[:, None]), dim=1)[:, :most]
         tokens = torch.where(cols < num_accepted[:, None], padded, next_tokens[:, None])
         block_valid = cols <= num_accepted[:, None]
         positions = state.next_pos[:, None] + cols
-        fused = self.lean.fuse(self.head.gather_aux(hidden_states))
+        fused = self.lean.fuse(self.head.gather_aux([h[:, :most] for h in hidden_states]))
         visible = None
-        if width > 1 or state.has_holes:
+        if most > 1 or state.has_holes:
             visible = block_visibility(state.valid, block_valid)
         prenorm = self.lean.step(fused, self._embed(tokens), positions, state.cache, visible)
-        fewest, most = (int(n) + 1 for n in torch.aminmax(num_accepted))
-        state.cache.crop(most - width)
-        state.valid = torch.cat((state.valid, block_valid[:, :most]), 1)
+        state.valid = torch.cat((state.valid, block_valid), 1)
         state.has_holes = state.has_holes or fewest < most
         rows = torch.arange(drafts.shape[0], device=drafts.device)
         state.hidden = prenorm[rows, num_accepted]

@@ -15,6 +15,28 @@ from decode.drafters.base import Drafter, DraftProposal, TargetPass
 from decode.sampling import SamplingConfig
 
 
+class NgramIndex:
+    """One row's committed tokens and, for each n-gram length, where each n-gram started.
+
+    Appending a token records the n-grams it ends (``O(max_ngram)``), so a lookup visits only
+    the earlier occurrences of the newest n-gram instead of scanning the whole history.
+    """
+
+    def __init__(self, tokens: list[int], max_ngram: int) -> None:
+        self.tokens: list[int] = []
+        self.max_ngram = max_ngram
+        self.starts: list[dict[tuple[int, ...], list[int]]] = [{} for _ in range(max_ngram + 1)]
+        self.extend(tokens)
+
+    def extend(self, tokens: list[int]) -> None:
+        for token in tokens:
+            self.tokens.append(token)
+            end = len(self.tokens)
+            for n in range(1, min(self.max_ngram, end) + 1):
+                key = tuple(self.tokens[end - n : end])
+                self.starts[n].setdefault(key, []).append(end - n)
+
+
 class NgramDrafter(Drafter):
     """Looks up the newest ``n``-gram (``max_ngram`` down to ``min_ngram``) in the row's history."""
 
@@ -30,7 +52,7 @@ class NgramDrafter(Drafter):
         self._vocab_size = vocab_size
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
-        self._history: list[list[int]] = []
+        self._history: list[NgramIndex] = []
         self._last_drafts: list[list[int]] = []
 
     @property
@@ -49,7 +71,9 @@ class NgramDrafter(Drafter):
         keep = attention_mask.bool().tolist()
         first = pending.tolist()
         self._history = [
-            [tok for tok, k in zip(row, mask, strict=True) if k] + [tok0]
+            NgramIndex(
+                [tok for tok, k in zip(row, mask, strict=True) if k] + [tok0], self.max_ngram
+            )
             for row, mask, tok0 in zip(rows, keep, first, strict=True)
         ]
 
@@ -68,8 +92,8 @@ class NgramDrafter(Drafter):
         return DraftProposal(tokens=tokens, probs=None)
 
     @property
-    def histories(self) -> list[list[int]]:
-        """Each row's committed tokens (prompt, then everything emitted)."""
+    def histories(self) -> list[NgramIndex]:
+        """Each row's committed tokens (prompt, then everything emitted), indexed."""
         return self._history
 
     def replace_drafts(
@@ -98,28 +122,30 @@ class NgramDrafter(Drafter):
             next_tokens.tolist(),
             strict=True,
         ):
-            history.extend(drafts[:accepted])
-            history.append(token)
+            history.extend([*drafts[:accepted], token])
 
-    def lookup(self, history: list[int], num_tokens: int) -> tuple[list[int], int]:
+    def lookup(self, history: NgramIndex | list[int], num_tokens: int) -> tuple[list[int], int]:
         """Tokens after an earlier occurrence of the longest matching suffix, and its length.
 
         The most recent occurrence that still has ``num_tokens`` tokens after it wins (on a
         repeated pattern the nearest match would leave only one token to copy); failing that,
         the occurrence with the longest continuation. ``([], 0)`` when nothing matches.
         """
-        length = len(history)
+        if not isinstance(history, NgramIndex):
+            history = NgramIndex(history, self.max_ngram)
+        tokens = history.tokens
+        length = len(tokens)
         for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
-            suffix = history[length - n :]
+            starts = history.starts[n].get(tuple(tokens[length - n :]), [])
             best: list[int] = []
-            # Scan from the right: the most recent occurrence best predicts what comes next.
-            for start in range(length - n - 1, -1, -1):
-                if history[start : start + n] == suffix:
-                    continuation = history[start + n : start + n + num_tokens]
-                    if len(continuation) == num_tokens:
-                        return continuation, n
-                    if len(continuation) > len(best):
-                        best = continuation
+            # The most recent occurrence best predicts what comes next; the last start listed
+            # is the suffix itself.
+            for start in reversed(starts[:-1]):
+                continuation = tokens[start + n : start + n + num_tokens]
+                if len(continuation) == num_tokens:
+                    return continuation, n
+                if len(continuation) > len(best):
+                    best = continuation
             if best:
                 return best, n
         return [], 0

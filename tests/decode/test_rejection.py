@@ -71,3 +71,31 @@ def test_ngram_lookup_copies_a_full_continuation_on_repeats() -> None:
     assert drafter.lookup([5, 5, 5, 5, 5, 5], 3) == ([5, 5, 5], 2)
     assert drafter.lookup([1, 2, 3, 4, 1, 2], 3) == ([3, 4, 1], 2)
     assert drafter.lookup([1, 2, 3, 4, 9], 3) == ([], 0)
+
+
+def test_ngram_index_lookup_equals_a_direct_scan() -> None:
+    """The indexed lookup finds what scanning the whole history from the right finds."""
+    import random
+
+    from decode.drafters.ngram import NgramDrafter, NgramIndex
+
+    def scan(history: list[int], num_tokens: int) -> tuple[list[int], int]:
+        for n in range(min(3, len(history) - 1), 0, -1):
+            suffix, best = history[len(history) - n :], []
+            for start in range(len(history) - n - 1, -1, -1):
+                if history[start : start + n] == suffix:
+                    continuation = history[start + n : start + n + num_tokens]
+                    if len(continuation) == num_tokens:
+                        return continuation, n
+                    best = continuation if len(continuation) > len(best) else best
+            if best:
+                return best, n
+        return [], 0
+
+    drafter, rng = NgramDrafter(vocab_size=4, max_ngram=3), random.Random(0)
+    for _ in range(500):
+        history = [rng.randrange(4) for _ in range(rng.randrange(1, 30))]
+        num_tokens = rng.randrange(1, 6)
+        index = NgramIndex(history[:5], max_ngram=3)
+        index.extend(history[5:])  # built incrementally, as commits do
+        assert drafter.lookup(index, num_tokens) == scan(history, num_tokens)
