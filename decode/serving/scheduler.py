@@ -337,13 +337,11 @@ class BatchWorker:
             input_ids.to(device),
             attention_mask.to(device),
             max_new_tokens=max(job.max_tokens for job in jobs),
-            temperature=params.sampling.temperature,
-            top_k=params.sampling.top_k,
-            top_p=params.sampling.top_p,
             eos_token_id=eos,
             generator=self._generator(params, device),
             pad_token_id=self.pad_token_id,
             streamer=streamer,
+            sampling=params.sampling,
         )
         return output.stats
 
