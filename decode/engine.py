@@ -5,6 +5,13 @@ token; the target scores ``[pending, d_1 .. d_N]`` in **one** forward pass over 
 verification keeps the accepted prefix and emits one recovered or bonus token; both caches drop
 what was rejected (no re-prefill). Each round emits between 1 and N + 1 tokens per row, and
 the output is distributed exactly as the target's (greedy: equal to its greedy output).
+
+"The target's" means its forward on the cache (``CachedSequence``) with each call's positions.
+Two rope types make a forward depend on how tokens are grouped into calls, in Hugging Face's
+own forward too: dynamic NTK past ``max_position_embeddings`` and longrope in a call that
+crosses ``original_max_position_embeddings`` (both switch frequencies by the call's largest
+position). There a verification pass of N + 1 tokens and a one-token step may disagree; below
+those thresholds (and for longrope wholly above it) every rope type is exact.
 """
 
 from __future__ import annotations

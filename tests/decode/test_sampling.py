@@ -5,7 +5,13 @@ from __future__ import annotations
 import torch
 from decode_helpers import chi_square_p_value
 
-from decode.sampling import sample
+from decode.sampling import (
+    GREEDY_TEMPERATURE_FLOOR,
+    SamplingConfig,
+    logits_to_probs,
+    sample,
+    select_tokens,
+)
 
 
 def test_sample_follows_the_law_and_skips_zero_mass() -> None:
@@ -25,3 +31,16 @@ def test_sample_keeps_leading_shape_and_repeats_with_a_seed() -> None:
     again = sample(probs, torch.Generator().manual_seed(5))
     assert first.shape == (2, 3)
     assert torch.equal(first, again)
+
+
+def test_temperatures_below_the_floor_are_greedy_and_at_the_floor_finite() -> None:
+    """Denormal temperatures used to divide logits into inf/NaN and draw token id V."""
+    logits = torch.tensor([[3.0, -1.0, 2.5, 0.0], [-50.0, 40.0, 39.0, 1.0]])
+    for tiny in (5e-324, 1e-38, GREEDY_TEMPERATURE_FLOOR / 10):
+        tokens, probs = select_tokens(logits, SamplingConfig(temperature=tiny), None)
+        assert probs is None and torch.equal(tokens, logits.argmax(-1))
+    floor = SamplingConfig(temperature=GREEDY_TEMPERATURE_FLOOR, top_k=3, top_p=0.9)
+    probs = logits_to_probs(logits, floor)
+    assert torch.isfinite(probs).all() and torch.allclose(probs.sum(-1), torch.ones(2))
+    tokens, _ = select_tokens(logits, floor, torch.Generator().manual_seed(0))
+    assert torch.equal(tokens, logits.argmax(-1))  # a 1e-5 temperature leaves no other mass
