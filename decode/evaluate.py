@@ -18,7 +18,6 @@ round's drafting and verification.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -414,11 +413,9 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     }
     print(format_table(report))
     if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(report, indent=2))
-        tmp.replace(path)
+        from data.atomic_io import write_json_atomic
+
+        write_json_atomic(args.json, report)
     return report
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any
 
 import torch
 
+from data.atomic_io import atomic_folder
 from train.batches import ShardedBatches
 from train.loop import LoopConfig, evaluate, make_accelerator, run_training
 from train.objectives.causal_lm import CausalLMObjective
@@ -150,14 +150,8 @@ def build_demo_target(
             f"{folder} exists but is not a finished demo-target build (no {MARKER} file): pass "
             "force=True (--force) to replace it, or choose another output_dir"
         )
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    temp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
-    shutil.rmtree(temp, ignore_errors=True)
-    try:
+    with atomic_folder(folder) as temp:  # renamed into place only once complete
         metrics = _train_into(temp, spec, seed, progress_bar)
-        _replace_folder(temp, folder)
-    finally:
-        shutil.rmtree(temp, ignore_errors=True)
     if verbose:
         print(f"demo target saved to {folder}")
         print(format_metrics(metrics))
@@ -257,7 +251,7 @@ def _train_into(folder: Path, spec: DemoPreset, seed: int, progress_bar: bool) -
     test_batches = eval_batches("test")
     test = evaluate(objective, test_batches, accelerator)
 
-    folder.mkdir(parents=True)
+    folder.mkdir(parents=True, exist_ok=True)
     trained = accelerator.unwrap_model(objective.module)
     trained.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
@@ -315,12 +309,3 @@ def _new_model(spec: DemoPreset, tokenizer: Any, seed: int) -> torch.nn.Module:
         pad_token_id=tokenizer.pad_token_id,
     )
     return model
-
-
-def _replace_folder(temp: Path, folder: Path) -> None:
-    """Rename ``temp`` to ``folder``, moving any previous build aside first."""
-    old = folder.parent / f".{folder.name}.old-{os.getpid()}"
-    if folder.exists():
-        os.replace(folder, old)
-    os.replace(temp, folder)
-    shutil.rmtree(old, ignore_errors=True)

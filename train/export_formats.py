@@ -23,9 +23,6 @@ half-written export behind.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
@@ -33,6 +30,7 @@ from typing import Any, Literal
 import torch
 from safetensors.torch import save_file
 
+from data.atomic_io import atomic_folder
 from decode.drafters.eagle import EAGLE3_ARCHITECTURE, Eagle3Head
 from decode.drafters.medusa import MEDUSA_ARCHITECTURE, MedusaHeads
 
@@ -167,18 +165,6 @@ def write_folder_atomically(
     out_dir = Path(out_dir)
     if out_dir.exists() and not overwrite:
         raise FileExistsError(f"{out_dir} exists: choose another folder or pass overwrite=True")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
+    with atomic_folder(out_dir) as tmp:
         write(tmp)
-        old = None
-        if out_dir.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-            os.replace(out_dir, old / out_dir.name)
-        os.replace(tmp, out_dir)
-        if old is not None:
-            shutil.rmtree(old)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir

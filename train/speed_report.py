@@ -10,9 +10,10 @@ the run folder.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
+
+from data.atomic_io import write_json_atomic
 
 
 def measure_and_report(
@@ -59,7 +60,7 @@ def measure_and_report(
         report["by_temperature"][f"{temperature:g}"] = result
     output = Path(output_dir)
     output.mkdir(parents=True, exist_ok=True)
-    _write_json(output / "report.json", report)
+    write_json_atomic(output / "report.json", report)
     plot_acceptance_by_position(
         {
             **{
@@ -104,9 +105,3 @@ def format_summary(report: dict[str, Any]) -> str:
 def _overlaps(held_out: dict[str, float]) -> list[float]:
     keys = sorted((k for k in held_out if k.startswith("overlap@")), key=lambda k: int(k[8:]))
     return [held_out[k] for k in keys]
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    temporary = path.with_suffix(path.suffix + ".tmp")
-    temporary.write_text(json.dumps(data, indent=2) + "\n")
-    temporary.replace(path)

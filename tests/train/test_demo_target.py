@@ -68,7 +68,7 @@ def test_a_failed_build_leaves_nothing_behind(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def explode(folder: Path, *args: object) -> dict[str, object]:
-        folder.mkdir(parents=True)
+        folder.mkdir(parents=True, exist_ok=True)  # an empty temporary folder is handed in
         (folder / "config.json").write_text("{}")
         raise RuntimeError("boom")
 
@@ -82,7 +82,7 @@ def test_a_failed_build_leaves_nothing_behind(
 
 def test_force_replaces_a_previous_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def fake(folder: Path, *args: object) -> dict[str, object]:
-        folder.mkdir(parents=True)
+        folder.mkdir(parents=True, exist_ok=True)
         (folder / MARKER).write_text("tiny\n")
         (folder / "metrics.json").write_text("{}")
         return {}
