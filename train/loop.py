@@ -243,14 +243,14 @@ def run_training(
             and config.checkpoint_every
             and state.step % config.checkpoint_every == 0
         ):
-            _check_parameters(trainable, state.step, config)
+            _check_parameters(trainable, state.step, config, accelerator)
             last_checkpoint = checkpoints.save(accelerator, state.step, asdict(state), objective)
     bar.close()
 
     if eval_batches and not (config.eval_every and state.step % config.eval_every == 0):
         state.last_eval = _run_eval(objective, eval_batches, accelerator, log, state.step)
     state.elapsed_s = clock.elapsed()
-    _check_parameters(trainable, state.step, config)
+    _check_parameters(trainable, state.step, config, accelerator)
     if checkpoints is not None and config.checkpoint_at_end:
         latest = checkpoints.latest()
         if latest is None or latest.name != f"checkpoint-{state.step:07d}":
@@ -449,11 +449,21 @@ def _finite_loss(
     return value
 
 
-def _check_parameters(trainable: list[torch.nn.Parameter], step: int, config: LoopConfig) -> None:
-    """Refuse to checkpoint or hand back non-finite weights (identical on every process)."""
+def _check_parameters(
+    trainable: list[torch.nn.Parameter], step: int, config: LoopConfig, accelerator: Accelerator
+) -> None:
+    """Refuse to checkpoint or hand back non-finite weights.
+
+    Each process checks the parameters it holds (its shards under FSDP); the verdict is agreed
+    by all processes so that none enters the checkpoint's collectives alone.
+    """
     with torch.no_grad():
-        finite = all(bool(torch.isfinite(p).all()) for p in trainable)
-    if not finite:
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in trainable]  # shards
+        bad = not all(bool(torch.isfinite(t).all()) for t in local)
+    if accelerator.num_processes > 1:
+        flag = torch.tensor([1.0 if bad else 0.0], device=accelerator.device)
+        bad = bool(accelerator.reduce(flag, reduction="sum").item() > 0)
+    if bad:
         raise _diverged("a trainable parameter is NaN or infinite", step, config)
 
 
