@@ -9,6 +9,17 @@
 ``messages`` (chat) field, or ``stdlib``: the first ``--prompt-tokens`` tokens of the embedded
 corpus's training blocks. Train on the output with
 ``python train/distill.py --dataset <output>``.
+
+With ``--endpoint`` the target is not loaded here: any OpenAI-compatible server answers
+(vLLM, SGLang, ``decode/serve.py``), chat prompts through /v1/chat/completions (the server
+applies the chat template), text prompts through /v1/completions; ``--concurrency`` requests
+at a time, retried with exponential backoff on connection errors, 429 and 5xx. The output is
+appended record by record and a rerun answers only the prompts still missing
+(``train.regenerate_endpoint``); the exit status is 1 when any prompt failed::
+
+    vllm serve Qwen/Qwen2.5-7B-Instruct --port 8000 &
+    python scripts/regenerate_data.py --endpoint http://127.0.0.1:8000/v1 \\
+        --prompts prompts.jsonl --output data/qwen7b-regenerated.jsonl --concurrency 64
 """
 
 from __future__ import annotations
@@ -38,11 +49,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    remote = parser.add_argument_group("serving engine (--endpoint)")
+    remote.add_argument(
+        "--endpoint", default=None, help="OpenAI-compatible API base, e.g. http://host:8000/v1"
+    )
+    remote.add_argument(
+        "--api-key", default=os.environ.get("DRAFTSMITH_API_KEY"), help="bearer key, if any"
+    )
+    remote.add_argument("--model", default=None, help="model name (default: GET /v1/models)")
+    remote.add_argument("--concurrency", type=int, default=8, help="requests in flight")
+    remote.add_argument("--max-retries", type=int, default=6, help="per request")
+    remote.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    remote.add_argument("--limit", type=int, default=None, help="answer at most N this run")
+    remote.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.endpoint:
+        return _through_endpoint(args)
     import torch
 
     from decode.sampling import SamplingConfig
@@ -78,8 +104,66 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
+def _through_endpoint(args: argparse.Namespace) -> dict:
+    """Regenerate through a served engine; the summary (``failed`` > 0: exit status 1)."""
+    from dataclasses import asdict
+
+    from train.regenerate_endpoint import (
+        EndpointConfig,
+        GenerationSettings,
+        regenerate_through_endpoint,
+    )
+
+    endpoint = EndpointConfig(
+        url=args.endpoint,
+        model=args.model,
+        api_key=args.api_key,
+        concurrency=args.concurrency,
+        max_retries=args.max_retries,
+        timeout_s=args.timeout,
+    )
+    if args.prompts == "stdlib":
+        from train.regenerate import corpus_prompts
+        from train.target_model import load_tokenizer, resolve_target, target_location
+
+        tokenizer = load_tokenizer(target_location(resolve_target(args.target))[0])
+        count = args.num_prompts or 1000
+        prompts = corpus_prompts(tokenizer, args.prompt_tokens, count, args.max_files)
+    else:
+        from data.sources import load_prompts
+
+        prompts = load_prompts(args.prompts, args.prompt_field, args.messages_field)
+        prompts = prompts[: args.num_prompts] if args.num_prompts else prompts
+    settings = GenerationSettings(
+        max_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+    report = regenerate_through_endpoint(
+        prompts, args.output, settings, endpoint, limit=args.limit, progress=not args.no_progress
+    )
+    print(
+        f"{report.written} responses written this run ({report.completion_tokens:,} tokens, "
+        f"{report.tokens_per_s:.1f} tokens/s, {report.retries} retries) from {report.model}; "
+        f"{report.already_done} were already in {report.output}; {report.failed} failed; "
+        f"{report.missing} of {report.total} prompts still without a response"
+    )
+    for failure in report.failures:
+        print(f"  failed: {failure}", file=sys.stderr)
+    if report.missing:
+        print("rerun the same command to answer the missing prompts", file=sys.stderr)
+    return {
+        **asdict(report),
+        "records": report.already_done + report.written,
+        "missing": report.missing,
+        "tokens_per_s": report.tokens_per_s,
+    }
+
+
 if __name__ == "__main__":
     # libgomp busy-waiting collapses throughput on shared cores; set before torch loads.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    main()
-    sys.exit(0)
+    result = main()
+    sys.exit(1 if result.get("failed") else 0)

@@ -96,7 +96,7 @@ def regenerate(
                 kept = [t for t, v in zip(tokens.tolist(), valid.tolist(), strict=True) if v]
                 kept = [t for t in kept if t not in stops]
                 response = tokenizer.decode(kept, skip_special_tokens=True)
-                stream.write(json.dumps(_record(prompt, response)) + "\n")
+                stream.write(json.dumps(make_record(prompt, response)) + "\n")
                 records += 1
                 response_tokens += len(kept)
     os.replace(temp, output)
@@ -134,7 +134,8 @@ def _stop_ids(tokenizer: Any, chat: bool) -> list[int]:
     return stops
 
 
-def _record(prompt: Prompt, response: str) -> dict[str, Any]:
+def make_record(prompt: Prompt, response: str) -> dict[str, Any]:
+    """The JSONL record of one answered prompt (plain or chat; see the module docstring)."""
     if isinstance(prompt, str):
         return {"prompt": prompt, "response": response, "text": prompt + response}
     return {"messages": [*prompt, {"role": "assistant", "content": response}]}
