@@ -286,7 +286,9 @@ def train_and_measure(argv: list[str]) -> dict[str, Any]:
 
     summary = distill_main(argv)
     held_out = summary["held_out"]
-    speed = summary.get("speed") or {}
+    # The held-out prompts' rows are keyed by temperature ("0", "1"); other rows the speed
+    # step may add (another prompt set, another drafter) are not this run's measurement.
+    speed = {t: r for t, r in (summary.get("speed") or {}).items() if _is_number(t)}
     return {
         "overlap": _per_position(held_out, "overlap@"),
         "greedy_match": _per_position(held_out, "greedy_match@"),
@@ -301,6 +303,14 @@ def train_and_measure(argv: list[str]) -> dict[str, Any]:
         "data": summary["data"],
         "eval_description": summary["eval_description"],
     }
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _per_position(held_out: dict[str, float], prefix: str) -> list[float]:

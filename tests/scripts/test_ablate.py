@@ -179,6 +179,24 @@ def test_run_grid_resumes_retries_failures_and_summarizes(
         ablation.run_grid(grid, [0], dataclasses.replace(settings, max_minutes=1.0))
 
 
+def test_a_runs_measurement_is_its_summarys_held_out_and_temperature_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import train.distill
+
+    row = {"tau": 2.0, "predicted_tau": 2.1, "speedup": 1.3}
+    summary = {
+        "held_out": {"overlap@2": 0.5, "overlap@1": 0.7, "greedy_match@1": 0.8, "loss": 1.0},
+        "speed": {"0": row, "1": {**row, "tau": 1.5}, "ood demo 1": {**row, "tau": 9.0}},
+        "steps": 3, "stop_reason": "max_steps", "minutes": 0.1, "tokens_seen": 10,
+        "data": "stdlib", "eval_description": "held-out",
+    }  # fmt: skip
+    monkeypatch.setattr(train.distill, "main", lambda argv: summary)
+    measured = ablation.train_and_measure(["--loss", "tv"])
+    assert measured["overlap"] == [0.7, 0.5] and measured["greedy_match"] == [0.8]
+    assert measured["tau"] == {"0": 2.0, "1": 1.5}  # other prompt sets are not the grid's
+
+
 @pytest.mark.slow  # four tiny distillations with their decoding step: ~75 s on 2 loaded cores
 def test_grid_of_two_cells_and_two_seeds_resumes_after_an_interruption(
     target: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
