@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -232,9 +232,17 @@ def evaluate_drafter(
     settings: EvalSettings,
     warmup: bool = True,
 ) -> dict[str, object]:
-    """Decode every prompt with the baseline, our decoder and the HF peer; return the figures."""
+    """Decode every prompt with HF ``generate``, draftsmith's own plain decoding (the same
+    decoder and target forward with no drafter), our decoder with ``drafter`` and the HF peer;
+    return the figures."""
+    from decode.drafters.none import NoDrafter
+
+    plain_settings = replace(settings, tree=None, adaptive=False)
     methods: dict[str, Method] = {
         "baseline": plain_method(target, settings),
+        "draftsmith_plain": speculative_method(
+            target, NoDrafter(vocab_size=drafter.vocab_size), plain_settings
+        ),
         "ours": speculative_method(target, drafter, settings),
     }
     peer = hf_peer(drafter, settings) if settings.peer else None
@@ -242,7 +250,14 @@ def evaluate_drafter(
         methods[peer[0]] = plain_method(target, settings, **peer[1])
     results = measure_side_by_side(target, methods, prompts, warmup=warmup)
     peer_result = results[peer[0]] if peer is not None else None
-    return speculative_report(settings, drafter, results["baseline"], results["ours"], peer_result)
+    return speculative_report(
+        settings,
+        drafter,
+        results["baseline"],
+        results["ours"],
+        peer_result,
+        own_plain=results["draftsmith_plain"],
+    )
 
 
 def speculative_report(
@@ -251,12 +266,23 @@ def speculative_report(
     baseline: MethodResult,
     ours: MethodResult,
     peer: MethodResult | None = None,
+    own_plain: MethodResult | None = None,
 ) -> dict[str, object]:
-    """The evaluation JSON (docs/interfaces.md) of one speculative method against plain."""
+    """The evaluation JSON (docs/interfaces.md) of one speculative method against plain.
+
+    ``speedup`` is over Hugging Face ``generate`` (``baseline``); ``speedup_over_draftsmith_plain``
+    over our own decoder with no drafter (``own_plain``), which isolates what drafting adds.
+    Per-component times: ``draft_step_ms`` (one drafted token), ``verify_pass_ms`` (one verify
+    pass), ``target_step_ms`` (one plain target step of our decoder) and their ratio
+    ``draft_cost_ratio = draft_step_ms / target_step_ms``.
+    """
     stats = ours.stats or DecodeStats()
     rounds = max(stats.target_forward_passes, 1)
     verify_ms = 1000 * stats.verify_seconds / rounds
     draft_round_ms = 1000 * stats.draft_seconds / rounds
+    draft_step_ms = (
+        1000 * stats.draft_seconds / stats.draft_positions if stats.draft_positions else 0.0
+    )
     baseline_token_ms = 1000 / baseline.tokens_per_s if baseline.tokens_per_s else 0.0
     predicted = predicted_speedup(stats.tau, baseline_token_ms, draft_round_ms, verify_ms)
     speedup = ours.tokens_per_s / baseline.tokens_per_s if baseline.tokens_per_s else 0.0
@@ -271,7 +297,7 @@ def speculative_report(
             "tau": peer.tokens_per_pass,
             "speedup": peer.tokens_per_s / baseline.tokens_per_s if baseline.tokens_per_s else 0.0,
         }
-    return {
+    report: dict[str, object] = {
         "drafter_kind": drafter.kind,
         "lean_target": settings.lean_target,
         "adaptive": settings.adaptive,
@@ -291,13 +317,36 @@ def speculative_report(
         "predicted_speedup": predicted,
         "speedup_over_predicted": speedup / predicted if predicted else 0.0,
         "target_forward_ms": verify_ms,
+        "verify_pass_ms": verify_ms,
         "baseline_token_ms": baseline_token_ms,
-        "draft_step_ms": (
-            1000 * stats.draft_seconds / stats.draft_positions if stats.draft_positions else 0.0
-        ),
+        "draft_step_ms": draft_step_ms,
         "greedy_equal_to_baseline": greedy_matches if settings.temperature == 0 else None,
         "peer": peer_report,
+        "drafter_usage": drafter.usage(),
     }
+    if own_plain is not None:
+        plain_stats = own_plain.stats or DecodeStats()
+        target_step_ms = (
+            1000 * plain_stats.verify_seconds / max(plain_stats.target_forward_passes, 1)
+        )
+        own_token_ms = 1000 / own_plain.tokens_per_s if own_plain.tokens_per_s else 0.0
+        predicted_own = predicted_speedup(stats.tau, own_token_ms, draft_round_ms, verify_ms)
+        over_own = ours.tokens_per_s / own_plain.tokens_per_s if own_plain.tokens_per_s else 0.0
+        report.update(
+            tokens_per_s_draftsmith_plain=own_plain.tokens_per_s,
+            speedup_over_draftsmith_plain=over_own,
+            predicted_speedup_over_draftsmith_plain=predicted_own,
+            target_step_ms=target_step_ms,
+            draft_cost_ratio=draft_step_ms / target_step_ms if target_step_ms else 0.0,
+            verify_cost_ratio=verify_ms / target_step_ms if target_step_ms else 0.0,
+            draftsmith_plain_greedy_equal_to_baseline=sum(
+                int(torch.equal(a, b))
+                for a, b in zip(own_plain.outputs, baseline.outputs, strict=True)
+            )
+            if settings.temperature == 0
+            else None,
+        )
+    return report
 
 
 def _synchronize(device: torch.device) -> None:
@@ -306,32 +355,42 @@ def _synchronize(device: torch.device) -> None:
 
 
 def format_table(report: dict[str, object]) -> str:
-    """A plain-text summary of one report."""
-    rows = [("plain (HF generate)", report["tokens_per_s_baseline"], 1.0, 1.0)]
-    rows.append(
-        (
-            f"draftsmith {report['drafter_kind']}",
-            report["tokens_per_s_speculative"],
-            report["speedup"],
-            report["tau"],
-        )
-    )
+    """A plain-text summary of one report: speedups over HF ``generate`` and over draftsmith's
+    own plain decoding, side by side."""
+    own = report.get("tokens_per_s_draftsmith_plain")
+    rows = [("plain (HF generate)", report["tokens_per_s_baseline"], 1.0)]
+    if own:
+        rows.append(("draftsmith plain (no drafter)", own, 1.0))
+    rows.append((f"draftsmith {report['drafter_kind']}", report["tokens_per_s_speculative"], None))
     peer = report.get("peer")
     if peer:
-        rows.append((peer["name"], peer["tokens_per_s"], peer["speedup"], peer["tau"]))
-    lines = [f"{'method':<26}{'tokens/s':>10}{'speedup':>9}{'tau':>7}"]
-    lines += [
-        f"{name:<26}{rate:>10.1f}{speedup:>8.2f}x{tau:>7.2f}" for name, rate, speedup, tau in rows
-    ]
+        rows.append((peer["name"], peer["tokens_per_s"], peer["tau"]))
+    lines = [f"{'method':<32}{'tokens/s':>10}{'vs HF':>8}{'vs ours plain':>15}{'tau':>7}"]
+    for name, rate, tau in rows:
+        tau = report["tau"] if tau is None else tau
+        over_hf = rate / report["tokens_per_s_baseline"] if report["tokens_per_s_baseline"] else 0
+        over_own = f"{rate / own:>14.2f}x" if own else f"{'-':>15}"
+        lines.append(f"{name:<32}{rate:>10.1f}{over_hf:>7.2f}x{over_own}{tau:>7.2f}")
     alphas = " ".join(f"{alpha:.2f}" for alpha in report["alpha_per_position"])
     lines.append(f"alpha per position: {alphas}")
     lines.append(
-        f"predicted tau {report['predicted_tau']:.2f}; predicted speedup "
+        f"predicted tau {report['predicted_tau']:.2f}; predicted speedup over HF "
         f"{report['predicted_speedup']:.2f}x (measured/predicted "
-        f"{report['speedup_over_predicted']:.2f}); verify pass {report['target_forward_ms']:.1f} "
-        f"ms, draft {report['draft_step_ms']:.1f} ms/token, plain {report['baseline_token_ms']:.1f}"
-        " ms/token"
+        f"{report['speedup_over_predicted']:.2f})"
     )
+    timing = (
+        f"draft {report['draft_step_ms']:.2f} ms/token, verify pass "
+        f"{report['verify_pass_ms']:.2f} ms, HF plain {report['baseline_token_ms']:.2f} ms/token"
+    )
+    if own:
+        timing += (
+            f", target step {report['target_step_ms']:.2f} ms (draft/target "
+            f"{report['draft_cost_ratio']:.2f}, verify/target {report['verify_cost_ratio']:.2f})"
+        )
+    lines.append(timing)
+    usage = report.get("drafter_usage")
+    if usage:
+        lines.append("drafter usage: " + ", ".join(f"{k} {v:.3g}" for k, v in usage.items()))
     return "\n".join(lines)
 
 
@@ -346,7 +405,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="draft_lm | ngram | medusa | eagle3 | none (default: read from the folder)",
     )
-    parser.add_argument("--prompts", default="demo", help="'demo' or a .jsonl/.json/.txt file")
+    parser.add_argument(
+        "--prompts",
+        default="demo",
+        help="'demo' (held-out stdlib code), 'ood' (installed third-party code) or a file",
+    )
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--num-draft-tokens", type=int, default=4)
@@ -358,6 +421,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--tree",
         action="store_true",
         help="draft trees (eagle3: EAGLE-2 dynamic; medusa: static choices)",
+    )
+    parser.add_argument(
+        "--tree-when-sampling",
+        action="store_true",
+        help="keep --tree at temperature > 0 (by default sampling drafts chains: top-k trees "
+        "accept a child only with the target's probability of it and lose to chains there)",
     )
     parser.add_argument("--tree-top-k", type=int, default=8, help="children per expanded node")
     parser.add_argument("--tree-total-tokens", type=int, default=32, help="nodes kept per tree")
@@ -403,7 +472,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         lean_target=not args.model_forward,
         adaptive=args.adaptive,
         tree=TreeSpec(top_k=args.tree_top_k, total_tokens=args.tree_total_tokens)
-        if args.tree
+        if args.tree and (args.temperature == 0 or args.tree_when_sampling)
         else None,
     )
     report = {

@@ -1,10 +1,73 @@
-"""Evaluation prompts: the embedded demo set (held-out stdlib code) or a user file."""
+"""Evaluation prompts: the embedded demo set (held-out stdlib code), third-party code the demo
+target never saw (``ood``), or a user file."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 DEMO_PROMPT_CHARS = 400
+# Installed with draftsmith on every machine, and not the standard library the demo target
+# trained on: their source is real code of another style (type hints, long docstrings,
+# tensor code) for out-of-distribution prompts.
+OOD_PACKAGES = ("transformers", "torch", "accelerate", "safetensors", "huggingface_hub")
+
+
+def _prompts_from_texts(texts, num_prompts: int, per_file: int) -> list[str]:
+    """The code just before ``def``/``class`` lines (``DEMO_PROMPT_CHARS`` characters up to and
+    including the line), at most ``per_file`` per text, until ``num_prompts`` are found."""
+    prompts: list[str] = []
+    for text in texts:
+        offset, taken = 0, 0
+        for line in text.splitlines(keepends=True):
+            offset += len(line)
+            stripped = line.lstrip()
+            if stripped.startswith(("def ", "class ")) and offset > DEMO_PROMPT_CHARS:
+                prompts.append(text[offset - DEMO_PROMPT_CHARS : offset])
+                taken += 1
+                if taken == per_file or len(prompts) >= num_prompts:
+                    break
+        if len(prompts) >= num_prompts:
+            break
+    return prompts
+
+
+def ood_prompts(num_prompts: int) -> list[str]:
+    """Prompts from the installed source of ``OOD_PACKAGES`` (one per file, files spread
+    evenly over each package's sorted file list, packages taken in turn), so the same
+    installation always gives the same prompts."""
+    import importlib.util
+
+    file_lists = []
+    for package in OOD_PACKAGES:
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            continue
+        root = Path(next(iter(spec.submodule_search_locations)))
+        files = sorted(p for p in root.rglob("*.py") if p.stat().st_size > 4 * DEMO_PROMPT_CHARS)
+        if files:
+            stride = max(1, len(files) // max(num_prompts, 1))
+            file_lists.append(files[::stride])
+    interleaved = [
+        files[i]
+        for i in range(max(map(len, file_lists), default=0))
+        for files in file_lists
+        if i < len(files)
+    ]
+
+    def texts():
+        for path in interleaved:
+            try:
+                yield path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError):
+                continue
+
+    prompts = _prompts_from_texts(texts(), num_prompts, per_file=1)
+    if not prompts:
+        raise ValueError(
+            f"none of {', '.join(OOD_PACKAGES)} is installed with readable source; pass "
+            "--prompts FILE instead"
+        )
+    return prompts
 
 
 def demo_prompts(num_prompts: int) -> list[str]:
@@ -16,20 +79,7 @@ def demo_prompts(num_prompts: int) -> list[str]:
     from data.corpus import load_stdlib_corpus
 
     test_split = load_stdlib_corpus()["test"]
-    prompts: list[str] = []
-    for text in test_split["text"]:
-        lines = text.splitlines(keepends=True)
-        offset, taken = 0, 0
-        for line in lines:
-            offset += len(line)
-            stripped = line.lstrip()
-            if stripped.startswith(("def ", "class ")) and offset > DEMO_PROMPT_CHARS:
-                prompts.append(text[offset - DEMO_PROMPT_CHARS : offset])
-                taken += 1
-                if taken == 2:  # at most two prompts per file: spread over many files
-                    break
-            if len(prompts) >= num_prompts:
-                return prompts
+    prompts = _prompts_from_texts(test_split["text"], num_prompts, per_file=2)
     if not prompts:
         raise ValueError("the stdlib test split gave no prompts; pass --prompts FILE instead")
     return prompts
@@ -50,5 +100,13 @@ def file_prompts(path: str, num_prompts: int) -> list[str | list[dict[str, str]]
     return prompts[:num_prompts]
 
 
+PROMPT_SETS = ("demo", "ood")
+
+
 def load_eval_prompts(spec: str, num_prompts: int) -> list[str | list[dict[str, str]]]:
-    return list(demo_prompts(num_prompts)) if spec == "demo" else file_prompts(spec, num_prompts)
+    """``demo`` (held-out stdlib code), ``ood`` (installed third-party code), or a file."""
+    if spec == "demo":
+        return list(demo_prompts(num_prompts))
+    if spec == "ood":
+        return list(ood_prompts(num_prompts))
+    return file_prompts(spec, num_prompts)

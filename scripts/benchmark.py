@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from decode.drafters.base import TreeSpec
+from decode.drafters.hybrid import HybridDrafter
 from decode.drafters.registry import load_drafter
 from decode.evaluate import (
     EvalSettings,
@@ -46,6 +47,7 @@ from decode.prompts import load_eval_prompts
 # Plain decoding through our own decoder (no drafter): the control that separates what the
 # decoder's forward adds from what drafting adds.
 CONTROL = "draftsmith plain (no drafter)"
+HYBRID = "draftsmith hybrid: lookup"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -143,7 +145,8 @@ def held_out_overlap(folder: str | None) -> list[float] | None:
     return [results[k] for k in keys] or None
 
 
-def build_methods(args, target, drafters, settings: EvalSettings, meter, peaks):
+def build_methods(args, target, drafters, settings: EvalSettings, meter, peaks, hybrids):
+    """Every method of one temperature; the hybrid drafters built here land in ``hybrids``."""
     tree = TreeSpec(top_k=args.tree_top_k, total_tokens=args.tree_total_tokens)
     methods: dict[str, Method] = {"plain (HF generate)": plain_method(target, settings)}
     if "draft_lm" in drafters:
@@ -163,6 +166,15 @@ def build_methods(args, target, drafters, settings: EvalSettings, meter, peaks):
         methods["draftsmith EAGLE-3 chain"] = speculative_method(
             target, drafters["eagle3"], settings
         )
+        adaptive = EvalSettings(**{**settings.__dict__, "adaptive": True})
+        methods["draftsmith EAGLE-3 chain (adaptive N)"] = speculative_method(
+            target, drafters["eagle3"], adaptive
+        )
+    for kind, label in (("draft_lm", "draft LM"), ("eagle3", "EAGLE-3")):
+        if kind in drafters:
+            name = f"{HYBRID} + {label}"
+            hybrids[name] = HybridDrafter(drafters[kind])
+            methods[name] = speculative_method(target, hybrids[name], settings)
     for kind, label in (
         ("eagle3", "draftsmith EAGLE-3 tree"),
         ("medusa", "draftsmith Medusa tree"),
@@ -173,16 +185,36 @@ def build_methods(args, target, drafters, settings: EvalSettings, meter, peaks):
     return {name: with_peak_memory(m, meter, peaks, name) for name, m in methods.items()}
 
 
-def summarise(results: dict[str, MethodResult], peaks: dict[str, tuple], overlaps) -> list[dict]:
+def summarise(
+    results: dict[str, MethodResult], peaks: dict[str, tuple], overlaps, usage: dict[str, dict]
+) -> list[dict]:
     plain = results["plain (HF generate)"]
+    control = results[CONTROL]
+    control_stats = control.stats
+    target_step_ms = (
+        1000 * control_stats.verify_seconds / max(control_stats.target_forward_passes, 1)
+    )
     rows = []
     for name, result in results.items():
         stats = result.stats
+        draft_step_ms = (
+            1000 * stats.draft_seconds / stats.draft_positions
+            if stats and stats.draft_positions
+            else None
+        )
         rows.append(
             {
                 "method": name,
                 "tokens_per_s": result.tokens_per_s,
                 "speedup": result.tokens_per_s / plain.tokens_per_s if plain.tokens_per_s else 0.0,
+                "speedup_over_draftsmith_plain": result.tokens_per_s / control.tokens_per_s,
+                "draft_step_ms": draft_step_ms,
+                "verify_pass_ms": 1000 * stats.verify_seconds / max(stats.target_forward_passes, 1)
+                if stats
+                else None,
+                "target_step_ms": target_step_ms,
+                "draft_cost_ratio": draft_step_ms / target_step_ms if draft_step_ms else None,
+                "drafter_usage": usage.get(name),
                 "tau": stats.tau if stats else result.tokens_per_pass,
                 "predicted_tau": stats.predicted_tau if stats else None,
                 "alpha_per_position": stats.alpha_per_position if stats else None,
@@ -200,21 +232,36 @@ def summarise(results: dict[str, MethodResult], peaks: dict[str, tuple], overlap
 
 def format_rows(rows: list[dict], temperature: float, best: dict) -> str:
     lines = [
-        f"temperature {temperature:g}",
-        f"{'method':<28}{'tok/s':>8}{'speedup':>9}{'tau':>6}{'pred':>6}{'peak MB':>9}{'+MB':>6}",
+        f"temperature {temperature:g} (vs HF: over HF generate; vs ours: over draftsmith plain)",
+        f"{'method':<40}{'tok/s':>8}{'vs HF':>8}{'vs ours':>8}{'tau':>6}{'pred':>6}"
+        f"{'draft/tgt':>10}{'peak MB':>9}{'+MB':>6}",
     ]
     for row in rows:
         predicted = f"{row['predicted_tau']:.2f}" if row["predicted_tau"] else "-"
         peak = f"{row['peak_memory_mb']:.0f}" if row["peak_memory_mb"] else "-"
         extra = f"{row['extra_memory_mb']:.1f}" if row["extra_memory_mb"] is not None else "-"
+        cost = f"{row['draft_cost_ratio']:.2f}" if row["draft_cost_ratio"] else "-"
         lines.append(
-            f"{row['method']:<28}{row['tokens_per_s']:>8.1f}{row['speedup']:>8.2f}x"
-            f"{row['tau']:>6.2f}{predicted:>6}{peak:>9}{extra:>6}"
+            f"{row['method']:<40}{row['tokens_per_s']:>8.1f}{row['speedup']:>7.2f}x"
+            f"{row['speedup_over_draftsmith_plain']:>7.2f}x{row['tau']:>6.2f}{predicted:>6}"
+            f"{cost:>10}{peak:>9}{extra:>6}"
         )
+        if row["drafter_usage"]:
+            usage = row["drafter_usage"]
+            lines.append(
+                f"{'':<4}lookup drafted {usage['lookup_share']:.0%} of rounds (mean accepted "
+                f"{usage['lookup_mean_accepted']:.2f}), the learned drafter the rest (mean "
+                f"accepted {usage['learned_mean_accepted']:.2f})"
+            )
     lines.append(
         f"best draftsmith ({best['draftsmith']}) / best HF ({best['hf']}): {best['ratio']:.2f}x;"
         f" / draftsmith plain: {best['over_draftsmith_plain']:.2f}x"
     )
+    if best.get("trained"):
+        lines.append(
+            f"best trained drafter ({best['trained']}) / draftsmith plain: "
+            f"{best['trained_over_draftsmith_plain']:.2f}x"
+        )
     return "\n".join(lines)
 
 
@@ -225,11 +272,24 @@ def best_against_hf(rows: list[dict]) -> dict:
     ours = max(drafting, key=_speed)
     theirs = max((r for r in rows if not r["method"].startswith("draftsmith")), key=_speed)
     control = next(r for r in rows if r["method"] == CONTROL)
+    ngram = next(r for r in rows if r["method"] == "draftsmith n-gram")
+    # Trained drafters; a hybrid counts only where it beats prompt lookup alone.
+    trained = [
+        r
+        for r in drafting
+        if r["method"] not in (CONTROL, "draftsmith n-gram")
+        and (not r["method"].startswith(HYBRID) or _speed(r) > _speed(ngram))
+    ]
+    best_trained = max(trained, key=_speed) if trained else None
     return {
         "draftsmith": ours["method"],
         "hf": theirs["method"],
         "ratio": ours["tokens_per_s"] / theirs["tokens_per_s"],
         "over_draftsmith_plain": ours["tokens_per_s"] / control["tokens_per_s"],
+        "trained": best_trained["method"] if best_trained else None,
+        "trained_over_draftsmith_plain": best_trained["tokens_per_s"] / control["tokens_per_s"]
+        if best_trained
+        else None,
     }
 
 
@@ -274,9 +334,11 @@ def main(argv: list[str] | None = None) -> dict:
             lean_target=not args.model_forward,
         )
         peaks: dict[str, float] = {}
-        methods = build_methods(args, target, drafters, settings, meter, peaks)
+        hybrids: dict[str, HybridDrafter] = {}  # fresh per temperature: usage counts restart
+        methods = build_methods(args, target, drafters, settings, meter, peaks, hybrids)
         results = measure_side_by_side(target, methods, prompts)
-        rows = summarise(results, peaks, overlaps)
+        usage = {name: hybrid.usage() for name, hybrid in hybrids.items()}
+        rows = summarise(results, peaks, overlaps, usage)
         best = best_against_hf(rows)
         report["by_temperature"][f"{temperature:g}"] = rows
         report.setdefault("best_against_hf", {})[f"{temperature:g}"] = best

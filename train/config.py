@@ -84,7 +84,9 @@ class DrafterConfig:
     lora_dropout: float = _f(0.0, "LoRA dropout")
     lora_target_modules: str = _f("all-linear", "peft target_modules (comma list or all-linear)")
     draft_vocab_size: int | None = _f(
-        None, "eagle3: keep the N most frequent training tokens in the head (default: all)"
+        None,
+        "eagle3 and draft_lm: keep the N most frequent training tokens in the output layer "
+        "(a pruned draft vocabulary; default: all)",
     )
     aux_hidden_state_layer_ids: list[int] | None = field(
         default=None,
@@ -125,6 +127,21 @@ class DataConfig:
         "target_samples",
         "held-out sequences: target_samples (held-out prompts continued by the target, where "
         "acceptance is measured) or data (held-out text as is)",
+    )
+    train_source: str = _f(
+        "data",
+        "training sequences: data (the dataset as is) or target_samples (prompts cut from the "
+        "dataset's training sequences continued by the target at each of "
+        "--train_temperatures: the target's own text, greedy and sampled, where acceptance "
+        "is measured)",
+    )
+    train_sequences: int = _f(
+        1024, "target_samples: sequences regenerated (split over temperatures)"
+    )
+    train_prompt_tokens: int = _f(32, "target_samples: prompt tokens kept from each sequence")
+    train_temperatures: list[float] = field(
+        default_factory=lambda: [0.0, 1.0],
+        metadata={"help": "target_samples: temperatures the target continues at (0: greedy)"},
     )
     eval_sequences: int = _f(32, "held-out sequences")
     eval_prompt_tokens: int = _f(32, "prompt tokens of each held-out sequence")
@@ -208,6 +225,14 @@ class SpeedEvalConfig:
     speed_eval_temperatures: list[float] = field(
         default_factory=lambda: [0.0, 1.0],
         metadata={"help": "decoding temperatures measured"},
+    )
+    speed_eval_ood_prompts: str = _f(
+        "ood",
+        "a second prompt set the target never saw, decoded at each temperature too: 'ood' "
+        "(installed third-party code), a prompt file, or '' to skip",
+    )
+    speed_eval_adaptive: bool = _f(
+        False, "choose each chain round's draft length in 0..N from measured acceptance"
     )
     speed_eval_draft_tokens: int = _f(4, "num_draft_tokens (chain length or tree depth)")
     speed_eval_tree_top_k: int = _f(4, "eagle3/medusa trees: children per expanded node")
@@ -324,6 +349,21 @@ class DistillConfig:
         if self.optim.max_minutes is not None and self.optim.max_minutes <= 0:
             raise ValueError(
                 f"--max_minutes must be > 0 (or unset for no budget), got {self.optim.max_minutes}"
+            )
+        if self.data.train_source not in ("data", "target_samples"):
+            raise ValueError(
+                f"--train_source must be data or target_samples, got {self.data.train_source!r}"
+            )
+        if self.data.train_source == "target_samples" and not (
+            1 <= self.data.train_prompt_tokens < self.data.block_size
+            and self.data.train_sequences >= len(self.data.train_temperatures) >= 1
+            and all(t >= 0 for t in self.data.train_temperatures)
+        ):
+            raise ValueError(
+                "--train_source target_samples needs 1 <= --train_prompt_tokens < --block_size, "
+                "at least one --train_temperatures value >= 0 and --train_sequences >= their "
+                f"count; got {self.data.train_prompt_tokens}, {self.data.train_temperatures}, "
+                f"{self.data.train_sequences}"
             )
         if self.loss.loss_temperature <= 0:
             raise ValueError(f"--loss_temperature must be > 0, got {self.loss.loss_temperature}")

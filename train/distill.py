@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -86,10 +87,19 @@ def distill(config: DistillConfig) -> dict[str, Any]:
     sets = load_sequences(config.data, tokenizer, config.optim.seed)  # data errors before the model
     target = load_model(location, config.target.target_dtype, remote).to(accelerator.device)
     objective = objective_cls.from_config(config, target, tokenizer, loss)
-    objective.prepare(sets.train)
+    train_rows = sets.train
+    if config.data.train_source == "target_samples":
+        started = time.perf_counter()
+        train_rows = _regenerated_rows(config, target, tokenizer, sets.train, accelerator)
+        if accelerator.is_main_process:
+            print(
+                f"regenerated {len(train_rows)} training sequences with the target at "
+                f"temperatures {config.data.train_temperatures} in "
+                f"{time.perf_counter() - started:.0f} s"
+            )
+    objective.prepare(train_rows)
     pad_id = tokenizer.pad_token_id
 
-    train_rows = sets.train
     cache_stats = None
     if config.data.target_outputs == "cache":
         train_rows, cache_stats = _cached_training_rows(
@@ -227,9 +237,27 @@ def _measure_speed(
         temperatures=tuple(speed.speed_eval_temperatures),
         tree=tree,
         prompts=speed.speed_eval_prompt_source,
+        ood_prompts=speed.speed_eval_ood_prompts or None,
+        adaptive=speed.speed_eval_adaptive,
     )
-    keys = ("tau", "predicted_tau", "speedup", "tokens_per_s_baseline", "tokens_per_s_speculative")
-    return {t: {k: r[k] for k in keys} for t, r in report["by_temperature"].items()}
+    keys = (
+        "tau",
+        "predicted_tau",
+        "speedup",
+        "speedup_over_draftsmith_plain",
+        "tokens_per_s_baseline",
+        "tokens_per_s_draftsmith_plain",
+        "tokens_per_s_speculative",
+        "draft_cost_ratio",
+    )
+    summary = {t: {k: r[k] for k in keys} for t, r in report["by_temperature"].items()}
+    for t, r in report.get("hybrid", {}).items():
+        summary[f"hybrid {t}"] = {k: r[k] for k in keys}
+    for t, results in report.get("ood", {}).items():
+        if t != "prompts":
+            for name, r in results.items():
+                summary[f"ood {name} {t}"] = {k: r[k] for k in keys}
+    return summary
 
 
 def _check_output_dir(output_dir: Path) -> None:
@@ -303,6 +331,44 @@ def _cached_training_rows(
             progress=accelerator.is_local_main_process and config.logging.progress_bar,
         )
     return open_cached_rows(rows, folder), stats
+
+
+def _regenerated_rows(
+    config: DistillConfig,
+    target: Any,
+    tokenizer: Any,
+    train: Any,
+    accelerator: Accelerator,
+) -> list[dict[str, Any]]:
+    """Training prompts continued by the target, an equal share at each temperature.
+
+    Acceptance is measured on the target's own text, greedy and sampled (docs/theory.md §6):
+    greedy continuations teach the drafter the target's argmax (temperature-0 acceptance),
+    sampled ones its distribution. Prompts are spread over the whole training split; every
+    process builds the same rows from the same seed.
+    """
+    from train.distill_data import target_continued_rows
+
+    data = config.data
+    temperatures = data.train_temperatures
+    share = data.train_sequences // len(temperatures)
+    stride = max(1, len(train) // data.train_sequences)
+    spread = [train[i] for i in range(0, len(train), stride)]
+    rows: list[dict[str, Any]] = []
+    for index, temperature in enumerate(temperatures):
+        rows += target_continued_rows(
+            target,
+            spread[index * share : (index + 1) * share] or spread,
+            num_sequences=share,
+            prompt_tokens=data.train_prompt_tokens,
+            new_tokens=data.block_size - data.train_prompt_tokens,
+            temperature=temperature,
+            seed=config.optim.seed + 777 + index,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            device=accelerator.device,
+        )
+    return rows
 
 
 def _eval_rows(

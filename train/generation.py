@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from decode.kv_cache import CachedSequence
+from decode.lean_decoder import LeanDecoder
+from decode.output_head import OutputHead
 from decode.sampling import SamplingConfig, select_tokens
 
 
@@ -57,7 +59,12 @@ def sample_continuations(
     stops = _stop_ids(eos_token_id, input_ids.device)
     was_training = model.training
     model.eval()
-    sequence = CachedSequence(model, input_ids.shape[0], input_ids.device)
+    # A frozen Llama-family model (the target) on CPU runs through the lean forward (the same
+    # logits to float rounding); a model in training or with adapters keeps its own forward.
+    frozen = not was_training and not hasattr(model, "peft_config")
+    head = OutputHead.for_model(model) if frozen else None
+    decoder = LeanDecoder.for_model(model) if head is not None else None
+    sequence = CachedSequence(model, input_ids.shape[0], input_ids.device, head, decoder)
     logits = sequence.extend(input_ids, attention_mask.bool(), logits_to_keep=1).logits[:, -1]
     finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
     tokens, valid = [], []

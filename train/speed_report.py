@@ -1,11 +1,14 @@
 """After training: measure the exported drafter end to end and write the run's report.
 
 The held-out overlaps predict acceptance (docs/theory.md §5); this step checks the
-prediction with the real decoder. Held-out prompts (the demo set: stdlib files the target never
-trained on) are decoded one at a time by plain target decoding, by our speculative decoder with
-the new drafter and, where one exists, by the Hugging Face peer, at each temperature. The report
-(``report.json``), the plots (``acceptance.png``, ``speedup.png``) and a summary table land in
-the run folder.
+prediction with the real decoder. Prompts the target never trained on (the demo set: held-out
+stdlib files; and, with ``ood_prompts``, installed third-party code of another style) are
+decoded one at a time, interleaved per prompt, by Hugging Face ``generate``, by draftsmith's
+own plain decoding (the same decoder with no drafter: what drafting itself adds is measured
+against it), by our decoder with the new drafter, by the hybrid of prompt lookup and the new
+drafter (for drafters that can share rounds), and by the Hugging Face peer where one exists,
+at each temperature. The report (``report.json``), the plots (``acceptance.png``,
+``speedup.png``) and a summary table land in the run folder.
 """
 
 from __future__ import annotations
@@ -28,36 +31,50 @@ def measure_and_report(
     temperatures: tuple[float, ...] = (0.0, 1.0),
     tree: dict[str, int] | None = None,
     prompts: str = "demo",
+    ood_prompts: str | None = None,
+    adaptive: bool = False,
 ) -> dict[str, Any]:
-    """Decode held-out prompts with and without the drafter; return and save the report."""
-    import torch
+    """Decode the prompts with and without the drafter; return and save the report.
 
-    from decode.drafters.base import TreeSpec
+    ``report["by_temperature"][t]`` is the drafter's evaluation on ``prompts``;
+    ``report["hybrid"][t]`` the hybrid's; ``report["ood"][t]`` both on ``ood_prompts``.
+    """
     from decode.drafters.registry import load_drafter
-    from decode.evaluate import EvalSettings, encode_prompt, evaluate_drafter, load_target
+    from decode.evaluate import encode_prompt, load_target
     from decode.plots import plot_acceptance_by_position, plot_speedups
     from decode.prompts import load_eval_prompts
 
     target, tokenizer = load_target(str(target_path))
     drafter = load_drafter(drafter_dir, target)
-    tree_spec = TreeSpec(**tree) if tree and drafter.supports_trees else None
-    encoded = [encode_prompt(tokenizer, p) for p in load_eval_prompts(prompts, num_prompts)]
     report: dict[str, Any] = {
         "target": str(target_path),
         "drafter": str(drafter_dir),
         "held_out_overlap": _overlaps(held_out),
+        "prompts": prompts,
         "by_temperature": {},
+        "hybrid": {},
     }
-    for temperature in temperatures:
-        settings = EvalSettings(
-            num_draft_tokens=num_draft_tokens,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            tree=tree_spec,
-        )
-        with torch.inference_mode():
-            result = evaluate_drafter(target, drafter, encoded, settings)
-        report["by_temperature"][f"{temperature:g}"] = result
+    sets = {"held_out": prompts} | ({"ood": ood_prompts} if ood_prompts else {})
+    for name, source in sets.items():
+        encoded = [encode_prompt(tokenizer, p) for p in load_eval_prompts(source, num_prompts)]
+        for temperature in temperatures:
+            results = _measure(
+                target,
+                drafter,
+                encoded,
+                temperature,
+                num_draft_tokens,
+                max_new_tokens,
+                tree,
+                adaptive,
+            )
+            key = f"{temperature:g}"
+            if name == "held_out":
+                report["by_temperature"][key] = results["drafter"]
+                if "hybrid" in results:
+                    report["hybrid"][key] = results["hybrid"]
+            else:
+                report.setdefault("ood", {"prompts": source})[key] = results
     output = Path(output_dir)
     output.mkdir(parents=True, exist_ok=True)
     write_json_atomic(output / "report.json", report)
@@ -71,34 +88,130 @@ def measure_and_report(
         },
         output / "acceptance.png",
     )
-    speedups = {"plain": 1.0}
+    speedups = {"draftsmith plain": 1.0}
     for t, r in report["by_temperature"].items():
-        speedups[f"draftsmith, T={t}"] = r["speedup"]
-        if r.get("peer"):
-            speedups[f"{r['peer']['name']}, T={t}"] = r["peer"]["speedup"]
-    plot_speedups(speedups, output / "speedup.png")
+        own = r["tokens_per_s_draftsmith_plain"]
+        speedups[f"HF generate, T={t}"] = r["tokens_per_s_baseline"] / own if own else 0.0
+        speedups[f"draftsmith {r['drafter_kind']}, T={t}"] = r["speedup_over_draftsmith_plain"]
+        if t in report["hybrid"]:
+            speedups[f"hybrid, T={t}"] = report["hybrid"][t]["speedup_over_draftsmith_plain"]
+    plot_speedups(speedups, output / "speedup.png", "Speedup over draftsmith's plain decoding")
     print(format_summary(report))
     return report
 
 
+def _measure(
+    target: Any,
+    drafter: Any,
+    prompts: list[Any],
+    temperature: float,
+    num_draft_tokens: int,
+    max_new_tokens: int,
+    tree: dict[str, int] | None,
+    adaptive: bool,
+) -> dict[str, dict[str, Any]]:
+    """One interleaved run of every method at one temperature; one report per drafting method."""
+    import torch
+
+    from decode.drafters.base import TreeSpec
+    from decode.drafters.hybrid import HybridDrafter
+    from decode.drafters.none import NoDrafter
+    from decode.evaluate import (
+        EvalSettings,
+        hf_peer,
+        measure_side_by_side,
+        plain_method,
+        speculative_method,
+        speculative_report,
+    )
+
+    # Top-k trees accept a child only with the target's probability of it: they win greedy
+    # and lose to chains when sampling (docs/theory.md §4).
+    use_tree = tree is not None and drafter.supports_trees and temperature == 0
+    settings = EvalSettings(
+        num_draft_tokens=num_draft_tokens,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        tree=TreeSpec(**tree) if use_tree else None,
+        adaptive=adaptive and not use_tree,
+    )
+    chain = EvalSettings(**{**settings.__dict__, "tree": None, "adaptive": adaptive})
+    methods = {
+        "baseline": plain_method(target, settings),
+        "draftsmith_plain": speculative_method(
+            target,
+            NoDrafter(drafter.vocab_size),
+            EvalSettings(**{**chain.__dict__, "adaptive": False}),
+        ),
+        "drafter": speculative_method(target, drafter, settings),
+    }
+    hybrid = HybridDrafter(drafter) if drafter.supports_external_drafts else None
+    if hybrid is not None:
+        methods["hybrid"] = speculative_method(target, hybrid, chain)
+    peer = hf_peer(drafter, settings)
+    if peer is not None:
+        methods["peer"] = plain_method(target, settings, **peer[1])
+    with torch.inference_mode():
+        results = measure_side_by_side(target, methods, prompts)
+    if peer is not None:
+        results["peer"].name = peer[0]
+    reports = {
+        "drafter": speculative_report(
+            settings,
+            drafter,
+            results["baseline"],
+            results["drafter"],
+            results.get("peer"),
+            own_plain=results["draftsmith_plain"],
+        )
+    }
+    if hybrid is not None:
+        reports["hybrid"] = speculative_report(
+            chain,
+            hybrid,
+            results["baseline"],
+            results["hybrid"],
+            own_plain=results["draftsmith_plain"],
+        )
+    return reports
+
+
 def format_summary(report: dict[str, Any]) -> str:
-    """The end-of-run table: overlap per position, tau, predicted tau, tokens/s, speedup."""
+    """The end-of-run table: overlap per position, tau, speedups over draftsmith's own plain
+    decoding (the figure that says whether drafting pays) and over HF ``generate``."""
     overlap = " ".join(f"{v:.3f}" for v in report["held_out_overlap"]) or "-"
     lines = [
         f"held-out overlap per position (training): {overlap}",
-        f"{'temperature':<12}{'tau':>6}{'pred tau':>9}{'plain tok/s':>12}{'spec tok/s':>11}"
-        f"{'speedup':>9}{'peer':>20}",
+        "speedup over draftsmith's own plain decoding (vs ours) and over HF generate (vs HF):",
+        f"{'prompts':<10}{'T':>4}  {'method':<18}{'tau':>6}{'pred tau':>9}{'tok/s':>8}"
+        f"{'vs ours':>9}{'vs HF':>8}{'draft/tgt':>10}{'peer vs HF':>22}",
     ]
+    rows = []
     for temperature, r in report["by_temperature"].items():
+        rows.append(("held-out", temperature, r))
+        if temperature in report.get("hybrid", {}):
+            rows.append(("held-out", temperature, report["hybrid"][temperature]))
+    for temperature, results in report.get("ood", {}).items():
+        if temperature != "prompts":
+            rows += [("ood", temperature, r) for r in results.values()]
+    for prompts, temperature, r in rows:
         peer = r.get("peer")
         peer_text = f"{peer['name']} {peer['speedup']:.2f}x" if peer else "-"
         lines.append(
-            f"{temperature:<12}{r['tau']:>6.2f}{r['predicted_tau']:>9.2f}"
-            f"{r['tokens_per_s_baseline']:>12.1f}{r['tokens_per_s_speculative']:>11.1f}"
-            f"{r['speedup']:>8.2f}x{peer_text:>20}"
+            f"{prompts:<10}{temperature:>4}  {r['drafter_kind']:<18}{r['tau']:>6.2f}"
+            f"{r['predicted_tau']:>9.2f}{r['tokens_per_s_speculative']:>8.1f}"
+            f"{r['speedup_over_draftsmith_plain']:>8.2f}x{r['speedup']:>7.2f}x"
+            f"{r['draft_cost_ratio']:>10.2f}{peer_text:>22}"
         )
+    for prompts, temperature, r in rows:
         alphas = " ".join(f"{a:.2f}" for a in r["alpha_per_position"])
-        lines.append(f"{'':<12}measured acceptance per position: {alphas}")
+        timing = (
+            f"draft {r['draft_step_ms']:.2f} ms/token, verify {r['verify_pass_ms']:.2f} ms, "
+            f"target step {r['target_step_ms']:.2f} ms"
+        )
+        lines.append(
+            f"{prompts} T={temperature} {r['drafter_kind']}: acceptance {alphas}; {timing}"
+        )
     return "\n".join(lines)
 
 

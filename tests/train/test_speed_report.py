@@ -35,6 +35,14 @@ def test_distill_measures_the_exported_drafter(tiny_argv, tmp_path: Path, capsys
     assert greedy["num_prompts"] == 2 and 1.0 <= greedy["tau"] <= 5.0
     assert report["held_out_overlap"] == [summary["held_out"]["overlap@1"]]
     assert summary["speed"]["0"]["speedup"] == greedy["speedup"]
+    # Against draftsmith's own plain decoding too, which is exact as well.
+    assert greedy["draftsmith_plain_greedy_equal_to_baseline"] == 2
+    assert summary["speed"]["0"]["speedup_over_draftsmith_plain"] > 0
+    # The hybrid of prompt lookup and the new drafter, and the out-of-distribution prompts.
+    assert report["hybrid"]["0"]["greedy_equal_to_baseline"] == 2
+    assert report["hybrid"]["0"]["drafter_usage"]["learned_rows"] > 0
+    assert report["ood"]["prompts"] == "ood"
+    assert report["ood"]["0"]["drafter"]["greedy_equal_to_baseline"] == 2
     for png in ("acceptance.png", "speedup.png"):
         assert (out / png).stat().st_size > 1000
     held = json.loads((out / "drafter" / "eval_results.json").read_text())
