@@ -4,17 +4,36 @@ Leviathan et al. 2023: the draft samples ``d_1 .. d_N`` from its own (transforme
 ``q``, one forward pass per token, over its own KV cache. After verification its cache keeps the
 accepted drafts; what it has not read yet (the token emitted after them, and ``d_N`` when every
 draft was accepted) is fed at the start of the next proposal.
+
+Pruned draft vocabulary (as EAGLE-3's, Li et al. 2025): a draft LM trained with
+``--draft_vocab_size`` has an output layer of ``V_draft`` rows (the most frequent training
+labels) while its embedding still reads every target token. Its logits, sampling and greedy
+choice stay in the draft vocabulary (the output projection, which dominates a small model's step
+on CPU, shrinks by ``V / V_draft``); only the chosen ids are mapped to target ids, and the
+reported ``q`` is the draft-vocabulary distribution placed in the target vocabulary with zeros
+elsewhere (``decode.drafters.vocab_map``), the law the tokens were drawn from, so verification
+stays exact. The folder stores that head and the maps beside a normal Hugging Face model
+(:func:`load_draft_model`).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
 import torch
 
 from decode.drafters.base import Drafter, DraftProposal, TargetPass
+from decode.drafters.vocab_map import VocabMap, to_target_ids, to_target_probs
 from decode.kv_cache import CachedSequence
 from decode.lean_decoder import LeanDecoder
 from decode.output_head import OutputHead
 from decode.sampling import SamplingConfig, select_tokens
+
+DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
+"""A pruned draft LM's output layer and vocabulary maps: ``lm_head.weight`` [V_draft, H],
+``d2t`` [V_draft] int64 (``target_id = draft_id + d2t[draft_id]``) and ``t2d`` [V] bool."""
 
 
 class DraftModelDrafter(Drafter):
@@ -23,8 +42,18 @@ class DraftModelDrafter(Drafter):
     kind = "draft_lm"
     supports_external_drafts = True
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, vocab_map: VocabMap | None = None) -> None:
+        """``vocab_map``: the pruned draft vocabulary of ``model``'s output layer (its rows are
+        the draft ids); ``None`` when the model predicts over the whole vocabulary."""
         self.model = model.eval()
+        rows = model.get_output_embeddings().weight.shape[0]
+        if vocab_map is not None and rows != vocab_map.draft_vocab_size:
+            raise ValueError(
+                f"the draft LM's output layer has {rows} rows but its draft vocabulary "
+                f"{vocab_map.draft_vocab_size} tokens: load it with load_draft_model"
+            )
+        device = model.get_output_embeddings().weight.device
+        self.vocab_map = None if vocab_map is None else vocab_map.to(device)
         self._head = OutputHead.for_model(self.model)
         # The draft's own forward may differ from the model's by float rounding: exactness only
         # needs the q it reports, which is the q it sampled from.
@@ -38,6 +67,9 @@ class DraftModelDrafter(Drafter):
 
     @property
     def vocab_size(self) -> int:
+        """The target vocabulary the drafts and ``q`` are expressed in."""
+        if self.vocab_map is not None:
+            return self.vocab_map.target_vocab_size
         return self.model.get_output_embeddings().weight.shape[0]
 
     def prefill(
@@ -68,16 +100,21 @@ class DraftModelDrafter(Drafter):
         if num_tokens == 0:  # nothing read: the unread tokens wait for the next proposal
             self._last_drafts = self._unread.new_empty(self._unread.shape[0], 0)
             return DraftProposal(tokens=self._last_drafts, probs=None)
+        ids = None if self.vocab_map is None else self.vocab_map.draft_to_target  # [V_draft]
         logits = sequence.extend(self._unread, self._unread_valid, logits_to_keep=1).logits
         tokens, probs = [], []
         for step in range(num_tokens):
-            token, token_probs = select_tokens(logits[:, -1], sampling, generator)
+            # [B] draft ids and [B, V_draft] probabilities, mapped to the target's vocabulary
+            draft_token, token_probs = select_tokens(logits[:, -1], sampling, generator)
+            token = to_target_ids(draft_token, ids)  # [B]
             tokens.append(token)
             probs.append(token_probs)
             if step + 1 < num_tokens:
                 logits = sequence.extend(token[:, None], logits_to_keep=1).logits
         self._last_drafts = torch.stack(tokens, dim=1)
-        stacked = None if sampling.greedy else torch.stack(probs, dim=1)
+        stacked = None
+        if not sampling.greedy:  # [B, N, V] the law each draft was drawn from
+            stacked = to_target_probs(torch.stack(probs, dim=1), ids, self.vocab_size)
         return DraftProposal(tokens=self._last_drafts, probs=stacked)
 
     def replace_drafts(
@@ -141,3 +178,79 @@ class DraftModelDrafter(Drafter):
         if self._sequence is None:
             raise RuntimeError("DraftModelDrafter.propose called before prefill")
         return self._sequence
+
+
+def load_draft_model(
+    path: str | Path, dtype: str | torch.dtype = "float32", flag: str = "--drafter"
+) -> tuple[torch.nn.Module, VocabMap | None]:
+    """A draft LM folder: the model (frozen, CPU) and its pruned vocabulary map, if any.
+
+    A pruned folder (``draft_vocab.safetensors`` present) is a normal Hugging Face causal-LM
+    folder whose ``config.vocab_size`` is the target's (the embedding reads every target token)
+    and whose ``model.safetensors`` holds every weight but ``lm_head.weight``; the output layer
+    of ``V_draft`` rows and the maps are read from :data:`DRAFT_VOCAB_FILE` and replace the
+    head that ``from_pretrained`` leaves freshly initialised. Shapes and maps are checked.
+    """
+    from decode.loading import LoadError, load_causal_lm, load_safetensors
+
+    folder = Path(path)
+    pruned = (folder / DRAFT_VOCAB_FILE).is_file()
+    with _quiet_transformers() if pruned else contextlib.nullcontext():
+        model = load_causal_lm(path, dtype, trust_remote_code=False, flag=flag)
+    if not pruned:
+        return model, None
+    fix = "re-export the drafter with train/distill.py"
+    tensors = load_safetensors(folder / DRAFT_VOCAB_FILE, fix)
+    missing = sorted({"lm_head.weight", "d2t", "t2d"} - set(tensors))
+    if missing:
+        raise LoadError(f"{folder / DRAFT_VOCAB_FILE} lacks {missing}; {fix}")
+    try:
+        vocab_map = VocabMap.from_maps(
+            tensors["d2t"], tensors["t2d"], str(folder / DRAFT_VOCAB_FILE)
+        )
+    except ValueError as error:
+        raise LoadError(f"{error}; {fix}") from error
+    weight = tensors["lm_head.weight"]  # [V_draft, H]
+    embed = model.get_input_embeddings().weight  # [V, H]
+    expected = (vocab_map.draft_vocab_size, embed.shape[1])
+    if tuple(weight.shape) != expected or vocab_map.target_vocab_size != embed.shape[0]:
+        raise LoadError(
+            f"{folder / DRAFT_VOCAB_FILE}: lm_head.weight {tuple(weight.shape)} and t2d "
+            f"[{vocab_map.target_vocab_size}] do not fit the model (head {expected}, "
+            f"vocabulary {embed.shape[0]}); {fix}"
+        )
+    _check_marker(folder, vocab_map.draft_vocab_size)
+    head = torch.nn.Linear(embed.shape[1], weight.shape[0], bias=False, dtype=embed.dtype)
+    with torch.no_grad():
+        head.weight.copy_(weight)
+    model.set_output_embeddings(head.requires_grad_(False))
+    model.config.tie_word_embeddings = False
+    return model, vocab_map
+
+
+def _check_marker(folder: Path, draft_vocab_size: int) -> None:
+    """``drafter.json``'s ``draft_vocab_size``, when recorded, agrees with the stored head."""
+    marker = folder / "drafter.json"
+    if not marker.is_file():
+        return
+    from decode.loading import LoadError, read_json_object
+
+    recorded = read_json_object(marker, "re-export the drafter").get("draft_vocab_size")
+    if recorded is not None and recorded != draft_vocab_size:
+        raise LoadError(
+            f"{marker} records draft_vocab_size {recorded!r} but {DRAFT_VOCAB_FILE} holds "
+            f"{draft_vocab_size} tokens; re-export the drafter with train/distill.py"
+        )
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """Hide the load report of a pruned folder (its ``lm_head.weight`` is stored apart)."""
+    from transformers.utils import logging
+
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)

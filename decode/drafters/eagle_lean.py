@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from decode.drafters.eagle import Eagle3Head
+from decode.drafters.vocab_map import to_target_ids, to_target_probs
 from decode.kv_cache import PreallocatedLayer
 from decode.llama_math import apply_rope, rms_norm
 from decode.output_head import OutputHead
@@ -140,17 +141,14 @@ class LeanEagle3:
         return self._output(rms_norm(prenorm, self.weights().final_norm, self.eps))
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:  # [...] -> [...] int64
-        if self.full_vocab:
-            return draft_ids
-        return self.weights().draft_to_target[draft_ids]
+        return to_target_ids(draft_ids, self._draft_to_target())
 
     def to_target_probs(self, probs: torch.Tensor) -> torch.Tensor:  # [..., Vd] -> [..., Vt]
         """Draft-vocabulary probabilities placed in the target vocabulary (0 elsewhere)."""
-        if self.full_vocab:
-            return probs
-        out = probs.new_zeros((*probs.shape[:-1], self.head.config.target_vocab_size))
-        out[..., self.weights().draft_to_target] = probs
-        return out
+        return to_target_probs(probs, self._draft_to_target(), self.head.config.target_vocab_size)
+
+    def _draft_to_target(self) -> torch.Tensor | None:  # [V_draft] int64; None: full vocabulary
+        return None if self.full_vocab else self.weights().draft_to_target
 
     def _rotary(
         self, positions: torch.Tensor, dtype: torch.dtype

@@ -14,7 +14,7 @@ import torch
 
 from decode.drafters.base import Drafter
 from decode.drafters.folder import DRAFTER_FILE, read_drafter_marker
-from decode.loading import check_model_finite, load_causal_lm, read_json_object
+from decode.loading import check_model_finite, read_json_object
 
 # kind -> "module:function" building a runtime Drafter from (path, target); imported lazily so
 # that loading one kind never imports the others.
@@ -72,14 +72,15 @@ def load_drafter(
 
 
 def load_draft_lm(path: str | Path | None, target: torch.nn.Module) -> Drafter:
-    """A draft causal LM from a Hugging Face folder, safetensors only, no remote code."""
-    from decode.drafters.draft_lm import DraftModelDrafter
+    """A draft causal LM from a Hugging Face folder, safetensors only, no remote code; with its
+    pruned draft vocabulary when the folder has one (``decode.drafters.draft_lm``)."""
+    from decode.drafters.draft_lm import DraftModelDrafter, load_draft_model
 
     if path is None:
         raise ValueError("the draft_lm drafter needs a folder: pass --drafter PATH")
-    model = load_causal_lm(path, target.dtype, trust_remote_code=False, flag="--drafter")
+    model, vocab_map = load_draft_model(path, target.dtype, flag="--drafter")
     check_model_finite(model, f"--drafter {path}", "retrain it with a lower learning rate")
-    return DraftModelDrafter(model.to(next(target.parameters()).device))
+    return DraftModelDrafter(model.to(next(target.parameters()).device), vocab_map)
 
 
 def load_ngram(path: str | Path | None, target: torch.nn.Module) -> Drafter:
