@@ -249,9 +249,10 @@ def format_rows(rows: list[dict], temperature: float, best: dict) -> str:
         if row["drafter_usage"]:
             usage = row["drafter_usage"]
             lines.append(
-                f"{'':<4}lookup drafted {usage['lookup_share']:.0%} of rounds (mean accepted "
-                f"{usage['lookup_mean_accepted']:.2f}), the learned drafter the rest (mean "
-                f"accepted {usage['learned_mean_accepted']:.2f})"
+                f"{'':<4}row-rounds: lookup {usage['lookup_rows']} (mean accepted "
+                f"{usage['lookup_mean_accepted']:.2f}), learned drafter {usage['learned_rows']} "
+                f"(mean accepted {usage['learned_mean_accepted']:.2f}), plain steps "
+                f"{usage['plain_rows']}"
             )
     lines.append(
         f"best draftsmith ({best['draftsmith']}) / best HF ({best['hf']}): {best['ratio']:.2f}x;"

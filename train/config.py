@@ -18,7 +18,8 @@ float is expected), a flag that does not parse is an error (a flag given twice k
 last value, as argparse does; ``--config`` given twice is an error), and every float must be
 finite. Errors are ``ValueError``s, never an argparse exit. The
 defaults are the demo recipe (``configs/demo.yaml``): ``python train/distill.py`` with no
-argument distils a one-layer draft LM from the demo target on the embedded corpus.
+argument distils an EAGLE-3 head (pruned 2048-token vocabulary) from the demo target on the
+target's own continuations of the embedded corpus's prompts, greedy and sampled.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ class TargetConfig:
 class DrafterConfig:
     """The drafter: its kind (registry key) and architecture."""
 
-    drafter_kind: str = _f("draft_lm", "registry key of the drafter/objective kind")
+    drafter_kind: str = _f("eagle3", "registry key of the drafter/objective kind")
     drafter_path: str | None = _f(
         None, "initialise from this causal-LM folder instead of building from the target config"
     )
@@ -84,9 +85,9 @@ class DrafterConfig:
     lora_dropout: float = _f(0.0, "LoRA dropout")
     lora_target_modules: str = _f("all-linear", "peft target_modules (comma list or all-linear)")
     draft_vocab_size: int | None = _f(
-        None,
+        2048,
         "eagle3 and draft_lm: keep the N most frequent training tokens in the output layer "
-        "(a pruned draft vocabulary; default: all)",
+        "(a pruned draft vocabulary; null: all)",
     )
     aux_hidden_state_layer_ids: list[int] | None = field(
         default=None,
@@ -129,14 +130,14 @@ class DataConfig:
         "acceptance is measured) or data (held-out text as is)",
     )
     train_source: str = _f(
-        "data",
+        "target_samples",
         "training sequences: data (the dataset as is) or target_samples (prompts cut from the "
         "dataset's training sequences continued by the target at each of "
         "--train_temperatures: the target's own text, greedy and sampled, where acceptance "
         "is measured)",
     )
     train_sequences: int = _f(
-        1024, "target_samples: sequences regenerated (split over temperatures)"
+        768, "target_samples: sequences regenerated (split over temperatures)"
     )
     train_prompt_tokens: int = _f(32, "target_samples: prompt tokens kept from each sequence")
     train_temperatures: list[float] = field(
@@ -153,7 +154,8 @@ class LossConfig:
     """The distillation objective (train.losses)."""
 
     loss: str = _f(
-        "tv", "loss spec: tv, fkl, rkl, jsd:0.5, lk, nla, ce, or a mix like 0.5*fkl+0.5*tv"
+        "0.5*fkl+0.5*tv",
+        "loss spec: tv, fkl, rkl, jsd:0.5, lk, nla, ce, or a mix like 0.5*fkl+0.5*tv",
     )
     loss_temperature: float = _f(1.0, "temperature both distributions are taken at in the loss")
     eval_temperature: float = _f(1.0, "decoding temperature the held-out overlap is measured at")
@@ -169,7 +171,7 @@ class LossConfig:
 class OptimConfig:
     """Optimisation (train.loop.LoopConfig)."""
 
-    learning_rate: float = _f(1e-3, "peak AdamW learning rate")
+    learning_rate: float = _f(2e-3, "peak AdamW learning rate")
     weight_decay: float = _f(0.0, "AdamW weight decay on matrices")
     adam_beta1: float = _f(0.9, "AdamW beta1")
     adam_beta2: float = _f(0.95, "AdamW beta2")
@@ -177,7 +179,7 @@ class OptimConfig:
     lr_scheduler: str = _f("cosine", "cosine, linear or constant after warmup")
     min_lr_ratio: float = _f(0.1, "final learning rate / peak")
     max_grad_norm: float = _f(1.0, "gradient clipping norm (0 disables)")
-    max_steps: int = _f(150, "optimizer steps")
+    max_steps: int = _f(300, "optimizer steps")
     max_minutes: float | None = _f(None, "wall-clock budget; stops cleanly and checkpoints")
     per_device_batch_size: int = _f(8, "sequences per process per micro-batch")
     gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step")
@@ -236,7 +238,7 @@ class SpeedEvalConfig:
     )
     speed_eval_draft_tokens: int = _f(4, "num_draft_tokens (chain length or tree depth)")
     speed_eval_tree_top_k: int = _f(4, "eagle3/medusa trees: children per expanded node")
-    speed_eval_tree_total_tokens: int = _f(12, "eagle3/medusa trees: nodes per tree (0: chains)")
+    speed_eval_tree_total_tokens: int = _f(0, "eagle3/medusa trees at T = 0: nodes per tree (0: chains)")
 
 
 SECTIONS: dict[str, type] = {
