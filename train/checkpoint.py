@@ -40,7 +40,7 @@ from accelerate import Accelerator
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from data.atomic_io import replace_folder, write_json_atomic
+from decode.atomic_io import replace_folder, write_json_atomic
 
 STATE_FILE = "trainer_state.json"
 _PATTERN = re.compile(r"^checkpoint-(\d+)$")

@@ -30,7 +30,7 @@ from typing import Any, Literal
 import torch
 from safetensors.torch import save_file
 
-from data.atomic_io import atomic_folder
+from decode.atomic_io import atomic_folder
 from decode.drafters.eagle import EAGLE3_ARCHITECTURE, Eagle3Head
 from decode.drafters.medusa import MEDUSA_ARCHITECTURE, MedusaHeads
 
