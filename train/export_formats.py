@@ -1,48 +1,102 @@
-"""Write trained heads in the folder layouts that vLLM and SGLang load.
+"""Write trained heads in the folder layouts that vLLM and SGLang load, with a card each.
 
 EAGLE-3 (``LlamaForCausalLMEagle3``; vLLM ``llama_eagle3.py``, SGLang ``llama_eagle3.py``):
 a Llama-style ``config.json`` with ``num_hidden_layers = 1``, ``vocab_size`` = the target's,
 ``draft_vocab_size`` and the aux layer ids, and ``model.safetensors`` with ``fc.weight``,
-``midlayer.*``, ``norm.weight``, ``lm_head.weight``, ``d2t`` (int64 offsets: target_id = draft_id
-+ d2t[draft_id]) and ``t2d`` (bool); no ``embed_tokens`` (both engines share the target's).
-The two layouts differ only in where and how the aux layer ids are written:
+``midlayer.*``, ``norm.weight``, ``lm_head.weight``; no ``embed_tokens`` (both engines share the
+target's). A pruned draft vocabulary adds ``d2t`` (int64 offsets: target_id = draft_id +
+d2t[draft_id]) and ``t2d`` (bool). A full-vocabulary head writes neither: vLLM then builds no
+``draft_id_to_target_id`` parameter and refuses a ``d2t`` tensor, and SGLang treats a missing
+map as the identity.
 
-* vLLM reads top-level ``eagle_aux_hidden_state_layer_ids`` and captures the *input* of those
-  target layers, i.e. Hugging Face ``hidden_states[i]`` -- our convention, written as is;
-* SGLang reads ``eagle_config["eagle_aux_hidden_state_layer_ids"]`` and captures the *output*
-  of those layers (it adds one internally) -- written as ours minus one.
+Aux layer ids. Ours are Hugging Face ``output_hidden_states`` indices: 0 is the embedding
+output, i the output of layer i-1 (``decode.drafters.eagle``). The engines number them
+differently and *each reads the other's key when its own is absent*:
+
+* vLLM reads top-level ``eagle_aux_hidden_state_layer_ids`` as layer *inputs* (0 = embedding
+  output, our numbering) and, failing that, ``eagle_config.eagle_aux_hidden_state_layer_ids``
+  with the same meaning; it sizes ``fc`` from ``num_aux_hidden_states`` or the length of the
+  ``eagle_config`` list;
+* SGLang reads ``eagle_config.eagle_aux_hidden_state_layer_ids`` as layer *outputs* (it adds
+  one), and newer releases fall back to the top-level key with that meaning.
+
+So every EAGLE-3 folder writes both keys, each in its engine's numbering (top level ours,
+``eagle_config`` ours minus one), and ``num_aux_hidden_states``: whichever engine opens
+whichever folder captures the states the head was trained on. Both engines capture each layer
+once and in layer order, hence :class:`~decode.drafters.eagle.Eagle3Config` demands strictly
+increasing ids. SGLang's Llama cannot capture the embedding output (it would need id -1 and adds
+a residual that does not exist before layer 0), so ``fmt="sglang"`` refuses heads that read id 0
+and heads that fuse other than 3 states (older SGLang builds ``fc`` over exactly 3).
+
+``speculators`` (vLLM's ``speculators`` format, github.com/vllm-project/speculators): a config
+with ``speculators_model_type = "eagle3"``, a ``transformer_layer_config`` (the Llama layer),
+``speculators_config`` (algorithm, greedy proposal with ``speculative_tokens``, and the verifier's
+``name_or_path`` and architectures), ``norm_before_residual = false`` (our residual is the fused
+feature before ``hidden_norm``; vLLM's reader defaults it to true) and the aux ids at top level
+in vLLM's numbering; weights as above with ``midlayer.*`` renamed ``layers.0.*``. vLLM detects
+it from ``speculators_config``: ``LLM(model=<folder>)`` loads the verifier and the head with no
+conversion step.
 
 Medusa (vLLM ``MedusaModel``, ``vllm/transformers_utils/configs/medusa.py``): config fields
 ``num_heads``, ``num_hidden_layers``, ``hidden_size``, ``vocab_size``, ``truncated_vocab_size``,
 ``medusa_fc_bias`` and weights ``blocks.{i}.layers.{j}.weight/bias``, ``lm_heads.{i}.weight``.
+SGLang and the speculators format have no Medusa layout.
 
-Folders are written to a temporary sibling and renamed into place, so a crash never leaves a
-half-written export behind.
+Every folder gets a ``README.md`` naming the engine it is for and how to check it
+(``scripts/check_engine.py``). Folders are written to a temporary sibling and renamed into
+place, so a crash never leaves a half-written export behind.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from decode.atomic_io import atomic_folder
-from decode.drafters.eagle import EAGLE3_ARCHITECTURE, Eagle3Head
+from decode.drafters.eagle import EAGLE3_ARCHITECTURE, Eagle3Config, Eagle3Head
 from decode.drafters.medusa import MEDUSA_ARCHITECTURE, MedusaHeads
 
-EngineFormat = Literal["vllm", "sglang"]
-ENGINE_FORMATS: tuple[str, ...] = ("vllm", "sglang")
+EngineFormat = Literal["vllm", "sglang", "speculators"]
+ENGINE_FORMATS: tuple[str, ...] = ("vllm", "sglang", "speculators")
+SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
+# Each format's serving engine, for the folder cards.
+ENGINE_OF_FORMAT = {"vllm": "vLLM", "sglang": "SGLang", "speculators": "vLLM (speculators format)"}
 
 
-def eagle3_engine_config(head: Eagle3Head, fmt: EngineFormat, dtype: torch.dtype) -> dict[str, Any]:
-    """The ``config.json`` an engine expects for this head."""
-    config = head.config
-    out: dict[str, Any] = {
-        "architectures": [EAGLE3_ARCHITECTURE],
+def engine_aux_ids(head: Eagle3Head, fmt: str) -> dict[str, list[int]]:
+    """The head's aux ids in each engine's numbering, checked for what ``fmt`` can serve.
+
+    Returns ``{"vllm": ours, "sglang": ours - 1}`` (layer inputs and layer outputs).
+    """
+    ids = list(head.config.aux_hidden_state_layer_ids)
+    if list(ids) != sorted(set(ids)):  # Eagle3Config refuses these; old folders
+        raise ValueError(
+            f"aux ids {ids} are not strictly increasing: engines capture each layer once, in "
+            "layer order, so this head cannot be served; retrain with distinct ids"
+        )
+    if fmt == "sglang":
+        if ids[0] == 0:
+            raise ValueError(
+                f"aux ids {ids} read the embedding output (id 0), which SGLang's Llama cannot "
+                "capture: export this head with --export_format vllm (or speculators), or "
+                "retrain with ids >= 1 (a target of 4 or more layers)"
+            )
+        if len(ids) != 3:
+            raise ValueError(
+                f"this head fuses {len(ids)} target states; SGLang builds fc over exactly 3: "
+                "export it with --export_format vllm, or retrain with 3 aux ids"
+            )
+    return {"vllm": ids, "sglang": [i - 1 for i in ids]}
+
+
+def _llama_layer_config(config: Eagle3Config, dtype: torch.dtype) -> dict[str, Any]:
+    """The single Llama decoder layer's fields, as transformers' ``LlamaConfig`` spells them."""
+    return {
         "model_type": "llama",
         "hidden_act": "silu",
         "hidden_size": config.hidden_size,
@@ -56,23 +110,92 @@ def eagle3_engine_config(head: Eagle3Head, fmt: EngineFormat, dtype: torch.dtype
         "rope_scaling": None,
         "max_position_embeddings": config.max_position_embeddings,
         "vocab_size": config.target_vocab_size,
-        "draft_vocab_size": config.draft_vocab_size,
-        "target_hidden_size": config.hidden_size,
-        "target_num_hidden_layers": config.target_num_hidden_layers,  # ours; engines ignore it
         "tie_word_embeddings": False,
         "attention_bias": False,
         "mlp_bias": False,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
-    ids = list(config.aux_hidden_state_layer_ids)
-    if fmt == "vllm":
-        out["eagle_aux_hidden_state_layer_ids"] = ids
-    else:
-        out["eagle_config"] = {
-            "eagle_aux_hidden_state_layer_ids": [i - 1 for i in ids],
+
+
+def eagle3_engine_config(head: Eagle3Head, fmt: EngineFormat, dtype: torch.dtype) -> dict[str, Any]:
+    """The ``config.json`` of a ``vllm`` or ``sglang`` folder (both carry both engines' keys)."""
+    config = head.config
+    ids = engine_aux_ids(head, fmt)
+    return {
+        "architectures": [EAGLE3_ARCHITECTURE],
+        **_llama_layer_config(config, dtype),
+        "draft_vocab_size": config.draft_vocab_size,
+        "target_hidden_size": config.hidden_size,
+        "target_num_hidden_layers": config.target_num_hidden_layers,  # ours; engines ignore it
+        "num_aux_hidden_states": len(ids["vllm"]),
+        "eagle_aux_hidden_state_layer_ids": ids["vllm"],  # vLLM: layer inputs
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": ids["sglang"],  # SGLang: layer outputs
             "use_aux_hidden_state": True,
-        }
-    return out
+        },
+    }
+
+
+def eagle3_speculators_config(
+    head: Eagle3Head,
+    dtype: torch.dtype,
+    verifier: str,
+    verifier_architectures: Sequence[str] = ("LlamaForCausalLM",),
+    num_speculative_tokens: int = 3,
+) -> dict[str, Any]:
+    """The ``config.json`` of a speculators-format EAGLE-3 folder (see the module docstring)."""
+    if not verifier:
+        raise ValueError(
+            "the speculators format names its verifier: pass the target's path or hub id"
+        )
+    if num_speculative_tokens < 1:
+        raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
+    config = head.config
+    ids = engine_aux_ids(head, "speculators")
+    layer = _llama_layer_config(config, dtype)
+    layer["num_aux_hidden_states"] = len(ids["vllm"])  # vLLM sizes fc from it (else 3)
+    return {
+        "architectures": [SPECULATORS_ARCHITECTURE],
+        "speculators_model_type": "eagle3",
+        "transformer_layer_config": layer,
+        "draft_vocab_size": config.draft_vocab_size,
+        "target_hidden_size": config.hidden_size,
+        "norm_before_residual": False,
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
+        "eagle_aux_hidden_state_layer_ids": ids["vllm"],
+        "target_num_hidden_layers": config.target_num_hidden_layers,  # ours; vLLM ignores it
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": num_speculative_tokens,
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
+            ],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": list(verifier_architectures)},
+        },
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def eagle3_engine_tensors(
+    head: Eagle3Head, dtype: torch.dtype, fmt: str = "vllm"
+) -> dict[str, torch.Tensor]:
+    """The head's weights as engines name them; vocabulary maps only for a pruned vocabulary."""
+    full_vocab = head.config.draft_vocab_size == head.config.target_vocab_size
+    tensors = {}
+    for name, tensor in head.state_dict().items():
+        if name in ("d2t", "t2d") and full_vocab:
+            continue
+        if fmt == "speculators" and name.startswith("midlayer."):
+            name = "layers.0." + name.removeprefix("midlayer.")
+        tensors[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+    return tensors
 
 
 def export_eagle3(
@@ -82,31 +205,68 @@ def export_eagle3(
     *,
     dtype: torch.dtype | None = None,
     overwrite: bool = False,
+    verifier: str | None = None,
+    verifier_architectures: Sequence[str] = ("LlamaForCausalLM",),
+    num_speculative_tokens: int = 3,
 ) -> Path:
-    """Write ``head`` as a vLLM or SGLang EAGLE-3 draft folder; returns the folder.
+    """Write ``head`` as a vLLM, SGLang or speculators-format EAGLE-3 folder; returns it.
 
     ``dtype`` casts the floating-point weights (e.g. ``torch.bfloat16`` for serving); the
-    vocabulary maps keep their integer/bool types.
+    vocabulary maps keep their integer/bool types. ``verifier`` (the target's path or hub id)
+    and ``verifier_architectures`` are required by, and only used for, ``fmt="speculators"``,
+    as is ``num_speculative_tokens`` (the default draft length vLLM reads from the folder).
     """
     if fmt not in ENGINE_FORMATS:
         raise ValueError(f"fmt must be one of {ENGINE_FORMATS}, got {fmt!r}")
-    if len(head.config.aux_hidden_state_layer_ids) != 3:
-        raise ValueError(
-            "vLLM and SGLang build fc over exactly 3 target features, this head fuses "
-            f"{len(head.config.aux_hidden_state_layer_ids)}: train with 3 aux_hidden_state_layer_ids"
-        )
-    if min(head.config.aux_hidden_state_layer_ids) < 1:
-        raise ValueError(
-            "engines capture hidden states from layer inputs 1..L-1; aux id 0 (the embeddings) "
-            "cannot be exported: retrain with aux_hidden_state_layer_ids >= 1"
-        )
     dtype = dtype or head.fc.weight.dtype
-    tensors = {
-        name: (tensor.to(dtype) if tensor.is_floating_point() else tensor)
-        for name, tensor in head.state_dict().items()
+    if fmt == "speculators":
+        config = eagle3_speculators_config(
+            head, dtype, verifier or "", verifier_architectures, num_speculative_tokens
+        )
+    else:
+        config = eagle3_engine_config(head, fmt, dtype)
+    card = eagle3_card(head, fmt, config)
+    return _write_folder(
+        Path(out_dir), config, eagle3_engine_tensors(head, dtype, fmt), overwrite, card
+    )
+
+
+def read_speculators_eagle3(folder: str | Path) -> Eagle3Head:
+    """Load a speculators-format EAGLE-3 folder (as written by :func:`export_eagle3`)."""
+    folder = Path(folder)
+    raw = json.loads((folder / "config.json").read_text())
+    if raw.get("speculators_model_type") != "eagle3" or "transformer_layer_config" not in raw:
+        raise ValueError(f"{folder} is not a speculators-format EAGLE-3 folder")
+    if raw.get("norm_before_residual", True) or raw.get("norm_before_fc") or raw.get("fc_norm"):
+        raise ValueError(
+            f"{folder} uses norm_before_residual/norm_before_fc/fc_norm, variants this head "
+            "does not implement"
+        )
+    layer = raw["transformer_layer_config"]
+    ids = raw.get("eagle_aux_hidden_state_layer_ids")
+    if not ids:
+        raise ValueError(f"{folder} names no eagle_aux_hidden_state_layer_ids")
+    config = Eagle3Config(
+        hidden_size=layer["hidden_size"],
+        num_attention_heads=layer["num_attention_heads"],
+        num_key_value_heads=layer.get("num_key_value_heads", layer["num_attention_heads"]),
+        intermediate_size=layer["intermediate_size"],
+        target_vocab_size=layer["vocab_size"],
+        target_num_hidden_layers=raw.get("target_num_hidden_layers", max(ids) + 1),
+        draft_vocab_size=raw.get("draft_vocab_size") or layer["vocab_size"],
+        aux_hidden_state_layer_ids=tuple(ids),
+        head_dim=layer.get("head_dim"),
+        rms_norm_eps=layer.get("rms_norm_eps", 1e-6),
+        rope_theta=layer.get("rope_theta", 10000.0),
+        max_position_embeddings=layer.get("max_position_embeddings", 4096),
+    )
+    state = {
+        ("midlayer." + k.removeprefix("layers.0.") if k.startswith("layers.0.") else k): v
+        for k, v in load_file(str(folder / "model.safetensors")).items()
     }
-    config = eagle3_engine_config(head, fmt, dtype)
-    return _write_folder(Path(out_dir), config, tensors, overwrite)
+    head = Eagle3Head(config)
+    head._load_weights(state)
+    return head
 
 
 def medusa_engine_config(heads: MedusaHeads, dtype: torch.dtype) -> dict[str, Any]:
@@ -137,14 +297,126 @@ def export_medusa(
     """Write ``heads`` in vLLM's ``MedusaModel`` layout; returns the folder."""
     dtype = dtype or heads.lm_heads[0].weight.dtype
     tensors = {name: tensor.to(dtype) for name, tensor in heads.state_dict().items()}
-    return _write_folder(Path(out_dir), medusa_engine_config(heads, dtype), tensors, overwrite)
+    config = medusa_engine_config(heads, dtype)
+    return _write_folder(Path(out_dir), config, tensors, overwrite, medusa_card(heads))
+
+
+# ---------------------------------------------------------------------- folder cards
+
+_CHECK = (
+    "Check it before deploying: `python scripts/check_engine.py --target <target> --drafter "
+    "<this folder>` runs it in the engine and in draftsmith's own decoder on the same prompts "
+    "(greedy) and compares the tokens and the accepted tokens per position."
+)
+
+
+def eagle3_card(head: Eagle3Head, fmt: str, config: dict[str, Any]) -> str:
+    """README.md of an EAGLE-3 engine folder: which engine, how to run it, what it reads."""
+    c = head.config
+    ids = engine_aux_ids(head, fmt)
+    vocab = (
+        "full target vocabulary (no d2t/t2d maps)"
+        if c.draft_vocab_size == c.target_vocab_size
+        else f"{c.draft_vocab_size} of {c.target_vocab_size} tokens (d2t/t2d maps included)"
+    )
+    lines = [
+        f"# EAGLE-3 head for {ENGINE_OF_FORMAT[fmt]}",
+        "",
+        f"Written by draftsmith in the `{fmt}` layout. Target: a "
+        f"{c.target_num_hidden_layers}-layer model of width {c.hidden_size}; draft vocabulary: "
+        f"{vocab}.",
+        "",
+        f"Aux hidden states fused by `fc`: Hugging Face `hidden_states` indices {ids['vllm']} "
+        "(0 = embedding output, i = output of layer i-1).",
+        "",
+    ]
+    if fmt == "speculators":
+        verifier = config["speculators_config"]["verifier"]["name_or_path"]
+        lines += [
+            "This is vLLM's speculators format: vLLM reads the verifier, the method and the "
+            "aux ids from `config.json`, with no conversion step:",
+            "",
+            "```python",
+            "from vllm import LLM",
+            "llm = LLM(model='<this folder>')  # loads the verifier named below as the target",
+            "```",
+            "",
+            f"Verifier: `{verifier}` (edit `speculators_config.verifier.name_or_path` if the "
+            "target moved). Top-level `eagle_aux_hidden_state_layer_ids` = "
+            f"{ids['vllm']} (vLLM's layer-input numbering). Not for SGLang.",
+        ]
+    else:
+        lines += [
+            "`config.json` carries both engines' keys, each in its own numbering, so neither "
+            "engine misreads this folder:",
+            "",
+            f"- vLLM: top-level `eagle_aux_hidden_state_layer_ids` = {ids['vllm']} (layer inputs)",
+            f"- SGLang: `eagle_config.eagle_aux_hidden_state_layer_ids` = {ids['sglang']} "
+            "(layer outputs; SGLang adds one)",
+            "",
+        ]
+        if fmt == "vllm":
+            lines += [
+                "Written and checked for **vLLM**:",
+                "",
+                "```python",
+                "from vllm import LLM",
+                "llm = LLM(model='<target>', speculative_config={'method': 'eagle3', "
+                "'model': '<this folder>', 'num_speculative_tokens': 3})",
+                "```",
+            ]
+            if ids["vllm"][0] == 0 or len(ids["vllm"]) != 3:
+                lines += [
+                    "",
+                    "SGLang cannot serve this head (it reads the embedding output or fuses "
+                    "other than 3 states).",
+                ]
+        else:
+            lines += [
+                "Written for **SGLang**:",
+                "",
+                "```",
+                "python -m sglang.launch_server --model <target> --speculative-algorithm EAGLE3 \\",
+                "    --speculative-draft-model-path <this folder> --speculative-num-steps 3 \\",
+                "    --speculative-eagle-topk 1 --speculative-num-draft-tokens 4",
+                "```",
+            ]
+    return "\n".join([*lines, "", _CHECK, ""])
+
+
+def medusa_card(heads: MedusaHeads) -> str:
+    """README.md of a Medusa engine folder."""
+    c = heads.config
+    return "\n".join(
+        [
+            "# Medusa heads for vLLM",
+            "",
+            f"Written by draftsmith in vLLM's `MedusaModel` layout: {c.num_heads} heads of "
+            f"{c.num_layers} residual block(s) over width {c.hidden_size}, vocabulary "
+            f"{c.vocab_size}. SGLang has no Medusa layout.",
+            "",
+            "```python",
+            "from vllm import LLM",
+            "llm = LLM(model='<target>', speculative_config={'method': 'medusa', "
+            f"'model': '<this folder>', 'num_speculative_tokens': {c.num_heads}}})",
+            "```",
+            "",
+            _CHECK,
+            "",
+        ]
+    )
 
 
 def _write_folder(
-    out_dir: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], overwrite: bool
+    out_dir: Path,
+    config: dict[str, Any],
+    tensors: dict[str, torch.Tensor],
+    overwrite: bool,
+    card: str,
 ) -> Path:
     def write(folder: Path) -> None:
         (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (folder / "README.md").write_text(card)
         save_file(
             {k: v.detach().contiguous().cpu() for k, v in tensors.items()},
             str(folder / "model.safetensors"),

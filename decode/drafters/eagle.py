@@ -25,9 +25,11 @@ Hidden-state indexing convention (stored as ``aux_hidden_state_layer_ids``): an 
 ``output_hidden_states[i]`` of the Hugging Face target, whose tuple holds the embeddings at index
 0 and the output of decoder layer ``i - 1`` at index ``i`` (the last entry, index L, is after the
 final norm and is never used). This equals vLLM's ``eagle_aux_hidden_state_layer_ids`` (the input
-of layer i); SGLang/SpecForge's ``eagle_config.eagle_aux_hidden_state_layer_ids`` count layer
-outputs and are ours minus one. The default, EAGLE-3's ``(2, L//2, L-3)``, is
-:func:`default_aux_layer_ids`.
+of layer i, 0 being the embedding output); SGLang/SpecForge's
+``eagle_config.eagle_aux_hidden_state_layer_ids`` count layer outputs and are ours minus one.
+Both engines keep each captured layer once and concatenate in ascending layer order, so ids
+must be strictly increasing: a repeated id would feed ``fc`` fewer features than it was
+trained on. The default, EAGLE-3's ``(2, L//2, L-3)``, is :func:`default_aux_layer_ids`.
 """
 
 from __future__ import annotations
@@ -47,13 +49,14 @@ from decode.llama_math import apply_rope, rms_norm
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 
 
-def default_aux_layer_ids(num_target_layers: int) -> tuple[int, int, int]:
-    """EAGLE-3's low/mid/high feature layers as hidden-state tuple indices.
+def default_aux_layer_ids(num_target_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's low/mid/high feature layers as hidden-state tuple indices, always distinct.
 
     The reference rule is ``(2, L//2, L-3)`` (vLLM's default; SpecForge's ``(1, L//2-1, L-4)``
-    counted as layer outputs). When that is not strictly increasing inside ``[1, L-1]`` (targets
-    shallower than 7 layers) the three ids are spread as ``(1, L//2, L-1)`` clamped, so tiny
-    targets still get a low, a middle and a high feature.
+    counted as layer outputs). Targets shallower than 7 layers spread the ids as
+    ``(1, L//2, L-1)`` (4 to 6 layers), take the embedding output too at 3 layers
+    (``(0, 1, 2)``), and fuse the only two distinct states of a 2-layer target (``(0, 1)``):
+    engines capture each layer once, so a repeated id could not be served.
     """
     if num_target_layers < 2:
         raise ValueError(
@@ -63,8 +66,9 @@ def default_aux_layer_ids(num_target_layers: int) -> tuple[int, int, int]:
     ids = (2, num_target_layers // 2, num_target_layers - 3)
     if 1 <= ids[0] < ids[1] < ids[2] <= num_target_layers - 1:
         return ids
-    top = num_target_layers - 1
-    return (1, min(max(num_target_layers // 2, 1), top), top)
+    if num_target_layers >= 4:
+        return (1, num_target_layers // 2, num_target_layers - 1)
+    return tuple(range(num_target_layers))
 
 
 @dataclass
@@ -111,6 +115,13 @@ class Eagle3Config:
                 f"aux_hidden_state_layer_ids {self.aux_hidden_state_layer_ids} must be non-empty "
                 f"hidden-state indices in [0, {top}] for a {self.target_num_hidden_layers}-layer "
                 "target (index i = output of layer i-1; the post-norm last state is excluded)"
+            )
+        ids = self.aux_hidden_state_layer_ids
+        if list(ids) != sorted(set(ids)):
+            raise ValueError(
+                f"aux_hidden_state_layer_ids {ids} must be strictly increasing: vLLM and SGLang "
+                "capture each target layer once, in layer order, so repeated or unordered ids "
+                f"cannot be served; use e.g. {default_aux_layer_ids(self.target_num_hidden_layers)}"
             )
 
     @classmethod

@@ -43,7 +43,12 @@ def test_default_aux_layer_ids_follow_eagle3_and_clamp_for_shallow_targets() -> 
     assert default_aux_layer_ids(32) == (2, 16, 29)
     assert default_aux_layer_ids(8) == (2, 4, 5)
     assert default_aux_layer_ids(4) == (1, 2, 3)
-    assert default_aux_layer_ids(2) == (1, 1, 1)
+    assert default_aux_layer_ids(5) == (1, 2, 4)
+    assert default_aux_layer_ids(3) == (0, 1, 2)  # the embedding output is id 0
+    assert default_aux_layer_ids(2) == (0, 1)  # engines capture a layer once: no repeats
+    for depth in range(2, 40):
+        ids = default_aux_layer_ids(depth)
+        assert list(ids) == sorted(set(ids)) and ids[0] >= 0 and ids[-1] <= depth - 1
     with pytest.raises(ValueError, match="at least 2 decoder layers"):
         default_aux_layer_ids(1)
 
@@ -59,6 +64,9 @@ def test_config_rejects_bad_layer_ids_and_vocab() -> None:
     )
     with pytest.raises(ValueError, match=r"in \[0, 3\]"):
         Eagle3Config(**base, aux_hidden_state_layer_ids=(1, 2, 4))
+    for repeated in ((1, 1, 1), (1, 3, 2)):
+        with pytest.raises(ValueError, match="strictly increasing"):
+            Eagle3Config(**base, aux_hidden_state_layer_ids=repeated)
     with pytest.raises(ValueError, match="draft_vocab_size"):
         Eagle3Config(**base, draft_vocab_size=65)
     with pytest.raises(ValueError, match="unknown Eagle3Config fields"):

@@ -1,4 +1,5 @@
-"""vLLM/SGLang export layouts: key names, shapes, dtypes, configs, and loading them back."""
+"""vLLM/SGLang/speculators export layouts: key names, shapes, dtypes, configs, aux-id
+conventions as each engine reads them, and loading them back."""
 
 from __future__ import annotations
 
@@ -12,7 +13,12 @@ from transformers import LlamaConfig
 
 from decode.drafters.eagle import Eagle3Config, Eagle3Head, build_vocab_maps
 from decode.drafters.medusa import MedusaHeads
-from train.export_formats import export_eagle3, export_medusa, write_folder_atomically
+from train.export_formats import (
+    export_eagle3,
+    export_medusa,
+    read_speculators_eagle3,
+    write_folder_atomically,
+)
 
 HIDDEN, VOCAB, DRAFT_VOCAB, LAYERS = 32, 64, 24, 8
 
@@ -54,11 +60,35 @@ EAGLE_SHAPES = {
 }
 
 
+def _vllm_reads(config: dict) -> list[int]:
+    """vLLM's reader: top-level ids, else ``eagle_config``'s, both as layer inputs."""
+    ids = config.get("eagle_aux_hidden_state_layer_ids")
+    return list(ids or (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"))
+
+
+def _sglang_reads(config: dict) -> list[int]:
+    """SGLang's reader: ``eagle_config``'s ids (top level when absent), as layer outputs (+1)."""
+    nested = config.get("eagle_config")
+    ids = nested["eagle_aux_hidden_state_layer_ids"] if isinstance(nested, dict) else None
+    return [i + 1 for i in (ids or config["eagle_aux_hidden_state_layer_ids"])]
+
+
+def _captured(hidden_states, layer_inputs: list[int], depth: int) -> torch.Tensor:
+    """What an engine concatenates: the input of each listed layer once, in layer order (vLLM
+    also offers index ``depth``, the last layer's output before the final norm)."""
+    wanted = set(layer_inputs)
+    return torch.cat([hidden_states[i] for i in range(depth) if i in wanted], dim=-1)
+
+
 @pytest.mark.parametrize("fmt", ["vllm", "sglang"])
 def test_eagle3_export_layout_and_round_trip(tmp_path, fmt: str) -> None:
     head = _eagle_head()
     out = export_eagle3(head, tmp_path / fmt, fmt, dtype=torch.bfloat16)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "README.md",
+        "config.json",
+        "model.safetensors",
+    ]
     tensors = _safetensors(out)
     assert {name: tuple(t.shape) for name, t in tensors.items()} == EAGLE_SHAPES
     assert not any("embed_tokens" in name for name in tensors)
@@ -74,12 +104,14 @@ def test_eagle3_export_layout_and_round_trip(tmp_path, fmt: str) -> None:
         DRAFT_VOCAB,
     )
     assert head.config.aux_hidden_state_layer_ids == (2, 4, 5)  # hidden_states indices
-    if fmt == "vllm":  # vLLM: top level, layer-input indices
-        assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
-        assert "eagle_config" not in config
-    else:  # SGLang: nested, layer-output indices (it adds one)
-        assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
-        assert "eagle_aux_hidden_state_layer_ids" not in config
+    # Both engines' keys, each in its own numbering: vLLM layer inputs, SGLang layer outputs.
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    assert config["num_aux_hidden_states"] == 3
+    assert _vllm_reads(config) == _sglang_reads(config) == [2, 4, 5]
+    card = (out / "README.md").read_text()
+    assert ("for vLLM" if fmt == "vllm" else "for SGLang") in card
+    assert "check_engine.py" in card
     # Engines parse the file with transformers' LlamaConfig: the fields must survive that.
     parsed = LlamaConfig.from_pretrained(out)
     assert (parsed.hidden_size, parsed.num_key_value_heads, parsed.draft_vocab_size) == (
@@ -105,6 +137,122 @@ def test_eagle3_export_layout_and_round_trip(tmp_path, fmt: str) -> None:
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("depth", [2, 3, 4, 8])
+def test_every_depth_exports_distinct_ids_each_engine_captures_as_trained(
+    tmp_path, depth: int
+) -> None:
+    target = tiny_llama(num_layers=depth)
+    head = Eagle3Head(Eagle3Config.for_target(target.config))
+    ids = list(head.config.aux_hidden_state_layer_ids)
+    assert ids == sorted(set(ids)) and len(ids) == min(3, depth)
+    config = json.loads((export_eagle3(head, tmp_path / "v", "vllm") / "config.json").read_text())
+    assert config["num_aux_hidden_states"] == len(ids)
+    with torch.no_grad():
+        hidden = target(torch.tensor([[5, 6, 7, 8]]), output_hidden_states=True).hidden_states
+    trained = head.gather_aux(hidden)  # [1, 4, A*H]
+    assert torch.equal(_captured(hidden, _vllm_reads(config), depth), trained)
+    if ids[0] >= 1:  # SGLang's Llama cannot capture the embedding output
+        folder = export_eagle3(head, tmp_path / "s", "sglang")
+        config = json.loads((folder / "config.json").read_text())
+        assert torch.equal(_captured(hidden, _sglang_reads(config), depth), trained)
+    else:
+        with pytest.raises(ValueError, match="embedding output"):
+            export_eagle3(head, tmp_path / "s", "sglang")
+
+
+def test_full_vocabulary_heads_carry_no_vocabulary_maps(tmp_path) -> None:
+    target = tiny_llama(num_layers=4)
+    head = Eagle3Head(Eagle3Config.for_target(target.config))  # draft vocab = target vocab
+    for fmt in ("vllm", "sglang"):
+        out = export_eagle3(head, tmp_path / fmt, fmt)
+        tensors = _safetensors(out)
+        assert "d2t" not in tensors and "t2d" not in tensors  # vLLM has no parameter for them
+        assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == VOCAB
+        assert "full target vocabulary" in (out / "README.md").read_text()
+        loaded = Eagle3Head.from_pretrained(out)
+        assert torch.equal(loaded.draft_to_target_ids, torch.arange(VOCAB))
+
+
+# SGLang's LlamaForCausalLMEagle3 parameters (shared embeddings excluded), as its loader maps
+# checkpoint names: q/k/v into qkv_proj, gate/up into gate_up_proj, "model." added unless the
+# name is already a parameter (lm_head). Names it cannot map are skipped silently, so every
+# exported tensor must land on one of these.
+SGLANG_PARAMETERS = {
+    "model.fc.weight": (HIDDEN, 3 * HIDDEN),
+    "model.midlayer.self_attn.qkv_proj.weight": ((4 + 2 + 2) * 8, 2 * HIDDEN),
+    "model.midlayer.self_attn.o_proj.weight": (HIDDEN, 4 * 8),
+    "model.midlayer.mlp.gate_up_proj.weight": (4 * HIDDEN, HIDDEN),
+    "model.midlayer.mlp.down_proj.weight": (HIDDEN, 2 * HIDDEN),
+    "model.midlayer.input_layernorm.weight": (HIDDEN,),
+    "model.midlayer.hidden_norm.weight": (HIDDEN,),
+    "model.midlayer.post_attention_layernorm.weight": (HIDDEN,),
+    "model.norm.weight": (HIDDEN,),
+    "lm_head.weight": (DRAFT_VOCAB, HIDDEN),
+}
+_SGLANG_STACKED = {".q_proj": ".qkv_proj", ".k_proj": ".qkv_proj", ".v_proj": ".qkv_proj"}
+_SGLANG_STACKED |= {".gate_proj": ".gate_up_proj", ".up_proj": ".gate_up_proj"}
+
+
+def test_sglang_folder_matches_its_loaders_names_and_shapes(tmp_path) -> None:
+    out = export_eagle3(_eagle_head(), tmp_path / "s", "sglang")
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, tensor in _safetensors(out).items():
+        if name in ("d2t", "t2d"):  # d2t becomes hot_token_id, t2d is skipped
+            continue
+        for piece, stacked in _SGLANG_STACKED.items():
+            name = name.replace(piece, stacked)
+        name = name if name in SGLANG_PARAMETERS else f"model.{name}"
+        assert name in SGLANG_PARAMETERS, f"SGLang would skip {name}"
+        rows = shapes.get(name, (0, *tensor.shape[1:]))
+        shapes[name] = (rows[0] + tensor.shape[0], *tensor.shape[1:])
+    assert shapes == SGLANG_PARAMETERS
+    config = json.loads((out / "config.json").read_text())
+    assert config["eagle_config"]["use_aux_hidden_state"] is True
+    assert config["target_hidden_size"] * 3 == HIDDEN * 3  # SGLang's fc input width
+
+
+def test_speculators_export_is_what_vllms_reader_expects(tmp_path) -> None:
+    head = _eagle_head()
+    out = export_eagle3(
+        head,
+        tmp_path / "sp",
+        "speculators",
+        verifier="/models/target",
+        verifier_architectures=["LlamaForCausalLM"],
+        num_speculative_tokens=4,
+    )
+    config = json.loads((out / "config.json").read_text())
+    # vLLM detects the format by speculators_config and validates these paths.
+    spec = config["speculators_config"]
+    assert spec["algorithm"] == "eagle3" and config["speculators_model_type"] == "eagle3"
+    assert spec["proposal_methods"][0]["speculative_tokens"] == 4
+    assert spec["default_proposal_method"] == spec["proposal_methods"][0]["proposal_type"]
+    assert spec["verifier"] == {
+        "name_or_path": "/models/target",
+        "architectures": ["LlamaForCausalLM"],
+    }
+    layer = config["transformer_layer_config"]
+    assert (layer["model_type"], layer["num_hidden_layers"], layer["vocab_size"]) == (
+        "llama",
+        1,
+        VOCAB,
+    )
+    assert layer["num_aux_hidden_states"] == 3
+    assert config["norm_before_residual"] is False  # vLLM's reader defaults it to True
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # vLLM's layer inputs
+    assert config["draft_vocab_size"] == DRAFT_VOCAB
+    names = set(_safetensors(out))
+    assert not any(n.startswith("midlayer.") for n in names)
+    assert {n.replace("layers.0.", "midlayer.") for n in names} == set(EAGLE_SHAPES)
+    assert "vLLM" in (out / "README.md").read_text()
+    loaded = read_speculators_eagle3(out)
+    assert loaded.config == head.config
+    for name, tensor in head.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    with pytest.raises(ValueError, match="names its verifier"):
+        export_eagle3(head, tmp_path / "sp2", "speculators")
+
+
 def test_eagle3_export_in_the_heads_own_dtype_is_lossless(tmp_path) -> None:
     head = _eagle_head()
     loaded = Eagle3Head.from_pretrained(export_eagle3(head, tmp_path / "e", "vllm"))
@@ -116,6 +264,7 @@ def test_eagle3_engine_folder_without_ids_needs_the_target_depth(tmp_path) -> No
     out = export_eagle3(_eagle_head(), tmp_path / "e", "vllm")
     config = json.loads((out / "config.json").read_text())
     del config["eagle_aux_hidden_state_layer_ids"], config["target_num_hidden_layers"]
+    del config["eagle_config"]
     (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="target_num_hidden_layers"):
         Eagle3Head.from_pretrained(out)
@@ -128,14 +277,17 @@ def test_eagle3_export_refuses_what_engines_cannot_load(tmp_path) -> None:
     target = tiny_llama(num_layers=4)
     two_ids = Eagle3Head(Eagle3Config.for_target(target.config, aux_hidden_state_layer_ids=(1, 3)))
     with pytest.raises(ValueError, match="exactly 3"):
-        export_eagle3(two_ids, tmp_path / "a", "vllm")
+        export_eagle3(two_ids, tmp_path / "a", "sglang")
+    export_eagle3(two_ids, tmp_path / "a2", "vllm")  # vLLM sizes fc from num_aux_hidden_states
     embeddings = Eagle3Head(
         Eagle3Config.for_target(target.config, aux_hidden_state_layer_ids=(0, 1, 3))
     )
-    with pytest.raises(ValueError, match="aux id 0"):
+    with pytest.raises(ValueError, match="embedding output"):
         export_eagle3(embeddings, tmp_path / "b", "sglang")
     with pytest.raises(ValueError, match="fmt must be one of"):
         export_eagle3(_eagle_head(), tmp_path / "c", "tensorrt")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="strictly increasing"):
+        Eagle3Config.for_target(target.config, aux_hidden_state_layer_ids=(1, 1, 1))
 
 
 def test_medusa_export_layout_and_round_trip(tmp_path) -> None:
@@ -161,6 +313,7 @@ def test_medusa_export_layout_and_round_trip(tmp_path) -> None:
         config["vocab_size"],
     ) == (3, 2, HIDDEN, VOCAB)
     assert config["medusa_fc_bias"] is True and config["truncated_vocab_size"] == VOCAB
+    assert "Medusa heads for vLLM" in (out / "README.md").read_text()
 
     loaded = MedusaHeads.from_pretrained(out)
     assert loaded.config == heads.config
@@ -184,5 +337,9 @@ def test_exports_are_atomic_and_do_not_clobber(tmp_path) -> None:
 
     with pytest.raises(RuntimeError, match="disk full"):
         write_folder_atomically(tmp_path / "m", crash, overwrite=True)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "README.md",
+        "config.json",
+        "model.safetensors",
+    ]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # no temporary folders left

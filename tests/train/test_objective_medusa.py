@@ -86,8 +86,9 @@ def test_offline_cache_gives_the_online_loss(tmp_path: Path) -> None:
 
 def test_bad_settings_name_the_problem() -> None:
     target = tiny_llama(num_layers=2)
-    with pytest.raises(ValueError, match="SGLang loads no Medusa layout"):
-        make_objective(target, export_formats=("sglang",))
+    for fmt in ("sglang", "speculators"):
+        with pytest.raises(ValueError, match=f"{fmt} has no Medusa layout"):
+            make_objective(target, export_formats=(fmt,))
     with pytest.raises(ValueError, match="gives 2 weights for 3"):
         make_objective(target, head_weights=[1.0, 0.5])
     other = tiny_llama(num_layers=2, hidden_size=16)

@@ -285,10 +285,20 @@ class Eagle3Objective(HeadObjective):
         }
 
     def _export(self, drafter: torch.nn.Module, folder: Path, fmt: str) -> None:
-        """vLLM and SGLang layouts (``train.export_formats.export_eagle3``)."""
+        """vLLM, SGLang and speculators layouts (``train.export_formats.export_eagle3``); the
+        speculators format names the target (its path or hub id) as the verifier."""
         from train.export_formats import export_eagle3
 
-        export_eagle3(drafter, folder, fmt, overwrite=True)
+        target_config = self.target.config
+        export_eagle3(
+            drafter,
+            folder,
+            fmt,
+            overwrite=True,
+            verifier=str(getattr(target_config, "_name_or_path", "") or "<target>"),
+            verifier_architectures=getattr(target_config, "architectures", None)
+            or ["LlamaForCausalLM"],
+        )
 
     @torch.no_grad()
     def _copy_target_output_layer(self) -> None:

@@ -42,7 +42,7 @@ from train.objectives import Batch, MetricSums, Objective
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-EXPORT_FORMATS = ("vllm", "sglang")
+EXPORT_FORMATS = ("vllm", "sglang", "speculators")  # train.export_formats.ENGINE_FORMATS
 
 Aligned = tuple[float, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 """Per draft position: weight, draft logits [B, S, Vd], target [B, S, V], mask and labels [B, S]."""
@@ -126,7 +126,8 @@ def cached_target_logprobs(
 
 
 def parse_export_formats(value: str | Sequence[str] | None) -> tuple[str, ...]:
-    """``--export_format`` (``vllm``, ``sglang``, ``vllm,sglang``, a sequence, or unset)."""
+    """``--export_format`` (``vllm``, ``sglang``, ``speculators``, a comma list or sequence of
+    them, or unset)."""
     if value is not None and not isinstance(value, str):
         value = ",".join(value)
     if value is None or not value.strip() or value.strip() == "none":

@@ -94,9 +94,9 @@ class MedusaObjective(HeadObjective):
                 f"{heads.config.vocab_size} tokens but the target's LM head is "
                 f"{tuple(output.shape[::-1])}: build them with MedusaHeads.from_target(target)"
             )
-        if "sglang" in parse_export_formats(export_formats):
+        for fmt in set(parse_export_formats(export_formats)) - {"vllm"}:
             raise ValueError(
-                "--export_format sglang: SGLang loads no Medusa layout; export medusa heads "
+                f"--export_format {fmt}: {fmt} has no Medusa layout; export medusa heads "
                 "with --export_format vllm"
             )
         super().__init__(
