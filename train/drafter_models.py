@@ -6,10 +6,15 @@ embeddings, final norm and LM head gives it the target's token geometry from ste
 EAGLE reuses the target's embedding and head, Li et al. 2024); ``target_layers`` also copies the
 target's first layers, so a one-layer draft starts as the target's first block followed by its
 head. LoRA (Hu et al. 2022, through peft) trains low-rank deltas only and is merged on export.
+
+A pruned draft vocabulary (``--draft_vocab_size``, as EAGLE-3's; Li et al. 2025) replaces the
+output layer by one of ``V_draft`` rows (:func:`prune_output_head`) while the input embedding
+keeps every target token: the draft reads any token but predicts among the kept ones.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,14 +30,22 @@ def vocab_size_of(model: torch.nn.Module) -> int:
     return int(model.get_output_embeddings().weight.shape[0])
 
 
-def check_same_vocab(drafter: torch.nn.Module, target: torch.nn.Module) -> None:
-    """A draft LM must predict over the target's token space."""
-    draft_vocab, target_vocab = vocab_size_of(drafter), vocab_size_of(target)
-    if draft_vocab != target_vocab:
+def check_same_vocab(
+    drafter: torch.nn.Module, target: torch.nn.Module, draft_vocab_size: int | None = None
+) -> None:
+    """A draft LM must read and predict over the target's token space (its output layer may
+    cover a pruned draft vocabulary of ``draft_vocab_size`` tokens instead)."""
+    target_vocab = vocab_size_of(target)
+    read_vocab = int(drafter.get_input_embeddings().weight.shape[0])
+    predicted = vocab_size_of(drafter)
+    expected = target_vocab if draft_vocab_size is None else draft_vocab_size
+    if read_vocab != target_vocab or predicted != expected:
+        pruned = "" if draft_vocab_size is None else f" (its draft vocabulary {expected})"
         raise ValueError(
-            f"the drafter predicts over {draft_vocab} tokens but the target over {target_vocab}: "
-            "a draft_lm must share the target's tokenizer; drop --drafter_path to build the "
-            "draft from the target's config, or pick a drafter of the target's family"
+            f"the drafter reads {read_vocab} and predicts over {predicted} tokens but the target "
+            f"over {target_vocab}{pruned}: a draft_lm must share the target's tokenizer; drop "
+            "--drafter_path to build the draft from the target's config, or pick a drafter of "
+            "the target's family"
         )
 
 
@@ -43,8 +56,16 @@ def build_draft_lm(config: DrafterConfig, target: PreTrainedModel, seed: int) ->
     infinite weights refused).
     """
     if config.drafter_path is not None:
+        from decode.drafters.draft_lm import DRAFT_VOCAB_FILE
         from decode.loading import check_model_finite, load_causal_lm
 
+        if (Path(config.drafter_path) / DRAFT_VOCAB_FILE).is_file():
+            raise ValueError(
+                f"--drafter_path {config.drafter_path} holds a draft LM with a pruned vocabulary "
+                f"({DRAFT_VOCAB_FILE}); training continues only from a full-vocabulary causal "
+                "LM: pass that folder (or drop --drafter_path), and choose the pruning with "
+                "--draft_vocab_size"
+            )
         drafter = load_causal_lm(
             config.drafter_path, torch.float32, frozen=False, flag="--drafter_path"
         )
@@ -62,6 +83,38 @@ def build_draft_lm(config: DrafterConfig, target: PreTrainedModel, seed: int) ->
     if config.lora_rank > 0:
         drafter = _with_lora(drafter, config)
     return drafter
+
+
+def prune_output_head(
+    model: torch.nn.Module,
+    draft_to_target: torch.Tensor,  # [V_draft] int64 target ids the output rows stand for
+    source: torch.Tensor,  # [V, H] the full output layer the rows are taken from
+) -> None:
+    """Give ``model`` an output layer of the rows ``source[draft_to_target]`` (no bias).
+
+    The new layer keeps the old one's ``requires_grad`` (frozen by ``--freeze_embeddings`` or by
+    LoRA), and ``tie_word_embeddings`` is switched off so that saving and loading never tie the
+    pruned head back to the full input embedding. A peft model is changed in its base model.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    old = base.get_output_embeddings()
+    if type(old) is not torch.nn.Linear or old.bias is not None:
+        raise ValueError(
+            f"--draft_vocab_size prunes a plain linear output layer without bias, but this draft "
+            f"LM's is {type(old).__name__}: drop --draft_vocab_size for this architecture"
+        )
+    rows = source.detach()[draft_to_target.to(source.device)]  # [V_draft, H]
+    head = torch.nn.Linear(
+        rows.shape[1], rows.shape[0], bias=False, dtype=old.weight.dtype, device=old.weight.device
+    )
+    with torch.no_grad():
+        head.weight.copy_(rows)
+    head.weight.requires_grad_(old.weight.requires_grad)
+    base.set_output_embeddings(head)
+    base.config.tie_word_embeddings = False
+    text_config = base.config.get_text_config()
+    if text_config is not base.config:
+        text_config.tie_word_embeddings = False
 
 
 def _thin_copy(config: DrafterConfig, target: PreTrainedModel, seed: int) -> torch.nn.Module:

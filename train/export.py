@@ -220,6 +220,7 @@ def model_card(
         f"or measure it: `python -m decode.evaluate --target {summary.get('target_path', '<target>')}"
         " --drafter <this folder>`",
         "",
+        *_pruned_vocab_note(kind, architecture),
         "## Provenance",
         "",
         f"- git commit: `{git.get('commit', 'unknown')}`"
@@ -254,3 +255,30 @@ def push_to_hub(folder: Path, repo_id: str, private: bool = True) -> str:
             f"--push_to_hub {repo_id} failed ({type(error).__name__}: {error}); {hint}"
         ) from error
     return str(getattr(info, "commit_url", repo_id))
+
+
+def _pruned_vocab_note(kind: str, architecture: dict[str, Any]) -> list[str]:
+    """The model card's account of a draft LM folder with a pruned draft vocabulary."""
+    draft_vocab = architecture.get("draft_vocab_size")
+    target_vocab = architecture.get("target_vocab_size")
+    if kind != "draft_lm" or not draft_vocab or draft_vocab == target_vocab:
+        return []
+    coverage = architecture.get("draft_vocab_coverage")
+    covered = f" (they cover {coverage:.1%} of the training labels)" if coverage else ""
+    return [
+        "## Pruned draft vocabulary",
+        "",
+        f"The output layer predicts over the {draft_vocab} most frequent training tokens of the "
+        f"target's {target_vocab}{covered}, as EAGLE-3's head does; the input embedding still "
+        "reads every target token. `config.json` keeps the target's `vocab_size` (for the "
+        "embedding) and `model.safetensors` every weight except `lm_head.weight`, which is in "
+        f"`draft_vocab.safetensors` ([{draft_vocab}, hidden]) with the maps `d2t` "
+        f"([{draft_vocab}] int64: target id = draft id + d2t[draft id]) and `t2d` "
+        f"([{target_vocab}] bool: the kept target ids). `load_drafter` reads both; a plain "
+        "`AutoModelForCausalLM.from_pretrained` loads the folder but leaves `lm_head` freshly "
+        "initialised: replace it with a bias-free `Linear(hidden, "
+        f"{draft_vocab})` holding that weight and map its argmax or samples through `d2t`. "
+        "Draft tokens outside this vocabulary have probability 0; speculative sampling stays "
+        "exact because the verifier is given exactly that distribution.",
+        "",
+    ]
