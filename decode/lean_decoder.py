@@ -19,10 +19,10 @@ table grown past the threshold can never switch factors for a short sequence. Sl
 layers use the per-kind position masks of ``kv_cache.AttentionLayout``, as the model's forward
 does on this cache. Its logits match the model's to float rounding, not bit for bit
 (docs/theory.md §7 promises no more, as batched verification already differs from one-token
-steps in rounding). A drafter may use
-it freely: rejection sampling is exact for whatever ``q`` the draft computes. A target uses it
-unless ``SpeculativeDecoder(lean_target=False)``: the output then follows the target as this
-forward computes it; a target step falls from ~7.8 to ~5.4 ms on the 4 x 256 demo target.
+steps in rounding). A drafter may use it freely: rejection sampling is exact for whatever
+``q`` the draft computes. A target uses it unless ``SpeculativeDecoder(lean_target=False)``:
+the output then follows the target as this forward computes it; a target step falls from
+~7.8 to ~5.4 ms on the 4 x 256 demo target.
 """
 
 from __future__ import annotations
