@@ -219,3 +219,21 @@ def _wait_for_build(folder: Any, wait_minutes: float, poll_s: float) -> None:
                 "machine first (`python scripts/build_demo_target.py --preset <name>`)"
             )
         time.sleep(poll_s)
+
+
+def without_tied_copies(
+    model: torch.nn.Module, state_dict: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """``state_dict`` less the second name of each tied parameter (``lm_head`` = embeddings).
+
+    A gathered state (FSDP) holds a separate copy under every name, which ``save_pretrained``
+    would write twice; a local state shares storage and is written once. Dropping the tied
+    names makes both exports the same files.
+    """
+    seen: set[int] = set()
+    tied: list[str] = []
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        if id(parameter) in seen:
+            tied.append(name)
+        seen.add(id(parameter))
+    return {key: value for key, value in state_dict.items() if key not in tied}

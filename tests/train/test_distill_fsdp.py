@@ -29,7 +29,7 @@ from train.distributed import (
 )
 from train.losses import build_loss
 from train.objectives import get_objective_class
-from train.target_model import load_model, load_tokenizer, resolve_target
+from train.target_model import load_model, load_tokenizer, resolve_target, target_location
 from train.tracking import read_metrics_log
 
 REPO = Path(__file__).resolve().parents[2]
@@ -79,7 +79,7 @@ def _final_weights(run: Path) -> dict[str, torch.Tensor]:
 def _single_process_export(argv: list[str], weights: dict[str, torch.Tensor], folder: Path) -> Path:
     """What one process exports from ``weights``: its own objective, no gathered state."""
     config = parse_config(argv)
-    location = str(resolve_target(config.target.target))
+    location = target_location(resolve_target(config.target.target))[0]
     tokenizer = load_tokenizer(location)
     target = load_model(location)
     cls = get_objective_class(config.drafter.drafter_kind)
@@ -94,6 +94,19 @@ def _assert_same_tensors(folder_a: Path, folder_b: Path, name: str) -> None:
     assert sorted(a) == sorted(b)
     for key in a:
         assert torch.equal(a[key], b[key]), key
+
+
+def _assert_same_drafter(exported: Path, alone: Path) -> None:
+    """Every weight file and drafter/model config one process writes, the FSDP run wrote too."""
+    weights = sorted(p.name for p in alone.glob("*.safetensors"))
+    assert weights
+    for name in weights:
+        _assert_same_tensors(exported, alone, name)
+    for name in ("config.json", "drafter.json"):
+        if (alone / name).is_file():
+            assert json.loads((exported / name).read_text()) == json.loads(
+                (alone / name).read_text()
+            ), name
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +125,7 @@ def test_fsdp_shards_the_draft_lm_and_exports_what_one_process_exports(
     weights = _final_weights(run)
     argv = ["--config", str(REPO / "configs" / "tiny.yaml"), "--target", str(draft_lm_run.target)]
     alone = _single_process_export(argv, weights, tmp_path / "alone")
-    _assert_same_tensors(run / "drafter", alone, "model.safetensors")
+    _assert_same_drafter(run / "drafter", alone)
 
 
 @pytest.mark.slow
@@ -151,7 +164,7 @@ def test_fsdp_lora_builds_the_demo_target_on_the_main_process_and_merges_like_on
     monkeypatch.setenv("XDG_CACHE_HOME", str(cache))  # one process reads the same target
     argv = ["--config", str(REPO / "configs" / "tiny.yaml"), "--target", "tiny", "--lora_rank", "4"]
     alone = _single_process_export(argv, _final_weights(tmp_path / "run"), tmp_path / "alone")
-    _assert_same_tensors(tmp_path / "run" / "drafter", alone, "model.safetensors")
+    _assert_same_drafter(tmp_path / "run" / "drafter", alone)
 
 
 @pytest.mark.slow
@@ -163,10 +176,7 @@ def test_fsdp_eagle3_head_is_sharded_and_exports_what_one_process_exports(
     _check_sharded(run, stdout)
     argv = ["--config", str(REPO / "configs" / "tiny_eagle3.yaml"), "--target", str(tiny_target)]
     alone = _single_process_export(argv, _final_weights(run), tmp_path / "alone")
-    exported = sorted(p.name for p in (run / "drafter").glob("*.safetensors"))
-    assert exported
-    for name in exported:
-        _assert_same_tensors(run / "drafter", alone, name)
+    _assert_same_drafter(run / "drafter", alone)
 
 
 # -- in-process pieces ---------------------------------------------------------------------------
