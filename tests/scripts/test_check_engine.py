@@ -1,0 +1,144 @@
+"""scripts/check_engine.py: folder detection, the verdict, draftsmith's side, and (marked
+``engines``) the real check in vLLM where it is importable or ``DRAFTSMITH_ENGINE_PYTHON`` names
+a Python that has it."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from engine_models import engine_llama, fit_eagle3, fit_medusa, greedy_corpus, save_target
+
+from decode.drafters.eagle import Eagle3Config, Eagle3Head
+from train.export_formats import export_eagle3, export_medusa
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+import check_engine
+
+ENGINE_PYTHON = os.environ.get("DRAFTSMITH_ENGINE_PYTHON")
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None or bool(ENGINE_PYTHON)
+
+
+def _job(target: Path, drafter: Path, *extra: str) -> dict:
+    args = check_engine.build_parser().parse_args(
+        ["--target", str(target), "--drafter", str(drafter), *extra]
+    )
+    return check_engine.build_job(args)
+
+
+def test_folders_are_recognised_by_what_they_declare(tmp_path) -> None:
+    target = engine_llama(2)
+    head = Eagle3Head(Eagle3Config.for_target(target.config))
+    assert check_engine.drafter_method(export_eagle3(head, tmp_path / "v", "vllm")) == "eagle3"
+    folder = export_eagle3(head, tmp_path / "s", "speculators", verifier="t")
+    assert check_engine.drafter_method(folder) == "speculators"
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(SystemExit, match="not an engine export"):
+        check_engine.drafter_method(tmp_path / "x")
+    with pytest.raises(SystemExit, match=r"no config\.json"):
+        check_engine.drafter_method(tmp_path / "missing")
+
+
+def test_prompts_are_seeded_and_avoid_special_ids() -> None:
+    a = check_engine.make_prompts(256, 4, 16, seed=3)
+    assert (
+        a
+        == check_engine.make_prompts(256, 4, 16, seed=3)
+        != check_engine.make_prompts(256, 4, 16, seed=4)
+    )
+    assert len(a) == 4 and all(len(p) == 16 and min(p) >= 3 and max(p) < 256 for p in a)
+
+
+def _engine(spec, per_pos):
+    plain = [[1, 2, 3], [4, 5, 6]]
+    return {"plain": plain, "speculative": spec, "drafts": 4, "accepted": sum(per_pos),
+            "accepted_per_position": per_pos}  # fmt: skip
+
+
+def test_verdict_passes_only_on_equal_outputs_and_agreeing_acceptance() -> None:
+    same = [[1, 2, 3], [4, 5, 6]]
+    ours = {"speculative": same, "drafts": 4, "accepted": 5, "accepted_per_position": [3, 2]}
+    assert check_engine.compare(_engine(same, [3, 2]), ours, 0.0)["ok"]
+    verdict = check_engine.compare(_engine(same, [3, 1, 0]), ours, 0.0)
+    assert not verdict["ok"] and "per position differ" in verdict["problems"][0]
+    assert check_engine.compare(_engine(same, [100, 50]), {**ours, "accepted_per_position": [99, 50]}, 0.02)["ok"]  # fmt: skip
+    wrong = [[1, 2, 3], [4, 5, 7]]
+    verdict = check_engine.compare(_engine(wrong, [3, 2]), ours, 0.0)
+    assert verdict["engine_equal_plain"] == [True, False] and not verdict["ok"]
+    verdict = check_engine.compare(_engine(same, [3, 2]), {**ours, "speculative": wrong}, 0.0)
+    assert "draftsmith's output differs" in verdict["problems"][0]
+    nothing = {**ours, "accepted_per_position": [0, 0]}
+    verdict = check_engine.compare(_engine(same, [0, 0]), nothing, 0.0)
+    assert not verdict["ok"] and "nothing was checked" in verdict["problems"][0]
+
+
+def test_bad_arguments_are_named(tmp_path) -> None:
+    target = save_target(engine_llama(2), tmp_path / "t")
+    heads = fit_medusa(engine_llama(2), torch.randint(3, 256, (2, 8)), num_heads=2, steps=1)
+    folder = export_medusa(heads, tmp_path / "m")
+    with pytest.raises(SystemExit, match="draft at most 2"):
+        _job(target, folder, "--k", "3")
+    with pytest.raises(SystemExit, match=r"no config\.json"):
+        _job(tmp_path / "nowhere", folder)
+    with pytest.raises(SystemExit, match="--max-tokens must be >= 1"):
+        _job(target, folder, "--max-tokens", "0")
+
+
+def test_draftsmith_side_equals_plain_greedy(tmp_path) -> None:
+    """The script's own half: draftsmith decodes the exported folder exactly like greedy."""
+    target = engine_llama(4)
+    target_dir = save_target(target, tmp_path / "t")
+    head = Eagle3Head(Eagle3Config.for_target(target.config, draft_vocab_size=128))
+    folder = export_eagle3(head, tmp_path / "e", "speculators", verifier=str(target_dir))
+    job = _job(target_dir, folder, "--num-prompts", "2", "--max-tokens", "12")
+    ours = check_engine.run_draftsmith(job)
+    with torch.no_grad():
+        for ids, out in zip(job["prompts"], ours["speculative"], strict=True):
+            ref = target.generate(
+                torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None
+            )
+            assert out == ref[0, len(ids) :].tolist()
+    assert ours["drafts"] > 0 and len(ours["accepted_per_position"]) == 3
+
+
+# ------------------------------------------------------------------ the engine itself
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory):
+    """A 4-layer engine-compatible target with a pruned-vocabulary EAGLE-3 head and Medusa heads."""
+    root = tmp_path_factory.mktemp("engine")
+    target = engine_llama(4)
+    target_dir = save_target(target, root / "target")
+    corpus = greedy_corpus(target, rows=16, length=40)
+    head = fit_eagle3(target, corpus, draft_vocab_size=128, steps=40)
+    medusa = fit_medusa(target, corpus, num_heads=3, steps=40)
+    return {
+        "target": target_dir,
+        "vllm": export_eagle3(head, root / "eagle3" / "vllm", "vllm"),
+        "speculators": export_eagle3(
+            head, root / "eagle3" / "speculators", "speculators", verifier=str(target_dir)
+        ),
+        "medusa": export_medusa(medusa, root / "medusa" / "vllm"),
+    }
+
+
+@pytest.mark.engines
+@pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not importable (set DRAFTSMITH_ENGINE_PYTHON)")
+@pytest.mark.parametrize("layout", ["vllm", "speculators", "medusa"])
+def test_exports_run_in_vllm_exactly_as_in_draftsmith(fitted, layout: str, tmp_path) -> None:
+    argv = ["--target", str(fitted["target"]), "--drafter", str(fitted[layout])]
+    argv += ["--num-prompts", "2", "--max-tokens", "24", "--json", str(tmp_path / "r.json")]
+    if ENGINE_PYTHON:
+        argv += ["--engine-python", ENGINE_PYTHON]
+    assert check_engine.main(argv) == 0
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert all(report["verdict"]["engine_equal_plain"])
+    assert all(report["verdict"]["draftsmith_equal_plain"])
+    assert report["verdict"]["acceptance_close"]
