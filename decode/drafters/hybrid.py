@@ -3,14 +3,16 @@
 Code repeats itself (identifiers, call patterns, whole lines), and where it does, copying what
 followed an earlier occurrence of the newest n-gram (Saxena 2023) drafts long runs for free;
 elsewhere a learned drafter (a draft LM or an EAGLE-3 head) guesses. Each round and each row
-takes its drafts from one of the two:
+takes its drafts from one of the two, or drafts nothing:
 
 * prompt lookup, when the row's newest ``n``-gram occurred before and lookup's measured yield
   for matches of that length beats the learned drafter's, ``E_lookup(n) / T_lookup >=
   E_learned / T_learned`` (``E``: tokens emitted per round, ``T``: the round's wall time,
   both decayed running means; a round in which no row needs the learned drafter skips its
   network entirely, so ``T_lookup`` is a bare verify pass);
-* the learned drafter otherwise.
+* the learned drafter otherwise, when its measured yield beats a plain target step's (where a
+  drafted token costs nearly as much as it saves, a round without drafts is the faster choice;
+  each losing option is still tried every ``PROBE_EVERY``-th time, so a change is noticed).
 
 Lookup drafts are deterministic: their ``q`` is one-hot (accepted with probability ``p(x)``,
 docs/theory.md §2), while the learned drafter's rows keep the ``q`` they were sampled from, so
@@ -35,6 +37,8 @@ DECAY = 0.9
 # A source that lost the comparison is still tried every PROBE_EVERY-th round it could draft,
 # so a change in the text (a repetitive stretch starting) is noticed.
 PROBE_EVERY = 16
+# Row sources besides lookup (whose source is the matched n-gram length, >= 1).
+_LEARNED, _NONE = 0, -1
 
 
 @dataclass
@@ -61,15 +65,17 @@ class HybridUsage:
 
     lookup_rows: int = 0
     learned_rows: int = 0
+    plain_rows: int = 0
     lookup_accepted: int = 0
     learned_accepted: int = 0
     rounds_without_network: int = 0
 
     def to_dict(self) -> dict[str, float]:
-        rows = self.lookup_rows + self.learned_rows
+        rows = self.lookup_rows + self.learned_rows + self.plain_rows
         return {
             "lookup_rows": self.lookup_rows,
             "learned_rows": self.learned_rows,
+            "plain_rows": self.plain_rows,
             "lookup_share": self.lookup_rows / rows if rows else 0.0,
             "lookup_mean_accepted": self.lookup_accepted / max(self.lookup_rows, 1),
             "learned_mean_accepted": self.learned_accepted / max(self.learned_rows, 1),
@@ -93,9 +99,11 @@ class HybridDrafter(Drafter):
         self.needs_hidden_states = learned.needs_hidden_states
         self._lookup_yield = [_Yield() for _ in range(max_ngram + 1)]  # by matched length
         self._learned_yield = _Yield()
+        self._plain_yield = _Yield()  # rounds with no drafting at all
         self._usage = HybridUsage()
-        self._round: tuple[list[int], bool, float] | None = None  # match lengths, network, t0
-        self._skipped = 0  # rounds lookup could have drafted but lost the comparison
+        # Per row: the matched n-gram length (lookup), _LEARNED or _NONE; the network ran; t0.
+        self._round: tuple[list[int], bool, float] | None = None
+        self._skipped = 0  # decisions against a source (every PROBE_EVERY-th tries it anyway)
 
     @property
     def vocab_size(self) -> int:
@@ -123,21 +131,32 @@ class HybridDrafter(Drafter):
     ) -> DraftProposal:
         start = time.perf_counter()
         found = [self.lookup.lookup(history, num_tokens) for history in self.lookup.histories]
-        use_lookup = [self._prefers_lookup(n) for _, n in found] if num_tokens else []
-        if num_tokens == 0 or all(use_lookup):
-            width = max((len(drafts) for drafts, _ in found), default=0) if num_tokens else 0
+        if num_tokens == 0:  # a plain step chosen by the engine: nothing to learn from it
+            sources = [_NONE] * len(found)
+        else:
+            sources = [n if self._prefers_lookup(n) else _LEARNED for _, n in found]
+            if _LEARNED in sources and not self._prefers_learned():
+                sources = [_NONE if s == _LEARNED else s for s in sources]
+        lookup_rows = [s > 0 for s in sources]
+        if _LEARNED not in sources:  # no network this round: lookup rows, plain steps elsewhere
+            width = max(
+                (len(d) for (d, _), use in zip(found, lookup_rows, strict=True) if use), default=0
+            )
             proposal = self.learned.propose(0, sampling, generator)
-            tokens = _padded([drafts for drafts, _ in found], width, proposal.tokens)
+            tokens = _padded(
+                [d if use else [] for (d, _), use in zip(found, lookup_rows, strict=True)],
+                width,
+                proposal.tokens,
+            )
             replaced = torch.ones(len(found), dtype=torch.bool, device=tokens.device)
             self.learned.replace_drafts(tokens, replaced)
             self.lookup.replace_drafts(tokens, replaced)
-            # A plain step (width 0, an adaptive choice) says nothing about either source.
-            self._round = ([n for _, n in found], False, start) if num_tokens else None
+            self._round = (sources, False, start) if num_tokens else None
             return DraftProposal(tokens=tokens, probs=None)
         proposal = self.learned.propose(num_tokens, sampling, generator)
         tokens, probs = proposal.tokens, proposal.probs
-        replaced = torch.tensor(use_lookup, dtype=torch.bool, device=tokens.device)
-        if any(use_lookup):
+        replaced = torch.tensor(lookup_rows, dtype=torch.bool, device=tokens.device)
+        if any(lookup_rows):
             lookup_tokens = _padded([drafts for drafts, _ in found], num_tokens, tokens)
             tokens = torch.where(replaced[:, None], lookup_tokens, tokens)
             if probs is not None:  # lookup rows: q is one-hot on the copied token
@@ -145,8 +164,7 @@ class HybridDrafter(Drafter):
                 probs = torch.where(replaced[:, None, None], one_hot, probs)
             self.learned.replace_drafts(tokens, replaced)
         self.lookup.replace_drafts(tokens, torch.ones_like(replaced))
-        lengths = [n if use else 0 for (_, n), use in zip(found, use_lookup, strict=True)]
-        self._round = (lengths, True, start)
+        self._round = (sources, True, start)
         return DraftProposal(tokens=tokens, probs=probs)
 
     def commit(
@@ -159,30 +177,41 @@ class HybridDrafter(Drafter):
         self.lookup.commit(num_accepted, next_tokens, target_pass)
         if self._round is None:
             return
-        lengths, network, start = self._round
+        sources, network, start = self._round
         self._round = None
         seconds = time.perf_counter() - start  # drafting, verification and this commit
-        accepted = num_accepted.tolist()
-        for n, a in zip(lengths, accepted, strict=True):
-            usage = self._usage
-            if n:
-                self._lookup_yield[n].add(a + 1, seconds)
+        usage = self._usage
+        for source, accepted in zip(sources, num_accepted.tolist(), strict=True):
+            if source > 0:
+                self._lookup_yield[source].add(accepted + 1, seconds)
                 usage.lookup_rows += 1
-                usage.lookup_accepted += a
-            else:
-                self._learned_yield.add(a + 1, seconds)
+                usage.lookup_accepted += accepted
+            elif source == _LEARNED:
+                self._learned_yield.add(accepted + 1, seconds)
                 usage.learned_rows += 1
-                usage.learned_accepted += a
+                usage.learned_accepted += accepted
+            else:
+                self._plain_yield.add(accepted + 1, seconds)
+                usage.plain_rows += 1
         if not network:
-            self._usage.rounds_without_network += 1
+            usage.rounds_without_network += 1
 
     def _prefers_lookup(self, matched: int) -> bool:
         """Lookup drafts a row whose newest ``matched``-gram occurred before, when its measured
-        tokens per second beat the learned drafter's (probing now and then when it does not)."""
+        tokens per second beat the learned drafter's and a plain step's (probing now and then
+        when they do not)."""
         if matched == 0:
             return False
-        if self._lookup_yield[matched].rate >= self._learned_yield.rate:
-            return True
+        best_other = max(self._learned_yield.rate, self._plain_yield.rate)
+        return self._lookup_yield[matched].rate >= best_other or self._probe()
+
+    def _prefers_learned(self) -> bool:
+        """The learned drafter drafts the rows lookup does not, when its measured tokens per
+        second beat a plain step's (a plain step is one target pass, no drafting)."""
+        return self._learned_yield.rate >= self._plain_yield.rate or self._probe()
+
+    def _probe(self) -> bool:
+        """Every ``PROBE_EVERY``-th decision against a source tries it anyway."""
         self._skipped += 1
         return self._skipped % PROBE_EVERY == 0
 
