@@ -27,6 +27,7 @@ import torch
 
 from decode.drafters.base import Drafter, TreeSpec
 from decode.engine import SpeculativeDecoder
+from decode.sampling import SamplingConfig
 from decode.stats import DecodeStats, predicted_speedup
 
 
@@ -99,7 +100,9 @@ class ForwardCounter:
 
 
 def _sampling_kwargs(settings: EvalSettings) -> dict[str, object]:
-    if settings.temperature == 0:
+    """HF ``generate`` settings that sample as our decoder does (greedy below the floor too)."""
+    sampling = SamplingConfig(settings.temperature, settings.top_k, settings.top_p)
+    if sampling.greedy:
         return {"do_sample": False}
     return {
         "do_sample": True,
