@@ -180,7 +180,9 @@ class OptimConfig:
     min_lr_ratio: float = _f(0.1, "final learning rate / peak")
     max_grad_norm: float = _f(1.0, "gradient clipping norm (0 disables)")
     max_steps: int = _f(300, "optimizer steps")
-    max_minutes: float | None = _f(None, "wall-clock budget; stops cleanly and checkpoints")
+    max_minutes: float | None = _f(
+        8.0, "wall-clock budget of the training loop; stops cleanly and checkpoints (null: none)"
+    )
     per_device_batch_size: int = _f(8, "sequences per process per micro-batch")
     gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step")
     mixed_precision: str = _f("no", f"accelerate mixed precision: {', '.join(MIXED_PRECISION)}")
