@@ -190,6 +190,7 @@ def test_distill_main_trains_and_exports_an_eagle3_head(tiny_argv, tmp_path: Pat
     )
     assert cached["cache"]["num_sequences"] > 0
     meta = json.loads((tmp_path / "cached" / "target_cache" / "cache.json").read_text())
-    assert meta["has_hidden_states"] and meta["hidden_layer_ids"] == [1]
+    # The 2-layer target's two distinct states (embedding output and layer 0's output).
+    assert meta["has_hidden_states"] and meta["hidden_layer_ids"] == [0, 1]
     head = Eagle3Head.from_pretrained(cached["drafter_dir"])
     assert head.config.draft_vocab_size == 300 and int(head.t2d.sum()) == 300
