@@ -198,11 +198,19 @@ class SpeculativeDecoder:
         sampling: SamplingConfig,
         generator: torch.Generator | None,
     ) -> torch.Tensor:  # [B] the new pending tokens
-        """Draft a tree, score all its nodes in one pass with a tree mask, keep one branch."""
+        """Draft a tree, score all its nodes in one pass with a tree mask, keep one branch.
+
+        At T > 0 a drafter with ``supports_sampled_trees`` draws its nodes from its own q
+        (multi-draft speculative sampling, docs/theory.md §4); top-k trees serve T = 0 and
+        drafters without sampled trees.
+        """
         from decode.tree import verify_tree_greedy, verify_tree_stochastic
 
         round_start = _clock(self.device)
-        tree = self.drafter.propose_tree(self.tree, width)
+        if not sampling.greedy and self.drafter.supports_sampled_trees:
+            tree = self.drafter.propose_sampled_tree(self.tree, width, sampling, generator)
+        else:
+            tree = self.drafter.propose_tree(self.tree, width)
         verify_start = _clock(self.device)
         verify = target.extend(
             tree.input_ids(pending),

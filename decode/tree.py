@@ -8,8 +8,18 @@ positions, the target's verify pass) index 0 is the root and node m is index m +
 Verification (docs/theory.md §4) walks from the root. At each node it tries the children:
 * children chosen deterministically (top-k, distinct; ``draft_probs is None``): accept child c
   with probability p(c); on rejection set p(c) = 0 and renormalise, then try the next child;
-* children drawn i.i.d. from q (``draft_probs`` = that q; SpecInfer, Miao et al. 2024): accept
-  with probability min(1, p(c)/q(c)); on rejection p <- norm(max(0, p - q)).
+* children drawn from q (``draft_probs`` = the q each child was drawn from; SpecInfer, Miao
+  et al. 2024): accept with probability min(1, p(c)/q(c)); on rejection p <- norm(max(0, p - q)).
+  The q of a child may depend on its earlier siblings: drawn i.i.d., every child carries its
+  parent's q; drawn without replacement (recursive rejection sampling, Yang et al. 2024; Sequoia,
+  Chen et al. 2024), child i carries q_i = norm(q_{i-1} with c_{i-1} set to 0), q_1 = q. Both
+  are exact by one induction: a round with target p and ANY proposal q' fixed by what happened
+  before emits y with probability min(p(y), q'(y)) + (1 - sum_x min(p(x), q'(x))) p'(y) = p(y)
+  when the rest of the walk emits p' = norm(max(0, p - q')) exactly, which holds for the next
+  round by the same argument (and trivially for the final sample from p'). A rejected c has
+  p(c) < q'(c), so p'(c) = 0: dropping c from the next sibling's q loses no mass the target
+  still needs, which is why children without replacement are never duplicates and each extra
+  sibling adds acceptance.
 If no child is accepted, the next token is sampled from what remains of p (recovered token); at
 a leaf it is sampled from the target's distribution there (bonus token). The residual is carried
 only down the accepted branch: an accepted child starts from the target's fresh p at its node.
@@ -25,6 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 
@@ -303,6 +314,57 @@ def build_dynamic_tree(
     )
 
 
+# -- sampled trees (multi-draft speculative sampling) ----------------------------------------
+def sampled_tree_chain_lengths(num_children: int, depth: int, total_tokens: int) -> list[int]:
+    """Lengths of the chains under the root's children in a sampled tree (a fixed shape).
+
+    The root gets ``min(num_children, total_tokens)`` children, each continued as a chain
+    drawn from the drafter's own q. The first child's chain is as deep as the budget allows
+    (``depth``, keeping one node for every other child); the others share the remaining nodes
+    level by level, each at most ``depth`` deep. Sibling i is tried only after siblings
+    1..i-1 were all rejected, so its chain is reached less often than the first one's deep
+    levels: budget goes to the first chain first. The shape depends only on these three
+    numbers, never on the sampled tokens, so which nodes exist reveals nothing about the
+    draws and verification stays exact (docs/theory.md §4).
+    """
+    if num_children < 1 or depth < 1 or total_tokens < 1:
+        raise ValueError(
+            f"a sampled tree needs num_children, depth and total_tokens >= 1, got "
+            f"{num_children}, {depth}, {total_tokens}"
+        )
+    children = min(num_children, total_tokens)
+    lengths = [min(depth, total_tokens - (children - 1))] + [1] * (children - 1)
+    budget = total_tokens - sum(lengths)
+    for level in range(2, depth + 1):
+        for i in range(1, children):
+            if budget > 0 and lengths[i] == level - 1:
+                lengths[i] += 1
+                budget -= 1
+    return lengths
+
+
+def sampled_tree_layout(lengths: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(parents, depths)`` [M] of chains under the root, nodes ordered level by level.
+
+    ``lengths`` must not increase (as :func:`sampled_tree_chain_lengths` returns them), so the
+    chains alive at a level are a prefix of the children: level l holds nodes of chains
+    0..a_l - 1 in order, and the root's children come first, in sibling (trial) order.
+    """
+    if not lengths or min(lengths) < 1 or any(a < b for a, b in pairwise(lengths)):
+        raise ValueError(f"chain lengths must be >= 1 and non-increasing, got {list(lengths)}")
+    parents: list[int] = []
+    depths: list[int] = []
+    last: list[int] = [-1] * len(lengths)  # each chain's newest node
+    for level in range(1, lengths[0] + 1):
+        for chain, length in enumerate(lengths):
+            if length < level:
+                break
+            parents.append(last[chain])
+            depths.append(level)
+            last[chain] = len(parents) - 1
+    return torch.tensor(parents, dtype=torch.long), torch.tensor(depths, dtype=torch.long)
+
+
 # -- verification ----------------------------------------------------------------------------
 def _children_table(parents: torch.Tensor) -> torch.Tensor:  # [B, M] -> [B, M + 1, C] (-1 pad)
     """Children of each tree-space entry, in sibling (index) order."""
@@ -359,7 +421,8 @@ def verify_tree_stochastic(
         else:
             q = draft_probs[rows, child.clamp(min=0)].to(p.dtype)  # [B, V]
             q_token = q.gather(1, token[:, None]).squeeze(1)
-            accepted = uniform * q_token < p_token  # u < p/q; q(token) > 0 as token ~ q
+            # u < p/q; q(token) > 0 as token ~ q (a zero would accept for free: refuse it)
+            accepted = (uniform * q_token < p_token) & (q_token > 0)
             residual = (p - q).clamp(min=0)
         mass = residual.sum(-1, keepdim=True)
         # mass == 0 only when p is within rounding of the rejected law; keep p then.

@@ -80,6 +80,7 @@ class Drafter(ABC):
     kind: ClassVar[str]
     needs_hidden_states: ClassVar[bool] = False
     supports_trees: ClassVar[bool] = False
+    supports_sampled_trees: ClassVar[bool] = False  # implements ``propose_sampled_tree`` (T > 0)
     supports_external_drafts: ClassVar[bool] = False  # implements ``replace_drafts``
 
     @property
@@ -149,6 +150,18 @@ class Drafter(ABC):
     def propose_tree(self, spec: TreeSpec, depth: int) -> TreeProposal:
         """Draft a tree of at most ``depth`` levels (drafters with ``supports_trees``)."""
         raise NotImplementedError(f"the {self.kind} drafter drafts chains only")
+
+    def propose_sampled_tree(
+        self,
+        spec: TreeSpec,
+        depth: int,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+    ) -> TreeProposal:
+        """Draft a tree whose nodes are drawn from the drafter's q, with ``draft_probs`` filled,
+        in a shape fixed by ``spec`` and ``depth`` alone (drafters with
+        ``supports_sampled_trees``; docs/theory.md §4)."""
+        raise NotImplementedError(f"the {self.kind} drafter drafts no sampled trees")
 
     def commit_tree(self, verification: TreeVerification, target_pass: TargetPass) -> None:
         """Bring the state to the accepted branch (drafters with ``supports_trees``)."""

@@ -19,8 +19,15 @@ from decode.drafters.base import Drafter, DraftProposal, TargetPass, TreeSpec
 from decode.drafters.eagle import Eagle3Head, block_visibility, positions_from_mask
 from decode.drafters.eagle_lean import LeanEagle3
 from decode.kv_cache import PreallocatedLayer
-from decode.sampling import SamplingConfig, select_tokens
-from decode.tree import Frontier, TreeProposal, TreeVerification, build_dynamic_tree
+from decode.sampling import SamplingConfig, logits_to_probs, sample, select_tokens
+from decode.tree import (
+    Frontier,
+    TreeProposal,
+    TreeVerification,
+    build_dynamic_tree,
+    sampled_tree_chain_lengths,
+    sampled_tree_layout,
+)
 
 
 @dataclass
@@ -50,6 +57,7 @@ class Eagle3Drafter(Drafter):
     kind: ClassVar[str] = "eagle3"
     needs_hidden_states: ClassVar[bool] = True
     supports_trees: ClassVar[bool] = True
+    supports_sampled_trees: ClassVar[bool] = True
     supports_external_drafts: ClassVar[bool] = True
 
     def __init__(self, head: Eagle3Head, target: nn.Module) -> None:
@@ -226,6 +234,85 @@ class Eagle3Drafter(Drafter):
         state.cache.crop(committed - state.cache.get_seq_length())
         tree.tokens = self.lean.to_target_ids(tree.tokens)
         return tree
+
+    @torch.no_grad()
+    def propose_sampled_tree(
+        self,
+        spec: TreeSpec,
+        depth: int,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+        *,
+        replacement: bool = False,
+    ) -> TreeProposal:
+        """A multi-draft tree sampled from the head's own q, for verification at T > 0.
+
+        The shape is fixed by ``spec.top_k`` (children of the root), ``depth`` and
+        ``spec.total_tokens`` (:func:`decode.tree.sampled_tree_chain_lengths`): the root's
+        children, each continued as a chain, every token drawn from the head's q after the
+        sampling transforms, so no node's existence depends on a sampled value. The root's
+        children are drawn without replacement (child i from q with children 1..i-1 removed
+        and renormalised; recursive rejection sampling, Yang et al. 2024), or i.i.d. from q
+        with ``replacement`` (SpecInfer, Miao et al. 2024). Should the support run out before
+        the last child, that child is drawn from the full q (any proposal fixed by the earlier
+        draws keeps verification exact). ``draft_probs`` holds the q each node was drawn from,
+        in the target vocabulary; verify with :func:`decode.tree.verify_tree_stochastic`
+        (docs/theory.md §4), then call :meth:`commit_tree`. Chains are stepped together as a
+        [B, a] block of head entries (a = chains still alive at that level), each seeing the
+        committed entries and its own chain's; they are cropped off at the end.
+        """
+        if sampling.greedy:
+            raise ValueError(
+                "sampled trees are for temperature > 0: at T = 0 use propose_tree (top-k children)"
+            )
+        state = self._require_state()
+        lengths = sampled_tree_chain_lengths(spec.top_k, depth, spec.total_tokens)
+        parents, depths = sampled_tree_layout(lengths)
+        batch, device = state.hidden.shape[0], state.valid.device
+        committed = state.cache.get_seq_length()
+        state.drafts = None
+
+        # Level 1: the root's children from q_root.
+        q_root = logits_to_probs(state.logits, sampling)  # [B, V_draft]
+        level_tokens, level_q = [], []
+        remaining = q_root
+        for _ in lengths:
+            q = remaining
+            if not replacement:
+                mass = remaining.sum(-1, keepdim=True)
+                q = torch.where(mass > 0, remaining / mass.clamp(min=1e-30), q_root)
+            token = sample(q, generator)  # [B]
+            level_tokens.append(token)
+            level_q.append(q)
+            if not replacement:
+                remaining = q.scatter(1, token[:, None], 0.0)
+        tokens = torch.stack(level_tokens, 1)  # [B, k] draft ids of the current level
+        all_tokens, all_q = [tokens], [torch.stack(level_q, 1)]  # [B, a], [B, a, V_draft]
+
+        outputs = state.hidden[:, None].expand(batch, len(lengths), -1)  # [B, k, H]
+        seen = torch.zeros(batch, len(lengths), 0, dtype=torch.bool, device=device)
+        for level in range(1, lengths[0]):  # nodes at depth `level` grow children
+            alive = sum(length > level for length in lengths)
+            ancestors = seen[:, :alive]
+            own = torch.eye(alive, dtype=torch.bool, device=device).expand(batch, -1, -1)
+            seen = torch.cat((ancestors, own), dim=-1)  # [B, a, drafted + a]
+            visible = torch.cat((state.valid[:, None].expand(-1, alive, -1), seen), dim=-1)
+            positions = (state.next_pos + level - 1)[:, None].expand(-1, alive)
+            embeds = self._embed(self.lean.to_target_ids(tokens[:, :alive]))
+            outputs = self.lean.step(
+                outputs[:, :alive], embeds, positions, state.cache, visible
+            )  # [B, a, H]
+            q = logits_to_probs(self.lean.draft_logits(outputs), sampling)  # [B, a, V_draft]
+            tokens = sample(q, generator)  # [B, a]
+            all_tokens.append(tokens)
+            all_q.append(q)
+        state.cache.crop(committed - state.cache.get_seq_length())
+        return TreeProposal(
+            tokens=self.lean.to_target_ids(torch.cat(all_tokens, 1)),
+            parents=parents.to(device).expand(batch, -1),
+            depths=depths.to(device).expand(batch, -1),
+            draft_probs=self.lean.to_target_probs(torch.cat(all_q, 1)),
+        )
 
     @torch.no_grad()
     def commit_tree(

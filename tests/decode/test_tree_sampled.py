@@ -1,0 +1,253 @@
+"""Sampled trees (children drawn from the drafter's q) keep speculative sampling exact.
+
+The EAGLE-3 drafter's ``propose_sampled_tree`` draws the root's children without replacement
+(recursive rejection sampling) or i.i.d. (SpecInfer) and continues each as a sampled chain;
+``verify_tree_stochastic`` accepts with min(1, p/q) and carries norm(max(0, p - q)) to the next
+sibling (docs/theory.md §4). The joint law of emitted tokens is compared with the target's
+exact law by chi-square tests, in one batch of many rows and over many batch-1 calls.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from decode_helpers import chi_square_p_value, tiny_eagle_drafter
+from tiny_models import tiny_llama
+
+from decode import SpeculativeDecoder
+from decode.drafters.base import TreeSpec
+from decode.sampling import SamplingConfig, logits_to_probs
+from decode.tree import (
+    TreeProposal,
+    sampled_tree_chain_lengths,
+    sampled_tree_layout,
+    verify_tree_stochastic,
+)
+
+PROMPT = [5, 9, 5, 9, 5, 9, 5]
+VOCAB = 64
+P_VALUE_FLOOR = 1e-4
+SETTINGS = [(0.7, 10, 1.0), (1.0, 0, 0.9)]  # (temperature, top_k, top_p)
+
+
+@pytest.fixture(scope="module")
+def target() -> torch.nn.Module:
+    return tiny_llama(num_layers=4, seed=0)
+
+
+def _three_token_law(
+    target: torch.nn.Module, prompt: torch.Tensor, sampling: SamplingConfig
+) -> torch.Tensor:  # [V, V, V] exact law of the first three sampled tokens
+    with torch.no_grad():
+        first = logits_to_probs(target(prompt[None]).logits[0, -1], sampling).double()  # [V]
+        vocab = first.shape[0]
+        grid = torch.arange(vocab)
+        one = torch.cat([prompt[None].repeat(vocab, 1), grid[:, None]], 1)  # [V, T+1]
+        second = logits_to_probs(target(one).logits[:, -1], sampling).double()  # [V, V]
+        two = torch.cat(
+            [
+                prompt[None].repeat(vocab * vocab, 1),
+                grid.repeat_interleave(vocab)[:, None],
+                grid.repeat(vocab)[:, None],
+            ],
+            1,
+        )  # [V*V, T+2]
+        third = logits_to_probs(target(two).logits[:, -1], sampling).double()  # [V*V, V]
+    return first[:, None, None] * second[:, :, None] * third.view(vocab, vocab, vocab)
+
+
+def _assert_follows(new: torch.Tensor, law: torch.Tensor, label: str) -> None:
+    """Joint laws of (x1, x2) and (x2, x3): x2 and x3 come from the first tree round."""
+    vocab = law.shape[0]
+    pairs = {
+        "x1,x2": (new[:, 0] * vocab + new[:, 1], law.sum(2).flatten()),
+        "x2,x3": (new[:, 1] * vocab + new[:, 2], law.sum(0).flatten()),
+    }
+    for name, (cells, expected) in pairs.items():
+        counts = torch.bincount(cells, minlength=vocab * vocab)
+        p_value = chi_square_p_value(counts, expected)
+        assert p_value > P_VALUE_FLOOR, (label, name, p_value)
+
+
+def _decoder(target: torch.nn.Module, replacement: bool, spec: TreeSpec) -> SpeculativeDecoder:
+    drafter = tiny_eagle_drafter(target)
+    if replacement:  # SpecInfer's i.i.d. children instead of the default without replacement
+        drafter.propose_sampled_tree = functools.partial(
+            drafter.propose_sampled_tree, replacement=True
+        )
+    return SpeculativeDecoder(target, drafter, 3, tree=spec)
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p", "replacement"),
+    [(t, k, p, False) for t, k, p in SETTINGS] + [(0.7, 10, 1.0, True), (1.0, 0, 1.0, True)],
+)
+def test_sampled_tree_batch_follows_target_law(
+    target: torch.nn.Module, temperature: float, top_k: int, top_p: float, replacement: bool
+) -> None:
+    """Many rows of one prompt in one batch; the first round drafts a depth-3 tree.
+
+    The random head rarely gets two tokens right in a row under top-k/top-p; at plain T = 1 it
+    does, so the chains' second level is seen accepted there.
+    """
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+    prompt = torch.tensor(PROMPT)
+    decoder = _decoder(target, replacement, TreeSpec(top_k=3, total_tokens=7))
+    out = decoder.generate(
+        prompt[None].repeat(2500, 1),
+        max_new_tokens=5,  # the prefill emits x1, the first round drafts 3 levels
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        eos_token_id=[],
+        generator=torch.Generator().manual_seed(0),
+    )
+    new = out.sequences[:, prompt.numel() :]
+    _assert_follows(new, _three_token_law(target, prompt, sampling), f"batch {replacement}")
+    assert out.stats.accepted_per_position[0] > 0  # the tree's drafts were really verified
+    if top_k == 0 and top_p == 1.0:
+        assert out.stats.accepted_per_position[1] > 0  # and their chains too
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), SETTINGS)
+def test_sampled_tree_batch_one_follows_target_law(
+    target: torch.nn.Module, temperature: float, top_k: int, top_p: float
+) -> None:
+    """Many batch-1 calls sharing one generator: a cache reused across calls stays exact."""
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+    prompt = torch.tensor(PROMPT)
+    decoder = _decoder(target, False, TreeSpec(top_k=2, total_tokens=6))
+    generator = torch.Generator().manual_seed(1)
+    rows = []
+    for _ in range(800):
+        out = decoder.generate(
+            prompt[None],
+            max_new_tokens=5,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            eos_token_id=[],
+            generator=generator,
+        )
+        rows.append(out.sequences[0, prompt.numel() :])
+    _assert_follows(torch.stack(rows), _three_token_law(target, prompt, sampling), "batch 1")
+
+
+def test_sampled_tree_shape_ignores_sampled_values(target: torch.nn.Module) -> None:
+    drafter = tiny_eagle_drafter(target)
+    decoder = SpeculativeDecoder(target, drafter, 3, tree=TreeSpec(top_k=3, total_tokens=8))
+    spec, sampling = decoder.tree, SamplingConfig(temperature=1.0)
+    prompt = torch.tensor([PROMPT, PROMPT[::-1]])
+    with torch.no_grad():
+        prefill = target(prompt, output_hidden_states=True)
+    from decode.drafters.base import TargetPass
+
+    drafter.prefill(
+        prompt,
+        torch.ones_like(prompt),
+        TargetPass(prefill.logits, prefill.hidden_states),
+        torch.tensor([1, 2]),
+    )
+    committed = drafter._state.cache.get_seq_length()
+    trees = [
+        drafter.propose_sampled_tree(spec, 4, sampling, torch.Generator().manual_seed(seed))
+        for seed in range(6)
+    ]
+    assert drafter._state.cache.get_seq_length() == committed  # drafted entries cropped off
+    parents, depths = sampled_tree_layout(sampled_tree_chain_lengths(3, 4, 8))
+    for tree in trees:
+        assert torch.equal(tree.parents, parents.expand(2, -1))
+        assert torch.equal(tree.depths, depths.expand(2, -1))
+        q = tree.draft_probs
+        assert torch.allclose(q.sum(-1), torch.ones_like(q.sum(-1)))
+        assert bool((q.gather(2, tree.tokens[..., None]) > 0).all())  # each node drawn from its q
+        root_children = tree.tokens[:, :3]
+        for row in root_children:  # without replacement: distinct siblings
+            assert row.unique().numel() == 3
+    assert len({tuple(t.tokens.flatten().tolist()) for t in trees}) > 1  # values do vary
+    with pytest.raises(ValueError, match="temperature > 0"):
+        drafter.propose_sampled_tree(spec, 4, SamplingConfig(temperature=0.0), None)
+
+
+def test_chain_lengths_and_layout() -> None:
+    assert sampled_tree_chain_lengths(2, 4, 8) == [4, 4]
+    assert sampled_tree_chain_lengths(3, 4, 8) == [4, 2, 2]
+    assert sampled_tree_chain_lengths(3, 5, 8) == [5, 2, 1]
+    assert sampled_tree_chain_lengths(4, 4, 3) == [1, 1, 1]
+    assert sampled_tree_chain_lengths(2, 1, 8) == [1, 1]
+    parents, depths = sampled_tree_layout([3, 2])
+    assert parents.tolist() == [-1, -1, 0, 1, 2]
+    assert depths.tolist() == [1, 1, 2, 2, 3]
+    with pytest.raises(ValueError, match="non-increasing"):
+        sampled_tree_layout([1, 2])
+    with pytest.raises(ValueError, match=">= 1"):
+        sampled_tree_chain_lengths(0, 4, 8)
+
+
+@pytest.mark.parametrize("replacement", [False, True])
+def test_multi_draft_root_is_exact(replacement: bool) -> None:
+    """Verification alone: 3 root children from q, the first emitted token's law is p."""
+    generator = torch.Generator().manual_seed(3)
+    vocab, rows, k = 6, 60000, 3
+    p = torch.tensor([0.30, 0.25, 0.20, 0.15, 0.10, 0.0])
+    q = torch.tensor([0.05, 0.10, 0.15, 0.20, 0.25, 0.25])  # q puts mass where p has none
+    draws, qs, remaining = [], [], q.expand(rows, -1)
+    for _ in range(k):
+        current = remaining / remaining.sum(-1, keepdim=True) if not replacement else q
+        current = current.expand(rows, -1)
+        token = torch.multinomial(current, 1, generator=generator)[:, 0]
+        draws.append(token)
+        qs.append(current)
+        if not replacement:
+            remaining = current.scatter(1, token[:, None], 0.0)
+    tree = TreeProposal(
+        tokens=torch.stack(draws, 1),
+        parents=torch.full((rows, k), -1),
+        depths=torch.ones(rows, k, dtype=torch.long),
+        draft_probs=torch.stack(qs, 1),
+    )
+    target_probs = p.expand(rows, k + 1, vocab).double()
+    outcome = verify_tree_stochastic(tree, target_probs, generator)
+    first = torch.where(
+        outcome.num_accepted > 0, outcome.accepted_tokens[:, 0], outcome.next_tokens
+    )
+    counts = torch.bincount(first, minlength=vocab)
+    assert chi_square_p_value(counts, p) > P_VALUE_FLOOR
+    accepted = (outcome.num_accepted > 0).double().mean()
+    single = torch.minimum(p, q).sum()  # one draft's acceptance
+    assert accepted > single + 0.1  # extra siblings add acceptance
+
+
+def test_zero_q_child_is_never_accepted() -> None:
+    tree = TreeProposal(
+        tokens=torch.tensor([[0]]),
+        parents=torch.tensor([[-1]]),
+        depths=torch.tensor([[1]]),
+        draft_probs=torch.tensor([[[0.0, 1.0]]]),
+    )
+    probs = torch.tensor([[[1.0, 0.0], [0.5, 0.5]]])
+    outcome = verify_tree_stochastic(tree, probs, torch.Generator().manual_seed(0))
+    assert int(outcome.num_accepted) == 0 and int(outcome.next_tokens) == 0
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_top_k_tree_still_equals_generate(target: torch.nn.Module, batch: int) -> None:
+    """At T = 0 the engine keeps top-k trees even for a drafter with sampled trees."""
+    ids = torch.randint(3, VOCAB, (3, 9), generator=torch.Generator().manual_seed(1))[:batch]
+    mask = torch.ones_like(ids)
+    if batch > 1:
+        mask[1, :4] = 0
+        ids = ids.masked_fill(mask == 0, 0)
+    reference = target.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False
+    )
+    drafter = tiny_eagle_drafter(target)
+    calls = []
+    drafter.propose_sampled_tree = lambda *a, **k: calls.append(a)  # must not be asked
+    decoder = SpeculativeDecoder(target, drafter, 3, tree=TreeSpec(top_k=2, total_tokens=8))
+    out = decoder.generate(ids, mask, max_new_tokens=16)
+    assert torch.equal(out.sequences, reference)
+    assert not calls
