@@ -424,16 +424,31 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--tree",
         action="store_true",
-        help="draft trees (eagle3: EAGLE-2 dynamic; medusa: static choices)",
+        help="draft trees (eagle3: EAGLE-2 dynamic at T = 0, and with --tree-when-sampling at "
+        "T > 0 a sampled tree: root children drawn from the head's q without replacement, each "
+        "continued as a sampled chain; medusa: static choices)",
     )
     parser.add_argument(
         "--tree-when-sampling",
         action="store_true",
         help="keep --tree at temperature > 0 (by default sampling drafts chains: top-k trees "
-        "accept a child only with the target's probability of it and lose to chains there)",
+        "accept a child only with the target's probability of it and lose to chains there; "
+        "eagle3 then drafts sampled trees instead)",
     )
-    parser.add_argument("--tree-top-k", type=int, default=8, help="children per expanded node")
-    parser.add_argument("--tree-total-tokens", type=int, default=32, help="nodes kept per tree")
+    parser.add_argument(
+        "--tree-top-k",
+        type=int,
+        default=8,
+        help="children per expanded node (eagle3 sampled trees at T > 0: children of the root, "
+        "each continued as a chain)",
+    )
+    parser.add_argument(
+        "--tree-total-tokens",
+        type=int,
+        default=32,
+        help="nodes kept per tree (eagle3 sampled trees: the first child's chain gets up to "
+        "--num-draft-tokens levels, the other children share the rest level by level)",
+    )
     parser.add_argument("--no-peer", action="store_true", help="skip the Hugging Face peer")
     parser.add_argument(
         "--adaptive",
