@@ -175,3 +175,35 @@ def test_tiny_distill_exports_a_loadable_pruned_folder(
     drafter.prefill(prompt, torch.ones_like(prompt), None, prompt[:, -1])
     proposal = drafter.propose(3, SamplingConfig(temperature=0.0), None)
     assert bool(torch.isin(proposal.tokens, drafter.vocab_map.draft_to_target).all())
+
+
+def test_cached_target_and_on_policy_batches(
+    target: torch.nn.Module, batch: dict[str, torch.Tensor]
+) -> None:
+    """The offline cache's top-k restricted in log space, and drafter-sampled continuations
+    mapped to target ids (the pruned head samples draft ids)."""
+    objective = bind(_objective(target, on_policy_fraction=1.0, on_policy_prompt_tokens=8))
+    rows = [{k: v[i] for k, v in batch.items()} for i in range(batch["input_ids"].shape[0])]
+    objective.prepare(rows)
+    with torch.no_grad():
+        logprobs = torch.log_softmax(target(input_ids=batch["input_ids"]).logits, -1)
+    top = logprobs.topk(8, dim=-1)  # [B, T, 8]
+    rest = torch.log1p(-top.values.exp().sum(-1).clamp(max=1 - 1e-6))  # [B, T]
+    cached = {**batch, "topk_ids": top.indices, "topk_logprobs": top.values, "rest_logmass": rest}
+    restricted = objective._restrict(objective._target(cached))  # [B, T-1, V_draft]
+    assert restricted.shape[-1] == DRAFT_VOCAB and bool(torch.isfinite(restricted).all())
+    online = objective._restrict(objective._target(batch))
+    in_top = torch.isin(objective.draft_to_target, top.indices[0, 0])
+    if bool(in_top.any()):  # cached top-k entries are the target's own log-probs
+        assert torch.allclose(
+            restricted[0, 0, in_top],
+            torch.log_softmax(online[0, 0], -1)[in_top]
+            + torch.logsumexp(logprobs[0, 0, objective.draft_to_target], -1),
+            atol=1e-5,
+        )
+    on_policy = objective.on_policy_batch(batch)
+    generated = on_policy["input_ids"][:, 8:][on_policy["loss_mask"][:, 8:].bool()]
+    assert generated.numel() > 0
+    assert bool(torch.isin(generated, objective.draft_to_target).all())
+    loss, metrics = objective.compute_loss(batch)
+    assert torch.isfinite(loss) and metrics["on_policy"] == 1.0
