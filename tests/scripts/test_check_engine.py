@@ -68,6 +68,11 @@ def test_verdict_passes_only_on_equal_outputs_and_agreeing_acceptance() -> None:
     verdict = check_engine.compare(_engine(same, [3, 1, 0]), ours, 0.0)
     assert not verdict["ok"] and "per position differ" in verdict["problems"][0]
     assert check_engine.compare(_engine(same, [100, 50]), {**ours, "accepted_per_position": [99, 50]}, 0.02)["ok"]  # fmt: skip
+    cut = {**ours, "accepted_per_position": [3, 1]}  # one request's last round cut short
+    assert check_engine.compare(_engine(same, [3, 2]), cut, 0.02, last_rounds=2)["ok"]
+    assert not check_engine.compare(_engine(same, [3, 2]), cut, 0.0, last_rounds=2)["ok"]
+    misread = {**ours, "accepted_per_position": [9, 2]}
+    assert not check_engine.compare(_engine(same, [3, 2]), misread, 0.02, last_rounds=2)["ok"]
     wrong = [[1, 2, 3], [4, 5, 7]]
     verdict = check_engine.compare(_engine(wrong, [3, 2]), ours, 0.0)
     assert verdict["engine_equal_plain"] == [True, False] and not verdict["ok"]
