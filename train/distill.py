@@ -46,12 +46,18 @@ def distill(config: DistillConfig) -> dict[str, Any]:
     from train.batches import ShardedBatches, shard_list
     from train.checkpoint import CheckpointManager
     from train.distill_data import collate_rows, load_sequences
-    from train.distributed import format_report, parallel_report, target_on_main_first
+    from train.distributed import format_report, parallel_report
     from train.export import export_drafter, push_to_hub
     from train.loop import LoopConfig, make_accelerator, run_training
     from train.losses import build_loss
     from train.objectives import get_objective_class
-    from train.target_model import load_model, load_tokenizer, resolve_target, target_location
+    from train.target_model import (
+        load_model,
+        load_tokenizer,
+        resolve_target,
+        target_location,
+        target_on_main_first,
+    )
     from train.tracking import RunTracker
 
     # ---- checks that need no model: fail before anything is loaded or trained

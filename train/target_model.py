@@ -6,6 +6,7 @@ Loading itself is ``decode.loading``'s (safetensors only; remote code only with
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -87,3 +88,92 @@ def load_target(
     location, name = target_location(ref)
     tokenizer = load_tokenizer(location, trust_remote_code)
     return load_model(location, dtype, trust_remote_code), tokenizer, name
+
+
+# ---- a launched run: the main process builds a missing demo target, the others wait
+
+_LAUNCH_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "OMP_NUM_THREADS",  # the launcher's 1 thread per rank; the build has the machine to itself
+)
+_LAUNCH_PREFIXES = ("TORCHELASTIC_", "ACCELERATE_", "FSDP_", "TORCH_NCCL_")
+
+
+def target_on_main_first(
+    ref: TargetRef, accelerator: Any, wait_minutes: float = 120.0, poll_s: float = 1.0
+) -> tuple[str, str]:
+    """``target_location(ref)`` for every rank; a missing demo target is built by the main one.
+
+    The main process builds it in a child process with the launch's variables removed (the
+    build trains through its own Accelerator, which must not join this run's process group);
+    the others wait for the finished folder (its marker file), polling rather than sitting in
+    a collective, whose timeout (10 minutes for NCCL) is shorter than a demo build may take.
+    Processes on another machine need the same folder: ``XDG_CACHE_HOME`` on a shared
+    filesystem, or the target built on every machine first.
+    """
+    from train.demo_target import default_target_path, is_complete
+
+    if ref.kind != "preset" or accelerator.num_processes == 1:
+        return target_location(ref)
+    folder = default_target_path(str(ref))
+    if accelerator.is_main_process and not is_complete(folder):
+        print(
+            f"building the demo target '{ref}' at {folder} on the main process; the other "
+            f"{accelerator.num_processes - 1} process(es) wait for it",
+            flush=True,
+        )
+        build_demo_target_isolated(str(ref))
+    elif not accelerator.is_main_process:
+        _wait_for_build(folder, wait_minutes, poll_s)
+    accelerator.wait_for_everyone()
+    return target_location(ref, allow_build=False)
+
+
+def build_demo_target_isolated(preset: str) -> None:
+    """Build the demo target ``preset`` (default folder) in a child process outside the launch."""
+    import subprocess
+    import sys
+
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in _LAUNCH_VARIABLES and not key.startswith(_LAUNCH_PREFIXES)
+    }
+    code = (
+        "from train.demo_target import build_demo_target; "
+        f"build_demo_target(preset={preset!r}, progress_bar=False)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], env=env, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"building the demo target '{preset}' on the main process failed (exit code "
+            f"{done.returncode}, its output is above); build it alone first with "
+            f"`python scripts/build_demo_target.py --preset {preset}`"
+        )
+
+
+def _wait_for_build(folder: Any, wait_minutes: float, poll_s: float) -> None:
+    import time
+
+    from train.demo_target import is_complete
+
+    deadline = time.monotonic() + wait_minutes * 60
+    while not is_complete(folder):
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"waited {wait_minutes:g} minutes for the main process to build the demo target "
+                f"at {folder}; if this process runs on another machine it cannot see that "
+                "folder: put XDG_CACHE_HOME on a shared filesystem, or build the target on every "
+                "machine first (`python scripts/build_demo_target.py --preset <name>`)"
+            )
+        time.sleep(poll_s)

@@ -32,7 +32,8 @@ def test_lean_steps_equal_the_module(draft_vocab: int, kv_heads: int) -> None:
     lean = LeanEagle3(head)
     hidden = head.config.hidden_size
     generator = torch.Generator().manual_seed(1)
-    aux = torch.randn(2, 7, 3 * hidden, generator=generator, dtype=torch.float64)
+    num_aux = len(head.config.aux_hidden_state_layer_ids)
+    aux = torch.randn(2, 7, num_aux * hidden, generator=generator, dtype=torch.float64)
     embeds = torch.randn(2, 10, hidden, generator=generator, dtype=torch.float64)
     valid = torch.ones(2, 7, dtype=torch.bool)
     valid[1, :2] = False  # a left-padded row

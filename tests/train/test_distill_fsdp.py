@@ -21,15 +21,16 @@ import torch
 from safetensors.torch import load_file
 
 from train.config import parse_config
-from train.distributed import (
-    enable_cpu_fsdp,
-    format_report,
-    parallel_report,
-    target_on_main_first,
-)
+from train.distributed import enable_cpu_fsdp, format_report, parallel_report
 from train.losses import build_loss
 from train.objectives import get_objective_class
-from train.target_model import load_model, load_tokenizer, resolve_target, target_location
+from train.target_model import (
+    load_model,
+    load_tokenizer,
+    resolve_target,
+    target_location,
+    target_on_main_first,
+)
 from train.tracking import read_metrics_log
 
 REPO = Path(__file__).resolve().parents[2]
