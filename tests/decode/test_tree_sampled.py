@@ -122,7 +122,7 @@ def test_sampled_tree_batch_one_follows_target_law(
     decoder = _decoder(target, False, TreeSpec(top_k=2, total_tokens=6))
     generator = torch.Generator().manual_seed(1)
     rows = []
-    for _ in range(800):
+    for _ in range(1000):
         out = decoder.generate(
             prompt[None],
             max_new_tokens=5,
