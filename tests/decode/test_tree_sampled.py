@@ -251,3 +251,25 @@ def test_greedy_top_k_tree_still_equals_generate(target: torch.nn.Module, batch:
     out = decoder.generate(ids, mask, max_new_tokens=16)
     assert torch.equal(out.sequences, reference)
     assert not calls
+
+
+def test_one_child_sampled_tree_is_the_sampled_chain(target: torch.nn.Module) -> None:
+    """With one child the tree is the chain: same draws, same q, on a ragged (padded) batch."""
+    from decode.drafters.base import TargetPass
+
+    drafter = tiny_eagle_drafter(target)
+    ids = torch.tensor([[*PROMPT, 3, 4], [0, 0, *PROMPT]])
+    mask = (ids != 0).long()
+    with torch.no_grad():
+        prefill = target(ids, attention_mask=mask, output_hidden_states=True)
+    drafter.prefill(
+        ids, mask, TargetPass(prefill.logits, prefill.hidden_states), torch.tensor([1, 2])
+    )
+    sampling = SamplingConfig(temperature=0.8, top_k=20)
+    chain = drafter.propose(4, sampling, torch.Generator().manual_seed(5))
+    tree = drafter.propose_sampled_tree(
+        TreeSpec(top_k=1, total_tokens=4), 4, sampling, torch.Generator().manual_seed(5)
+    )
+    assert torch.equal(tree.tokens, chain.tokens)
+    assert torch.allclose(tree.draft_probs, chain.probs)
+    assert tree.parents.tolist() == [[-1, 0, 1, 2]] * 2
