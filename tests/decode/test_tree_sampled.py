@@ -273,3 +273,34 @@ def test_one_child_sampled_tree_is_the_sampled_chain(target: torch.nn.Module) ->
     assert torch.equal(tree.tokens, chain.tokens)
     assert torch.allclose(tree.draft_probs, chain.probs)
     assert tree.parents.tolist() == [[-1, 0, 1, 2]] * 2
+
+
+def test_second_chain_sees_its_own_entries(target: torch.nn.Module) -> None:
+    """Where i.i.d. root children coincide, both chains must continue from the same q."""
+    from decode.drafters.base import TargetPass
+
+    drafter = tiny_eagle_drafter(target)
+    ids = torch.tensor([PROMPT] * 16)
+    ids[:, 0] = torch.arange(16)  # rows differ a little
+    with torch.no_grad():
+        prefill = target(ids, output_hidden_states=True)
+    drafter.prefill(
+        ids,
+        torch.ones_like(ids),
+        TargetPass(prefill.logits, prefill.hidden_states),
+        torch.arange(16) % 7,
+    )
+    sampling = SamplingConfig(temperature=0.5, top_k=2)
+    tree = drafter.propose_sampled_tree(
+        TreeSpec(top_k=2, total_tokens=6),
+        3,
+        sampling,
+        torch.Generator().manual_seed(2),
+        replacement=True,
+    )
+    assert tree.parents[0].tolist() == [-1, -1, 0, 1, 2, 3]
+    same = tree.tokens[:, 0] == tree.tokens[:, 1]
+    differ = ~same & (tree.draft_probs[:, 2] - tree.draft_probs[:, 3]).abs().amax(-1).gt(1e-6)
+    assert bool(same.any()) and bool((~same).any())
+    assert torch.allclose(tree.draft_probs[same, 2], tree.draft_probs[same, 3])
+    assert bool(differ.any())  # a different first token does change what follows
