@@ -240,7 +240,9 @@ class SpeedEvalConfig:
     )
     speed_eval_draft_tokens: int = _f(4, "num_draft_tokens (chain length or tree depth)")
     speed_eval_tree_top_k: int = _f(4, "eagle3/medusa trees: children per expanded node")
-    speed_eval_tree_total_tokens: int = _f(0, "eagle3/medusa trees at T = 0: nodes per tree (0: chains)")
+    speed_eval_tree_total_tokens: int = _f(
+        0, "eagle3/medusa trees at T = 0: nodes per tree (0: chains)"
+    )
 
 
 SECTIONS: dict[str, type] = {
