@@ -162,10 +162,16 @@ def test_next_token_targets_shift_and_mask() -> None:
     assert weights.tolist() == [[1.0, 1.0, 0.0]]
 
 
-def test_objective_registry_resolves_and_explains_unknown_kinds() -> None:
+def test_objective_registry_resolves_and_explains_unknown_kinds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from train import objectives
+
     assert get_objective_class("causal_lm") is CausalLMObjective
     with pytest.raises(ValueError, match="unknown objective/drafter kind 'nope'"):
         get_objective_class("nope")
+    # A registration the other tests must not see (they walk the registry).
+    monkeypatch.setattr(objectives, "OBJECTIVES", dict(objectives.OBJECTIVES))
     register_objective("ghost_for_test", "train.objectives.ghost_for_test:Ghost")
     with pytest.raises(ValueError, match="does not exist in this installation"):
         get_objective_class("ghost_for_test")
