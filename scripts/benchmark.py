@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -158,7 +159,7 @@ def build_methods(args, target, drafters, settings: EvalSettings, meter, peaks, 
     methods["draftsmith n-gram"] = speculative_method(target, drafters["ngram"], settings)
     if "draft_lm" in drafters:
         methods["draftsmith draft LM"] = speculative_method(target, drafters["draft_lm"], settings)
-        adaptive = EvalSettings(**{**settings.__dict__, "adaptive": True})
+        adaptive = replace(settings, adaptive=True)
         methods["draftsmith draft LM (adaptive N)"] = speculative_method(
             target, drafters["draft_lm"], adaptive
         )
@@ -166,7 +167,7 @@ def build_methods(args, target, drafters, settings: EvalSettings, meter, peaks, 
         methods["draftsmith EAGLE-3 chain"] = speculative_method(
             target, drafters["eagle3"], settings
         )
-        adaptive = EvalSettings(**{**settings.__dict__, "adaptive": True})
+        adaptive = replace(settings, adaptive=True)
         methods["draftsmith EAGLE-3 chain (adaptive N)"] = speculative_method(
             target, drafters["eagle3"], adaptive
         )
@@ -180,7 +181,7 @@ def build_methods(args, target, drafters, settings: EvalSettings, meter, peaks, 
         ("medusa", "draftsmith Medusa tree"),
     ):
         if kind in drafters:
-            tree_settings = EvalSettings(**{**settings.__dict__, "tree": tree})
+            tree_settings = replace(settings, tree=tree)
             methods[label] = speculative_method(target, drafters[kind], tree_settings)
     return {name: with_peak_memory(m, meter, peaks, name) for name, m in methods.items()}
 
@@ -381,7 +382,7 @@ def sweep_draft_length(args, target, drafters, prompts) -> dict[str, dict[int, f
                 continue
             shaped = settings
             if kind in ("eagle3", "medusa"):
-                shaped = EvalSettings(**{**settings.__dict__, "tree": tree})
+                shaped = replace(settings, tree=tree)
             methods[kind] = speculative_method(target, drafter, shaped)
         results = measure_side_by_side(target, methods, prompts[: max(2, len(prompts) // 2)])
         plain = results.pop("plain").tokens_per_s

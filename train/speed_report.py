@@ -111,6 +111,8 @@ def _measure(
     adaptive: bool,
 ) -> dict[str, dict[str, Any]]:
     """One interleaved run of every method at one temperature; one report per drafting method."""
+    from dataclasses import replace
+
     import torch
 
     from decode.drafters.base import TreeSpec
@@ -135,13 +137,13 @@ def _measure(
         tree=TreeSpec(**tree) if use_tree else None,
         adaptive=adaptive and not use_tree,
     )
-    chain = EvalSettings(**{**settings.__dict__, "tree": None, "adaptive": adaptive})
+    chain = replace(settings, tree=None, adaptive=adaptive)
     methods = {
         "baseline": plain_method(target, settings),
         "draftsmith_plain": speculative_method(
             target,
             NoDrafter(drafter.vocab_size),
-            EvalSettings(**{**chain.__dict__, "adaptive": False}),
+            replace(chain, adaptive=False),
         ),
         "drafter": speculative_method(target, drafter, settings),
     }

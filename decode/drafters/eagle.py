@@ -198,7 +198,7 @@ class _RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def _rope_tables(
+def rope_tables(
     positions: torch.Tensor,  # [B, T]
     dim: int,
     theta: float,
@@ -239,7 +239,7 @@ class _Attention(nn.Module):
         q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = _rope_tables(positions, self.head_dim, self.rope_theta, q.dtype)
+        cos, sin = rope_tables(positions, self.head_dim, self.rope_theta, q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         keys, values = (
             (k, v) if past is None else (torch.cat((past[0], k), 2), torch.cat((past[1], v), 2))

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from decode.drafters.eagle import Eagle3Head
+from decode.drafters.eagle import Eagle3Head, rope_tables
 from decode.drafters.vocab_map import to_target_ids, to_target_probs
 from decode.kv_cache import PreallocatedLayer
 from decode.llama_math import apply_rope, rms_norm
@@ -99,7 +99,8 @@ class LeanEagle3:
     # -- forward --------------------------------------------------------------------------
     def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:  # [B, T, A*H] -> [B, T, H]
         """``g = fc(cat(low, mid, high))``."""
-        return aux_hidden.to(self.weights().fc.dtype) @ self.weights().fc
+        fc = self.weights().fc
+        return aux_hidden.to(fc.dtype) @ fc
 
     def step(
         self,
@@ -153,12 +154,11 @@ class LeanEagle3:
     def _rotary(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin [B, 1, T, D]
-        """The head's rotary angles (theta ** (-2i/D), float64, then cast), from a table."""
+        """The head's own rotary angles (``rope_tables``), looked up in a table grown on demand."""
         needed = int(positions.max()) + 1 if positions.numel() else 1
         if needed > self._cos.shape[0] or self._cos.dtype != dtype:
             size = max(needed, 2 * self._cos.shape[0], 256)
-            exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim
-            angles = torch.arange(size, dtype=torch.float64)[:, None] * self.rope_theta**-exponents
-            angles = torch.cat((angles, angles), dim=-1).to(positions.device)  # [P, D]
-            self._cos, self._sin = angles.cos().to(dtype), angles.sin().to(dtype)
+            table = torch.arange(size, device=positions.device)[None]  # [1, P]
+            cos, sin = rope_tables(table, self.head_dim, self.rope_theta, dtype)  # [1, 1, P, D]
+            self._cos, self._sin = cos[0, 0], sin[0, 0]
         return self._cos[positions][:, None], self._sin[positions][:, None]
