@@ -40,9 +40,13 @@ RESULTS_FILE = "ablation.json"
 FORMAT_VERSION = 1
 
 # preset -> drafter kind -> recipe; the grid's "kind" axis picks one.
+# The demo preset's configs/demo.yaml is the main job (an EAGLE-3 head), so its draft LM has
+# its own recipe.
 RECIPES: dict[str, dict[str, str]] = {
     preset: {
-        "draft_lm": f"configs/{preset}.yaml",
+        "draft_lm": f"configs/{preset}_draft_lm.yaml"
+        if preset == "demo"
+        else f"configs/{preset}.yaml",
         "eagle3": f"configs/{preset}_eagle3.yaml",
         "medusa": f"configs/{preset}_medusa.yaml",
     }
@@ -233,6 +237,9 @@ def run_argv(
     for name, value in settings.overrides.items():
         argv += [f"--{name}", value]
     sources = cell.get("data", "corpus").split("+")
+    # The data axis names the training text: a recipe's own train_source (e.g. the main job's
+    # target samples) would otherwise replace the corpus and the regenerated file alike.
+    argv += ["--train_source", "data"]
     if "regenerated" in sources:
         argv += ["--dataset", str(settings.regenerated_file)]
     if "onpolicy" in sources:
