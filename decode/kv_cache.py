@@ -171,6 +171,49 @@ class CachedSequence:
             self.slot_positions = torch.cat([self.slot_positions[:, :start], kept], dim=1)
         self.lengths = self.lengths - num_recent + path_valid.sum(-1)
 
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only ``rows`` (indices into the batch, in that order) and drop every hole.
+
+        Each kept row's valid slots move, in order, to the end of ``L`` slots, ``L`` the longest
+        kept row's length (padding in front of shorter rows): rows that leave free their slots,
+        and holes left by rejected drafts or by rows merged in at different lengths are gone.
+        Keys carry their rotary angles already, so moving a slot changes nothing it computes.
+        """
+        rows = rows.to(self.valid.device, torch.long)
+        valid = self.valid[rows]  # [R, S]
+        live = int(valid.sum(1).max()) if rows.numel() else 0
+        order = torch.sort(valid.long(), dim=1, stable=True).indices[:, valid.shape[1] - live :]
+        for layer in self.cache.layers:
+            layer.select_slots(rows, order)
+        self.valid = valid.gather(1, order)  # [R, L]
+        if self.slot_positions is not None:
+            self.slot_positions = self.slot_positions[rows].gather(1, order)
+        self.lengths = self.lengths[rows]
+
+    def merge(self, other: CachedSequence) -> None:
+        """Append ``other``'s rows (the same model, e.g. a prefill of new prompts) to this batch.
+
+        The shorter cache gets holes in front of its slots so both have as many; every row
+        keeps its own slots, positions and length.
+        """
+        if other.model is not self.model:
+            raise ValueError("only caches of the same model can be merged")
+        slots = max(self.num_slots, other.num_slots)
+        layers = zip(self.cache.layers, other.cache.layers, strict=True)
+        for mine, theirs in layers:
+            mine.merge_rows(theirs, slots)
+        self.valid = torch.cat([_left_pad(self.valid, slots), _left_pad(other.valid, slots)])
+        if self.slot_positions is not None and other.slot_positions is not None:
+            self.slot_positions = torch.cat(
+                [_left_pad(self.slot_positions, slots), _left_pad(other.slot_positions, slots)]
+            )
+        self.lengths = torch.cat([self.lengths, other.lengths])
+
+
+def _left_pad(values: torch.Tensor, width: int) -> torch.Tensor:  # [B, S] -> [B, width]
+    """Zeros (False: holes) in front of ``values`` up to ``width`` columns."""
+    return torch.nn.functional.pad(values, (width - values.shape[1], 0))
+
 
 @dataclass(frozen=True)
 class AttentionLayout:
@@ -351,6 +394,35 @@ class PreallocatedLayer(DynamicLayer):
         self._value_buffer[:, :, start : start + width] = kept_values
         self._set_length(start + width)
 
+    def select_slots(
+        self,
+        rows: torch.Tensor,  # [R] batch rows to keep
+        index: torch.Tensor,  # [R, L] slots of each kept row, in their new order
+    ) -> None:
+        """Keep ``rows`` only, each with the listed slots (row selection plus compaction)."""
+        if not self.is_initialized:
+            return
+        keys = _gather_slots(self.keys[rows], index)  # [R, KV, L, D]
+        values = _gather_slots(self.values[rows], index)
+        self._key_buffer = keys.new_zeros(_buffer_shape(keys, keys.shape[2]))
+        self._value_buffer = values.new_zeros(_buffer_shape(values, values.shape[2]))
+        self._key_buffer[:, :, : keys.shape[2]] = keys
+        self._value_buffer[:, :, : values.shape[2]] = values
+        self._set_length(keys.shape[2])
+
+    def merge_rows(self, other: PreallocatedLayer, slots: int) -> None:
+        """Append ``other``'s rows, both right-aligned in ``slots`` slots (zeros in front)."""
+        if not (self.is_initialized and other.is_initialized):
+            raise ValueError("only cache layers that hold slots (after a prefill) can be merged")
+        parts_k = [_left_pad_slots(self.keys, slots), _left_pad_slots(other.keys, slots)]
+        parts_v = [_left_pad_slots(self.values, slots), _left_pad_slots(other.values, slots)]
+        keys, values = torch.cat(parts_k), torch.cat(parts_v)  # [B + B', KV, slots, D]
+        self._key_buffer = keys.new_zeros(_buffer_shape(keys, slots))
+        self._value_buffer = values.new_zeros(_buffer_shape(values, slots))
+        self._key_buffer[:, :, :slots] = keys
+        self._value_buffer[:, :, :slots] = values
+        self._set_length(slots)
+
     def reset(self) -> None:
         self.length = 0
         super().reset()
@@ -365,6 +437,12 @@ class PreallocatedLayer(DynamicLayer):
         self.length = length
         self.keys = self._key_buffer[:, :, :length]
         self.values = self._value_buffer[:, :, :length]
+
+
+def _left_pad_slots(states: torch.Tensor, slots: int) -> torch.Tensor:
+    """[B, heads, S, d] -> [B, heads, slots, d] with zeros in front (finite: masked slots must
+    not hold NaN, which a zero attention weight would still spread)."""
+    return torch.nn.functional.pad(states, (0, 0, slots - states.shape[2], 0))
 
 
 def _buffer_shape(states: torch.Tensor, needed: int) -> tuple[int, ...]:

@@ -175,3 +175,49 @@ def test_sliding_windows_count_tokens_not_slots_and_roll_back_at_any_length(
                 fresh = model(torch.tensor([committed[row]])).logits[0, -1]
                 assert torch.allclose(stepped[row], fresh, atol=tolerance), (round_index, row)
         assert sequence.num_slots > 4 * model.config.sliding_window  # far past the window
+
+
+@pytest.mark.parametrize(
+    ("model_type", "overrides", "lean"),
+    [("llama", None, False), ("llama", None, True), (*WINDOWED[0], False), (*WINDOWED[1], True)],
+)
+def test_rows_merged_in_and_selected_out_keep_their_own_sequences(
+    model_type: str, overrides: dict | None, lean: bool
+) -> None:
+    """A batch with holes merged with a fresh prefill of other lengths, then rows selected in a
+    new order: every row's next step equals a fresh forward over its own committed tokens."""
+    from decode.lean_decoder import LeanDecoder
+
+    model = tiny_llama(seed=3) if overrides is None else _windowed(model_type, **overrides)
+    head = OutputHead.for_model(model) if lean else None
+    decoder = LeanDecoder.for_model(model) if lean else None
+    vocab = model.config.vocab_size
+    generator = torch.Generator().manual_seed(3)
+    first = torch.randint(3, vocab, (2, 7), generator=generator)
+    block = torch.randint(3, vocab, (2, 4), generator=generator)
+    second = torch.randint(3, vocab, (3, 3), generator=generator)
+    second_mask = torch.tensor([[0, 1, 1], [1, 1, 1], [0, 0, 1]], dtype=torch.bool)
+    follow = torch.randint(3, vocab, (5, 2), generator=generator)
+    with torch.no_grad():
+        running = CachedSequence(model, 2, torch.device("cpu"), head, decoder)
+        running.extend(first)
+        running.extend(block)
+        running.rollback(4, torch.tensor([1, 3]))  # holes in row 0
+        joining = CachedSequence(model, 3, torch.device("cpu"), head, decoder)
+        joining.extend(second, second_mask)
+        running.merge(joining)
+        assert running.lengths.tolist() == [8, 10, 2, 3, 1]
+        committed = [
+            torch.cat([first[0], block[0, :1]]),
+            torch.cat([first[1], block[1, :3]]),
+            *(second[row][second_mask[row]] for row in range(3)),
+        ]
+        running.extend(follow[:, :1])
+        order = torch.tensor([3, 0, 2])
+        running.select_rows(order)
+        assert running.num_slots == 9 and bool(running.valid.sum(1).eq(running.lengths).all())
+        stepped = running.extend(follow[order, 1:]).logits[:, -1]
+        for index, row in enumerate(order.tolist()):
+            tokens = torch.cat([committed[row], follow[row]])
+            fresh = model(tokens[None]).logits[0, -1]
+            assert torch.allclose(stepped[index], fresh, atol=1e-9), (index, row)
