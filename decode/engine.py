@@ -23,6 +23,7 @@ from numbers import Integral
 
 import torch
 
+from decode.defaults import NUM_DRAFT_TOKENS
 from decode.draft_length import AdaptiveDraftLength
 from decode.drafters.base import Drafter, TargetPass, TreeSpec
 from decode.kv_cache import CachedSequence
@@ -49,7 +50,7 @@ class SpeculativeDecoder:
         self,
         target: torch.nn.Module,
         drafter: Drafter,
-        num_draft_tokens: int = 4,
+        num_draft_tokens: int = NUM_DRAFT_TOKENS,
         tree: TreeSpec | None = None,
         lean_target: bool = True,
         adaptive: bool = False,

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from decode.defaults import NUM_DRAFT_TOKENS, TREE_TOP_K, TREE_TOTAL_TOKENS
 from decode.drafters.base import Drafter, TreeSpec
 from decode.engine import SpeculativeDecoder
 from decode.sampling import SamplingConfig
@@ -33,7 +34,7 @@ from decode.stats import DecodeStats, predicted_speedup
 
 @dataclass
 class EvalSettings:
-    num_draft_tokens: int = 4
+    num_draft_tokens: int = NUM_DRAFT_TOKENS
     max_new_tokens: int = 128
     temperature: float = 0.0
     top_k: int = 0
@@ -416,7 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--num-draft-tokens", type=int, default=4)
+    parser.add_argument("--num-draft-tokens", type=int, default=NUM_DRAFT_TOKENS)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -438,14 +439,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--tree-top-k",
         type=int,
-        default=8,
+        default=TREE_TOP_K,
         help="children per expanded node (eagle3 sampled trees at T > 0: children of the root, "
         "each continued as a chain)",
     )
     parser.add_argument(
         "--tree-total-tokens",
         type=int,
-        default=32,
+        default=TREE_TOTAL_TOKENS,
         help="nodes kept per tree (eagle3 sampled trees: the first child's chain gets up to "
         "--num-draft-tokens levels, the other children share the rest level by level)",
     )

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from decode.defaults import NUM_DRAFT_TOKENS, TREE_TOP_K, TREE_TOTAL_TOKENS
 from decode.drafters.base import TreeSpec
 from decode.drafters.hybrid import HybridDrafter
 from decode.drafters.registry import load_drafter
@@ -60,10 +61,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompts", default="demo")
     parser.add_argument("--num-prompts", type=int, default=6)
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--num-draft-tokens", type=int, default=4)
+    parser.add_argument("--num-draft-tokens", type=int, default=NUM_DRAFT_TOKENS)
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
-    parser.add_argument("--tree-top-k", type=int, default=4)
-    parser.add_argument("--tree-total-tokens", type=int, default=12)
+    parser.add_argument("--tree-top-k", type=int, default=TREE_TOP_K)
+    parser.add_argument("--tree-total-tokens", type=int, default=TREE_TOTAL_TOKENS)
     parser.add_argument(
         "--sweep",
         type=int,

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from decode.defaults import NUM_DRAFT_TOKENS
 from train.config import SECTIONS, read_recipe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -81,7 +82,7 @@ class GridSettings:
     tau_prompts: int = 8  # held-out prompts decoded to measure tau
     tau_new_tokens: int = 64  # tokens per prompt
     temperatures: tuple[float, ...] = (0.0, 1.0)
-    num_draft_tokens: int = 4  # chain length for every kind
+    num_draft_tokens: int = NUM_DRAFT_TOKENS  # chain length for every kind
     on_policy_fraction: float = 0.5  # data=onpolicy
     regenerated: Path | None = None  # data=regenerated: this JSONL (else written per grid)
     regen_prompts: int = 1000

@@ -35,6 +35,8 @@ from typing import Any, NoReturn
 
 import yaml
 
+from decode.defaults import NUM_DRAFT_TOKENS, TREE_TOP_K
+
 DEMO_TARGET_PRESETS = ("demo", "bench", "tiny")
 TARGET_OUTPUTS = ("online", "cache")
 DATA_FORMATS = ("auto", "text", "conversations", "prompt_response")
@@ -238,8 +240,10 @@ class SpeedEvalConfig:
     speed_eval_adaptive: bool = _f(
         False, "choose each chain round's draft length in 0..N from measured acceptance"
     )
-    speed_eval_draft_tokens: int = _f(4, "num_draft_tokens (chain length or tree depth)")
-    speed_eval_tree_top_k: int = _f(4, "eagle3/medusa trees: children per expanded node")
+    speed_eval_draft_tokens: int = _f(
+        NUM_DRAFT_TOKENS, "num_draft_tokens (chain length or tree depth)"
+    )
+    speed_eval_tree_top_k: int = _f(TREE_TOP_K, "eagle3/medusa trees: children per expanded node")
     speed_eval_tree_total_tokens: int = _f(
         0, "eagle3/medusa trees at T = 0: nodes per tree (0: chains)"
     )

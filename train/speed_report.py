@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from decode.atomic_io import write_json_atomic
+from decode.defaults import NUM_DRAFT_TOKENS
 
 
 def measure_and_report(
@@ -27,7 +28,7 @@ def measure_and_report(
     *,
     num_prompts: int = 6,
     max_new_tokens: int = 128,
-    num_draft_tokens: int = 4,
+    num_draft_tokens: int = NUM_DRAFT_TOKENS,
     temperatures: tuple[float, ...] = (0.0, 1.0),
     tree: dict[str, int] | None = None,
     prompts: str = "demo",

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from decode.defaults import TREE_TOP_K, TREE_TOTAL_TOKENS
 from decode.sampling import SamplingConfig
 
 if TYPE_CHECKING:
@@ -51,8 +52,8 @@ class TreeSpec:
     list of paths of child ranks such as ``((0,), (1,), (0, 0))``.
     """
 
-    top_k: int = 8
-    total_tokens: int = 32
+    top_k: int = TREE_TOP_K
+    total_tokens: int = TREE_TOTAL_TOKENS
     choices: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:

@@ -36,6 +36,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from decode.defaults import NUM_DRAFT_TOKENS
 from decode.drafters.base import Drafter
 from decode.serving.metrics import CONTENT_TYPE, ServerMetrics
 from decode.serving.protocol import (
@@ -124,7 +125,7 @@ class OpenAIServer:
         drafter: Drafter,
         *,
         model_name: str,
-        num_draft_tokens: int = 4,
+        num_draft_tokens: int = NUM_DRAFT_TOKENS,
         adaptive: bool = False,
         limits: ServingLimits | None = None,
         api_key: str | None = None,

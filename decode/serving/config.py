@@ -17,6 +17,8 @@ from typing import Any
 
 import yaml
 
+from decode.defaults import NUM_DRAFT_TOKENS
+
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 API_KEY_ENV = "DRAFTSMITH_API_KEY"
 
@@ -43,7 +45,9 @@ class ServeConfig:
     api_key: str | None = _f(
         None, f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV} if set, else none)"
     )
-    num_draft_tokens: int = _f(4, "tokens drafted per round (the most, with --adaptive)")
+    num_draft_tokens: int = _f(
+        NUM_DRAFT_TOKENS, "tokens drafted per round (the most, with --adaptive)"
+    )
     adaptive: bool = _f(
         False, "choose each round's draft length in 0..N from measured acceptance and times"
     )

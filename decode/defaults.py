@@ -1,0 +1,14 @@
+"""Decoding defaults, defined once: command lines, dataclasses and recipe fields import them.
+
+``NUM_DRAFT_TOKENS`` is N, the chain length (or tree depth) drafted per round (docs/theory.md
+§5 gives the expected gain as a function of N and the acceptance per position).
+``TREE_TOP_K`` and ``TREE_TOTAL_TOKENS`` shape a dynamic draft tree (docs/theory.md §4):
+children expanded per node and nodes kept per tree. They are the values the benchmark and the
+post-training speed report measure with (README, "Benchmark").
+"""
+
+from __future__ import annotations
+
+NUM_DRAFT_TOKENS = 4
+TREE_TOP_K = 4
+TREE_TOTAL_TOKENS = 12
