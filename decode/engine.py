@@ -33,8 +33,24 @@ from decode.rejection import verify_chain
 from decode.sampling import SamplingConfig, logits_to_probs, select_tokens
 from decode.stats import DecodeStats
 
-# Called after every round with each row's newly emitted tokens; returning False stops early.
-Streamer = Callable[[list[list[int]]], "bool | None"]
+
+@dataclass(frozen=True)
+class RoundUpdate:
+    """What one round (or one prefill) emitted, per row of the session's batch.
+
+    ``tokens[b]`` are row ``b``'s new tokens (empty for a row that took no part: finished, or
+    not among a prefill's new rows); ``accepted[b]`` the drafts row ``b`` accepted in this
+    verification pass and ``drafted`` the drafts per row it verified (chain length or tree
+    depth). A prefill emits each new row's first token with ``accepted = None``, ``drafted = 0``.
+    """
+
+    tokens: list[list[int]]
+    accepted: list[int] | None
+    drafted: int
+
+
+# Called after every prefill and round; returning False stops ``generate`` early.
+Streamer = Callable[[RoundUpdate], "bool | None"]
 
 
 @dataclass
@@ -61,8 +77,9 @@ class SpeculativeDecoder:
         with fused products: logits equal the model's own forward to float rounding); False
         keeps the model's own forward. ``adaptive`` picks each chain round's draft length in
         ``0 .. num_draft_tokens`` from the measured acceptance and round times
-        (``AdaptiveDraftLength``; 0 is a plain target step); its estimates carry over from one
-        ``generate`` call to the next."""
+        (``AdaptiveDraftLength``; 0 is a plain target step); with ``tree`` it picks each
+        round's shape, a plain step, a chain or a tree (``decode.tree_policy``). Its estimates
+        carry over from one ``generate`` call to the next."""
         if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int):
             raise TypeError(f"num_draft_tokens must be an int, got {num_draft_tokens!r}")
         if num_draft_tokens < 1:
@@ -70,10 +87,6 @@ class SpeculativeDecoder:
                 f"num_draft_tokens must be >= 1 (drafted tokens per round), got {num_draft_tokens}"
             )
         drafter.check_compatible(target)
-        if adaptive and tree is not None:
-            raise ValueError(
-                "adaptive draft lengths apply to chains: drop the tree settings or adaptive=True"
-            )
         if tree is not None and not drafter.supports_trees:
             raise ValueError(
                 f"the {drafter.kind} drafter drafts chains only: drop the tree settings or use "
@@ -90,6 +103,15 @@ class SpeculativeDecoder:
         self.drafter = drafter
         self.num_draft_tokens = num_draft_tokens
         self.draft_length = AdaptiveDraftLength(num_draft_tokens) if adaptive else None
+        # Adaptive trees: the policy picks each round's shape in _tree_round and takes the
+        # draft-length hook's place, so the chain rounds it delegates report to it.
+        self.tree_policy = None
+        if adaptive and tree is not None:
+            from decode.tree_policy import TreeSizePolicy
+
+            vary = tree.choices is None and drafter.kind == "eagle3"  # EAGLE-2 dynamic trees
+            self.tree_policy = TreeSizePolicy(tree, num_draft_tokens, vary_top_k=vary)
+            self.draft_length = self.tree_policy
 
     @property
     def device(self) -> torch.device:
@@ -119,105 +141,112 @@ class SpeculativeDecoder:
         Give either ``sampling`` (one validated ``SamplingConfig``) or the separate
         ``temperature`` / ``top_k`` / ``top_p`` (unset ones take ``SamplingConfig``'s defaults).
         ``generator`` must live on the target's device. Bad arguments raise ``ValueError``
-        (wrong values) or ``TypeError`` (wrong types) before any forward pass.
+        (wrong values) or ``TypeError`` (wrong types) before any forward pass. One
+        ``DecodeSession`` with every row, stepped until each row is done.
         """
         sampling = _sampling_config(sampling, temperature, top_k, top_p)
+        session = self.session(
+            sampling=sampling,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+            generator=generator,
+            streamer=streamer,
+            drafter=self.drafter,
+            record=True,
+        )
+        input_ids, _ = self._check_inputs(input_ids, attention_mask, max_new_tokens)
+        start = _clock(self.device)
+        session.add_rows(input_ids, attention_mask, max_new_tokens)
+        while session.room() > 0:
+            session.step()
+        stats = session.stats
+        stats.total_seconds = _clock(self.device) - start
+        stats.tokens_emitted = int(session.count.sum())
+        return GenerateOutput(sequences=session.sequences(input_ids), stats=stats.fold())
+
+    def session(
+        self,
+        *,
+        sampling: SamplingConfig | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+        pad_token_id: int | None = None,
+        generator: torch.Generator | None = None,
+        streamer: Streamer | None = None,
+        drafter: Drafter | None = None,
+        record: bool = False,
+    ) -> DecodeSession:
+        """An empty ``DecodeSession``: rows join with ``add_rows``, leave with ``retire``.
+
+        Its rows share the sampling settings and the generator. ``drafter`` holds the
+        session's drafting state: by default a ``spawn`` of this decoder's drafter (the same
+        weights), so several sessions can be open at once; ``record`` keeps every emitted token
+        for ``sequences``.
+        """
+        sampling = _sampling_config(sampling, None, None, None)
         if generator is not None:
             self._check_generator(generator)
-        input_ids, attention_mask = self._check_inputs(input_ids, attention_mask, max_new_tokens)
         eos = self._eos_tensor(eos_token_id)
         pad = self._pad_id(pad_token_id, eos)
-        run = _Run(input_ids.shape[0], max_new_tokens, self.num_draft_tokens, pad, eos, streamer)
-        stats = run.stats
-        needs_hidden = self.drafter.needs_hidden_states
-        start = _clock(self.device)
+        drafter = self.drafter.spawn() if drafter is None else drafter
+        return DecodeSession(self, drafter, sampling, generator, eos, pad, streamer, record)
 
-        target = CachedSequence(
-            self.target, input_ids.shape[0], self.device, self._target_head, self._target_decoder
-        )
-        prefill = target.extend(
-            input_ids, attention_mask.bool(), output_hidden_states=needs_hidden, logits_to_keep=1
-        )
-        pending, _ = select_tokens(prefill.logits[:, -1], sampling, generator)
-        self.drafter.prefill(
-            input_ids, attention_mask, TargetPass(prefill.logits, prefill.hidden_states), pending
-        )
-        run.emit(pending[:, None], torch.ones_like(pending))
-        stats.prefill_seconds = _clock(self.device) - start
-
-        round_fn = self._chain_round if self.tree is None else self._tree_round
-        while (room := run.room()) > 0:
-            # A round emits up to width + 1 tokens: no more drafts than the room left, and at
-            # least one unless the adaptive policy chooses a plain step.
-            limit = min(self.num_draft_tokens, room - 1)
-            width = max(1, limit) if self.draft_length is None else self.draft_length.choose(limit)
-            pending = round_fn(target, pending, width, run, sampling, generator)
-
-        stats.total_seconds = _clock(self.device) - start
-        stats.tokens_emitted = int(run.count.sum())
-        return GenerateOutput(sequences=run.sequences(input_ids), stats=stats.fold())
-
-    def _chain_round(
-        self,
-        target: CachedSequence,
-        pending: torch.Tensor,  # [B]
-        width: int,  # draft tokens (chain length or tree depth) this round
-        run: _Run,
-        sampling: SamplingConfig,
-        generator: torch.Generator | None,
-    ) -> torch.Tensor:  # [B] the new pending tokens
-        """Draft a chain, verify it in one target pass, roll both caches back, emit."""
-        needs_hidden = self.drafter.needs_hidden_states
+    def _chain_round(self, session: DecodeSession, width: int) -> torch.Tensor:  # [B]
+        """Draft a chain, verify it in one target pass, roll both caches back, emit; returns
+        the new pending tokens."""
+        drafter, target, sampling = session.drafter, session.target, session.sampling
+        needs_hidden = drafter.needs_hidden_states
         round_start = _clock(self.device)
-        proposal = self.drafter.propose(width, sampling, generator)
+        proposal = drafter.propose(width, sampling, session.generator)
         drafts = proposal.tokens  # [B, n]
         verify_start = _clock(self.device)
         verify = target.extend(
-            torch.cat([pending[:, None], drafts], dim=1), output_hidden_states=needs_hidden
+            torch.cat([session.pending[:, None], drafts], dim=1), output_hidden_states=needs_hidden
         )
         num_accepted, pending = verify_chain(
-            drafts, proposal.probs, verify.logits, sampling, generator
+            drafts, proposal.probs, verify.logits, sampling, session.generator
         )
         target.rollback(drafts.shape[1] + 1, num_accepted + 1)
         verify_end = _clock(self.device)
-        self.drafter.commit(num_accepted, pending, TargetPass(verify.logits, verify.hidden_states))
+        drafter.commit(num_accepted, pending, TargetPass(verify.logits, verify.hidden_states))
         policy = self.draft_length
-        accepted_by_active_rows = num_accepted[run.active] if policy is not None else None
-        run.finish_round(drafts, num_accepted, pending)
+        accepted_by_active_rows = num_accepted[session.active] if policy is not None else None
+        session.finish_round(drafts, num_accepted, pending)
         round_end = _clock(self.device)
-        run.add_times(round_start, verify_start, verify_end, round_end)
+        session.add_times(round_start, verify_start, verify_end, round_end)
         if policy is not None:  # read before finish_round retires rows that just ended
             policy.update(drafts.shape[1], accepted_by_active_rows, round_end - round_start)
         return pending
 
-    def _tree_round(
-        self,
-        target: CachedSequence,
-        pending: torch.Tensor,  # [B]
-        width: int,  # draft tokens (chain length or tree depth) this round
-        run: _Run,
-        sampling: SamplingConfig,
-        generator: torch.Generator | None,
-    ) -> torch.Tensor:  # [B] the new pending tokens
+    def _tree_round(self, session: DecodeSession, width: int) -> torch.Tensor:  # [B]
         """Draft a tree, score all its nodes in one pass with a tree mask, keep one branch.
 
         At T > 0 a drafter with ``supports_sampled_trees`` draws its nodes from its own q
         (multi-draft speculative sampling, docs/theory.md §4); top-k trees serve T = 0 and
-        drafters without sampled trees.
+        drafters without sampled trees. Returns the new pending tokens.
         """
         from decode.tree import verify_tree_greedy, verify_tree_stochastic
 
+        drafter, target, sampling = session.drafter, session.target, session.sampling
+        generator = session.generator
+        sampled = not sampling.greedy and drafter.supports_sampled_trees
+        policy, spec = self.tree_policy, self.tree
+        if policy is not None:  # adaptive: this round's shape (a chain reports itself)
+            shape = policy.choose_shape(width, greedy=sampling.greedy, sampled=sampled)
+            if shape.kind == "chain":
+                return self._chain_round(session, shape.depth)
+            spec, width = shape.tree_spec(self.tree), shape.depth
+            active = session.active.clone()  # finish_round retires rows that just ended
         round_start = _clock(self.device)
-        if not sampling.greedy and self.drafter.supports_sampled_trees:
-            tree = self.drafter.propose_sampled_tree(self.tree, width, sampling, generator)
+        if sampled:
+            tree = drafter.propose_sampled_tree(spec, width, sampling, generator)
         else:
-            tree = self.drafter.propose_tree(self.tree, width)
+            tree = drafter.propose_tree(spec, width)
         verify_start = _clock(self.device)
         verify = target.extend(
-            tree.input_ids(pending),
+            tree.input_ids(session.pending),
             tree_mask=tree.attention_mask(),
             positions=tree.positions(target.lengths),
-            output_hidden_states=self.drafter.needs_hidden_states,
+            output_hidden_states=drafter.needs_hidden_states,
         )
         if sampling.greedy:
             outcome = verify_tree_greedy(tree, verify.logits)
@@ -231,9 +260,13 @@ class SpeculativeDecoder:
         )
         target.keep_path(tree.num_nodes + 1, path, kept)
         verify_end = _clock(self.device)
-        self.drafter.commit_tree(outcome, TargetPass(verify.logits, verify.hidden_states))
-        run.finish_round(outcome.accepted_tokens, outcome.num_accepted, outcome.next_tokens)
-        run.add_times(round_start, verify_start, verify_end, _clock(self.device))
+        drafter.commit_tree(outcome, TargetPass(verify.logits, verify.hidden_states))
+        session.finish_round(outcome.accepted_tokens, outcome.num_accepted, outcome.next_tokens)
+        round_end = _clock(self.device)
+        session.add_times(round_start, verify_start, verify_end, round_end)
+        if policy is not None:
+            nodes = outcome.accepted_nodes[active]
+            policy.update_tree(shape, nodes, tree.num_nodes, round_end - round_start)
         return outcome.next_tokens
 
     def _check_inputs(
@@ -372,62 +405,180 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
     return (current if a.index is None else a.index) == (current if b.index is None else b.index)
 
 
-class _Run:
-    """Per-row output buffer and stopping state of one ``generate`` call."""
+class DecodeSession:
+    """Rows that decode together round by round, joining and leaving between rounds.
+
+    Continuous batching: ``add_rows`` prefills new prompts as a batch of their own (the target
+    and a ``spawn`` of the drafter) and merges them into the running caches
+    (``CachedSequence.merge``, ``Drafter.merge``); ``step`` runs one round for every row;
+    ``retire`` drops rows (``select_rows``), freeing their cache slots. Each row's tokens
+    depend on its own prompt alone: greedy rows equal the target's greedy decoding whenever
+    they joined. Rows share the sampling settings and the generator (sampled rows of a seeded
+    request are reproducible only alone in their session). ``generate`` is one session.
+    """
 
     def __init__(
         self,
-        batch: int,
-        max_new_tokens: int,
-        num_draft_tokens: int,
+        decoder: SpeculativeDecoder,
+        drafter: Drafter,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+        eos: torch.Tensor,  # [E]
         pad: int,
-        eos: torch.Tensor,
         streamer: Streamer | None,
+        record: bool,
     ) -> None:
-        device = eos.device
-        self.max_new_tokens = max_new_tokens
-        self.num_draft_tokens = num_draft_tokens
+        device = decoder.device
+        self.decoder = decoder
+        self.drafter = drafter
+        self.sampling = sampling
+        self.generator = generator
         self.eos = eos
+        self.pad = pad
         self.streamer = streamer
         self.stats = DecodeStats()
-        # One spare column past the end takes the writes of masked-out slots.
-        self.spare = max_new_tokens + num_draft_tokens + 1
-        self.tokens = torch.full((batch, self.spare + 1), pad, dtype=torch.long, device=device)
-        self.count = torch.zeros(batch, dtype=torch.long, device=device)
-        self.active = torch.ones(batch, dtype=torch.bool, device=device)
+        self.target: CachedSequence | None = None
+        self.pending = torch.zeros(0, dtype=torch.long, device=device)  # [B] not yet in caches
+        self.count = torch.zeros(0, dtype=torch.long, device=device)  # [B] tokens emitted
+        self.limit = torch.zeros(0, dtype=torch.long, device=device)  # [B] max_new_tokens
+        self.active = torch.zeros(0, dtype=torch.bool, device=device)  # [B]
+        # [B, C] every emitted token (record=True); the last column takes masked-out writes.
+        self.tokens = torch.full((0, 1), pad, dtype=torch.long, device=device) if record else None
         self._stopped = False
+
+    @property
+    def batch_size(self) -> int:
+        return self.pending.shape[0]
+
+    @torch.inference_mode()
+    def add_rows(
+        self,
+        input_ids: torch.Tensor,  # [R, T] left-padded
+        attention_mask: torch.Tensor | None = None,  # [R, T]
+        max_new_tokens: int | Sequence[int] = 128,
+    ) -> None:
+        """Prefill ``R`` new rows as their own batch, merge them after the running rows (rows
+        ``batch_size .. batch_size + R - 1``) and emit each one's first token."""
+        decoder = self.decoder
+        input_ids, attention_mask = decoder._check_inputs(input_ids, attention_mask, 1)
+        limits = _row_limits(max_new_tokens, input_ids.shape[0])
+        start = _clock(decoder.device)
+        drafter = self.drafter if self.batch_size == 0 else self.drafter.spawn()
+        target = CachedSequence(
+            decoder.target,
+            input_ids.shape[0],
+            decoder.device,
+            decoder._target_head,
+            decoder._target_decoder,
+        )
+        prefill = target.extend(
+            input_ids,
+            attention_mask.bool(),
+            output_hidden_states=drafter.needs_hidden_states,
+            logits_to_keep=1,
+        )
+        pending, _ = select_tokens(prefill.logits[:, -1], self.sampling, self.generator)
+        drafter.prefill(
+            input_ids, attention_mask, TargetPass(prefill.logits, prefill.hidden_states), pending
+        )
+        old = self.batch_size
+        if old == 0:
+            self.target = target
+        else:
+            self.target.merge(target)
+            self.drafter.merge(drafter)
+        device = self.pending.device
+        self.pending = torch.cat([self.pending, pending])
+        self.count = torch.cat([self.count, torch.zeros_like(pending)])
+        self.limit = torch.cat([self.limit, limits.to(device)])
+        self.active = torch.cat([self.active, torch.ones_like(pending, dtype=torch.bool)])
+        if self.tokens is not None:
+            width = max(self.tokens.shape[1], int(self.limit.max()) + decoder.num_draft_tokens + 2)
+            self.tokens[:, -1] = self.pad  # the old spare column becomes an ordinary one
+            grown = torch.full((self.batch_size, width), self.pad, dtype=torch.long, device=device)
+            grown[:old, : self.tokens.shape[1]] = self.tokens
+            self.tokens = grown
+        new_rows = torch.arange(self.batch_size, device=device) >= old
+        self.emit(self.pending[:, None], new_rows.long(), None, 0)
+        self.stats.prefill_seconds += _clock(decoder.device) - start
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        """One speculative round for every row (a no-op when no row may emit more)."""
+        room = self.room()
+        if room == 0:
+            return
+        decoder = self.decoder
+        # A round emits up to width + 1 tokens: no more drafts than the room left, and at
+        # least one unless the adaptive policy chooses a plain step.
+        limit = min(decoder.num_draft_tokens, room - 1)
+        policy = decoder.draft_length
+        width = max(1, limit) if policy is None else policy.choose(limit)
+        round_fn = decoder._chain_round if decoder.tree is None else decoder._tree_round
+        self.pending = round_fn(self, width)
+
+    def retire(self, rows: Sequence[int]) -> None:
+        """Drop ``rows`` (indices into the current batch); the others keep their order."""
+        dropped = set(rows)
+        keep = [row for row in range(self.batch_size) if row not in dropped]
+        if not keep:
+            self.target = None
+            self.pending, self.count = self.pending[:0], self.count[:0]
+            self.limit, self.active = self.limit[:0], self.active[:0]
+            if self.tokens is not None:
+                self.tokens = self.tokens[:0]
+            self._stopped = False
+            return
+        if len(keep) == self.batch_size:
+            return
+        index = torch.tensor(keep, dtype=torch.long, device=self.pending.device)
+        self.target.select_rows(index)
+        self.drafter.select_rows(index)
+        self.pending, self.count = self.pending[index], self.count[index]
+        self.limit, self.active = self.limit[index], self.active[index]
+        if self.tokens is not None:
+            self.tokens = self.tokens[index]
+
+    def finished_rows(self) -> list[int]:
+        """Rows that will emit nothing more (EOS or their ``max_new_tokens``), in one sync."""
+        return torch.nonzero(~self.active).flatten().tolist()
 
     def room(self) -> int:
         """The most tokens any active row may still emit (0 when every row is done), in one
         host sync."""
-        if self._stopped:
+        if self._stopped or self.batch_size == 0:
             return 0
-        return max(0, int(torch.where(self.active, self.max_new_tokens - self.count, 0).max()))
+        return max(0, int(torch.where(self.active, self.limit - self.count, 0).max()))
 
     def emit(
         self,
         new_tokens: torch.Tensor,  # [B, W]
         num_new: torch.Tensor,  # [B] valid prefix length of each row of new_tokens
+        num_accepted: torch.Tensor | None,  # [B] drafts accepted this round; None: a prefill
+        drafted: int,
     ) -> None:
         width = new_tokens.shape[1]
         columns = torch.arange(width, device=new_tokens.device)[None, :]
         num_new = torch.where(self.active, num_new, 0)
-        num_new = torch.minimum(num_new, self.max_new_tokens - self.count)
+        num_new = torch.minimum(num_new, self.limit - self.count)
         if self.eos.numel():
             is_eos = torch.isin(new_tokens, self.eos) & (columns < num_new[:, None])
             hit = is_eos.any(1)
             num_new = torch.where(hit, is_eos.long().argmax(1) + 1, num_new)
         else:
             hit = torch.zeros_like(self.active)
-        written = columns < num_new[:, None]
-        target_column = torch.where(written, self.count[:, None] + columns, self.spare)
-        self.tokens.scatter_(1, target_column, new_tokens)
+        if self.tokens is not None:
+            spare = self.tokens.shape[1] - 1
+            written = columns < num_new[:, None]
+            target_column = torch.where(written, self.count[:, None] + columns, spare)
+            self.tokens.scatter_(1, target_column, new_tokens)
         self.count += num_new
         if self.streamer is not None:
             rows = [row[:n] for row, n in zip(new_tokens.tolist(), num_new.tolist(), strict=True)]
-            if self.streamer(rows) is False:
+            accepted = None if num_accepted is None else num_accepted.tolist()
+            if self.streamer(RoundUpdate(rows, accepted, drafted)) is False:
                 self._stopped = True
-        self.active &= ~hit & (self.count < self.max_new_tokens)
+        self.active &= ~hit & (self.count < self.limit)
 
     def finish_round(
         self,
@@ -439,15 +590,33 @@ class _Run:
         self.stats.record_round(num_accepted, accepted_tokens.shape[1], self.active)
         emitted = torch.cat([accepted_tokens, next_tokens[:, None]], dim=1)
         emitted.scatter_(1, num_accepted[:, None], next_tokens[:, None])
-        self.emit(emitted, num_accepted + 1)
+        self.emit(emitted, num_accepted + 1, num_accepted, accepted_tokens.shape[1])
 
     def add_times(self, start: float, verify_start: float, verify_end: float, end: float) -> None:
         self.stats.verify_seconds += verify_end - verify_start
         self.stats.draft_seconds += (verify_start - start) + (end - verify_end)
 
     def sequences(self, input_ids: torch.Tensor) -> torch.Tensor:  # [B, T + new]
+        """The prompts followed by every emitted token (``record=True``), padded."""
+        if self.tokens is None:
+            raise RuntimeError("the session keeps no tokens: open it with record=True")
         longest = int(self.count.max())
         return torch.cat([input_ids, self.tokens[:, :longest]], dim=1)
+
+
+def _row_limits(max_new_tokens: int | Sequence[int], rows: int) -> torch.Tensor:
+    """``max_new_tokens`` per row ([R] int64): one int for every row, or one per row."""
+    values = [max_new_tokens] * rows if _is_token_id(max_new_tokens) else max_new_tokens
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
+    if len(values) != rows:
+        raise ValueError(f"max_new_tokens gives {len(values)} limits for {rows} prompt rows")
+    for value in values:
+        if not _is_token_id(value):
+            raise TypeError(f"max_new_tokens must be an int, got {value!r}")
+        if value < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {value}")
+    return torch.tensor([int(v) for v in values], dtype=torch.long)
 
 
 def _clock(device: torch.device) -> float:

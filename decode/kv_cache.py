@@ -202,16 +202,17 @@ class CachedSequence:
         layers = zip(self.cache.layers, other.cache.layers, strict=True)
         for mine, theirs in layers:
             mine.merge_rows(theirs, slots)
-        self.valid = torch.cat([_left_pad(self.valid, slots), _left_pad(other.valid, slots)])
+        self.valid = torch.cat([pad_front(self.valid, slots), pad_front(other.valid, slots)])
         if self.slot_positions is not None and other.slot_positions is not None:
             self.slot_positions = torch.cat(
-                [_left_pad(self.slot_positions, slots), _left_pad(other.slot_positions, slots)]
+                [pad_front(self.slot_positions, slots), pad_front(other.slot_positions, slots)]
             )
         self.lengths = torch.cat([self.lengths, other.lengths])
 
 
-def _left_pad(values: torch.Tensor, width: int) -> torch.Tensor:  # [B, S] -> [B, width]
-    """Zeros (False: holes) in front of ``values`` up to ``width`` columns."""
+def pad_front(values: torch.Tensor, width: int) -> torch.Tensor:  # [B, S] -> [B, width]
+    """Zeros (False for masks: holes) in front of ``values`` up to ``width`` columns; how rows
+    of different lengths are merged (kept slots stay last, where each row's next ones go)."""
     return torch.nn.functional.pad(values, (width - values.shape[1], 0))
 
 

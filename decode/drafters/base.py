@@ -17,6 +17,7 @@ different amounts; padding inside a row is marked in attention masks, never by m
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
@@ -130,6 +131,23 @@ class Drafter(ABC):
         target_pass: TargetPass,  # the verify pass over [pending, d_1 .. d_N]
     ) -> None:
         """Bring the drafter's state to the newly committed sequence."""
+
+    # -- continuous batching: rows join and leave between rounds --------------------------
+    def spawn(self) -> Drafter:
+        """A drafter with these weights and settings for a batch of its own: new rows are
+        ``prefill``-ed on a spawn, then ``merge``-d into the running drafter. The default is a
+        shallow copy (weights shared; ``prefill`` replaces the per-batch state)."""
+        return copy.copy(self)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only ``rows`` (batch indices, in their new order) of the state; called between
+        rounds (after ``commit``), e.g. when finished requests retire."""
+        raise NotImplementedError(f"the {self.kind} drafter cannot drop rows of a batch")
+
+    def merge(self, other: Drafter) -> None:
+        """Append the rows of ``other`` (a prefilled ``spawn`` of this drafter) after this
+        batch's rows; called between rounds, e.g. when new requests join."""
+        raise NotImplementedError(f"the {self.kind} drafter cannot merge batches")
 
     def usage(self) -> dict[str, float] | None:
         """What the drafter reports about its own work (the hybrid: how often each part

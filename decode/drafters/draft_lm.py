@@ -26,7 +26,7 @@ import torch
 
 from decode.drafters.base import Drafter, DraftProposal, TargetPass
 from decode.drafters.vocab_map import VocabMap, to_target_ids, to_target_probs
-from decode.kv_cache import CachedSequence
+from decode.kv_cache import CachedSequence, pad_front
 from decode.lean_decoder import LeanDecoder
 from decode.output_head import OutputHead
 from decode.sampling import SamplingConfig, select_tokens
@@ -173,6 +173,27 @@ class DraftModelDrafter(Drafter):
         else:
             self._unread = next_tokens[:, None]
             self._unread_valid = ones
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        sequence = self._require_state()
+        rows = rows.to(self._unread.device, torch.long)
+        sequence.select_rows(rows)
+        self._unread, self._unread_valid = self._unread[rows], self._unread_valid[rows]
+        self._last_drafts = self._replaced = None
+
+    def merge(self, other: Drafter) -> None:
+        """Append ``other``'s rows: both caches (``CachedSequence.merge``) and the unread tokens,
+        padded in front with invalid columns (the last column stays each row's newest)."""
+        if not isinstance(other, DraftModelDrafter) or other.model is not self.model:
+            raise TypeError("only a spawn of this draft LM drafter can be merged into it")
+        sequence = self._require_state()
+        sequence.merge(other._require_state())
+        width = max(self._unread.shape[1], other._unread.shape[1])
+        self._unread = torch.cat([pad_front(self._unread, width), pad_front(other._unread, width)])
+        self._unread_valid = torch.cat(
+            [pad_front(self._unread_valid, width), pad_front(other._unread_valid, width)]
+        )
+        self._last_drafts = self._replaced = None
 
     def _require_state(self) -> CachedSequence:
         if self._sequence is None:

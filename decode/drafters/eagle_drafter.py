@@ -18,7 +18,7 @@ from torch import nn
 from decode.drafters.base import Drafter, DraftProposal, TargetPass, TreeSpec
 from decode.drafters.eagle import Eagle3Head, block_visibility, positions_from_mask
 from decode.drafters.eagle_lean import LeanEagle3
-from decode.kv_cache import PreallocatedLayer
+from decode.kv_cache import PreallocatedLayer, pad_front
 from decode.sampling import SamplingConfig, logits_to_probs, sample, select_tokens
 from decode.tree import (
     Frontier,
@@ -333,6 +333,34 @@ class Eagle3Drafter(Drafter):
             verification.next_tokens,
             gathered,
         )
+
+    # -- continuous batching ----------------------------------------------------------------
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep ``rows``, each with its valid entries right-aligned (holes dropped)."""
+        state = self._require_state()
+        rows = rows.to(state.valid.device, torch.long)
+        valid = state.valid[rows]  # [R, S]
+        live = int(valid.sum(1).max()) if rows.numel() else 0
+        order = torch.sort(valid.long(), dim=1, stable=True).indices[:, valid.shape[1] - live :]
+        state.cache.select_slots(rows, order)
+        state.valid = valid.gather(1, order)
+        state.has_holes = not bool(state.valid.all())
+        state.hidden, state.logits = state.hidden[rows], state.logits[rows]
+        state.next_pos, state.drafts = state.next_pos[rows], None
+
+    def merge(self, other: Drafter) -> None:
+        """Append ``other``'s rows, both caches right-aligned (holes in front)."""
+        if not isinstance(other, Eagle3Drafter) or other.head is not self.head:
+            raise TypeError("only a spawn of this EAGLE-3 drafter can be merged into it")
+        state, theirs = self._require_state(), other._require_state()
+        slots = max(state.valid.shape[1], theirs.valid.shape[1])
+        state.cache.merge_rows(theirs.cache, slots)
+        state.valid = torch.cat([pad_front(state.valid, slots), pad_front(theirs.valid, slots)])
+        state.has_holes = not bool(state.valid.all())
+        state.hidden = torch.cat([state.hidden, theirs.hidden])
+        state.logits = torch.cat([state.logits, theirs.logits])
+        state.next_pos = torch.cat([state.next_pos, theirs.next_pos])
+        state.drafts = None
 
     # -- internals ------------------------------------------------------------------------
     def _require_state(self) -> _DrafterState:

@@ -23,6 +23,7 @@ lookup through its history.
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass
 
@@ -195,6 +196,26 @@ class HybridDrafter(Drafter):
                 usage.plain_rows += 1
         if not network:
             usage.rounds_without_network += 1
+
+    def spawn(self) -> HybridDrafter:
+        """Spawns of both parts; the measured yields and the usage stay shared."""
+        spawned = copy.copy(self)
+        spawned.learned = self.learned.spawn()
+        spawned.lookup = self.lookup.spawn()
+        spawned._round = None
+        return spawned
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.learned.select_rows(rows)
+        self.lookup.select_rows(rows)
+        self._round = None
+
+    def merge(self, other: Drafter) -> None:
+        if not isinstance(other, HybridDrafter):
+            raise TypeError(f"cannot merge a {other.kind} drafter's rows into a hybrid drafter")
+        self.learned.merge(other.learned)
+        self.lookup.merge(other.lookup)
+        self._round = None
 
     def _prefers_lookup(self, matched: int) -> bool:
         """Lookup drafts a row whose newest ``matched``-gram occurred before, when its measured

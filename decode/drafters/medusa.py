@@ -296,6 +296,14 @@ class MedusaDrafter(Drafter):
         end = verification.path_indices()[rows, verification.num_accepted]
         self._hidden = last[rows, end]
 
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self._hidden = self._require_hidden()[rows.to(self._hidden.device, torch.long)]
+
+    def merge(self, other: Drafter) -> None:
+        if not isinstance(other, MedusaDrafter) or other.heads is not self.heads:
+            raise TypeError("only a spawn of this Medusa drafter can be merged into it")
+        self._hidden = torch.cat([self._require_hidden(), other._require_hidden()])
+
     def _require_hidden(self) -> torch.Tensor:
         if self._hidden is None:
             raise RuntimeError("the drafter has no batch: call prefill() first")

@@ -124,6 +124,16 @@ class NgramDrafter(Drafter):
         ):
             history.extend([*drafts[:accepted], token])
 
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self._history = [self._history[row] for row in rows.tolist()]
+        self._last_drafts = []
+
+    def merge(self, other: Drafter) -> None:
+        if not isinstance(other, NgramDrafter):
+            raise TypeError(f"cannot merge a {other.kind} drafter's rows into an ngram drafter")
+        self._history = self._history + other._history
+        self._last_drafts = []
+
     def lookup(self, history: NgramIndex | list[int], num_tokens: int) -> tuple[list[int], int]:
         """Tokens after an earlier occurrence of the longest matching suffix, and its length.
 

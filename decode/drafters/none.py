@@ -53,3 +53,11 @@ class NoDrafter(Drafter):
         target_pass: TargetPass,
     ) -> None:
         return None
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self._batch = rows.numel()
+
+    def merge(self, other: Drafter) -> None:
+        if not isinstance(other, NoDrafter):
+            raise TypeError(f"cannot merge a {other.kind} drafter's rows into a none drafter")
+        self._batch += other._batch
