@@ -1,14 +1,19 @@
 """Typed configuration of ``train/distill.py``: one default per field, YAML recipes, flags.
 
 Eight sections, one dataclass each: target, drafter, data, loss, optim, logging, output,
-speed_eval. Field names are unique across sections, so every field is also a command-line flag of the same name
-(``--learning_rate 3e-4``). A recipe YAML groups them by section::
+speed_eval. Field names are unique across sections, so every field is also a command-line
+flag of the same name (``--learning_rate 3e-4``). A recipe YAML groups them by section::
 
+    inherit: base/tiny.yaml   # optional: start from this recipe (relative to this file)
     target:
       target: demo
     loss:
       loss: tv
       loss_temperature: 1.0
+
+``inherit`` names another recipe, resolved against the folder of the file that names it; that
+recipe is read first (it may inherit in turn) and every value this file gives overrides it.
+A chain that comes back to a file it already read is an error naming the chain.
 
 ``--config recipe.yaml`` (given once) sets values, flags override them, and an unknown section
 or key is an error that lists the valid ones (parsed with ``transformers.HfArgumentParser``).
@@ -406,21 +411,50 @@ def _flag_error(message: str) -> NoReturn:
     raise _FlagError(f"{message}; see --help for each flag and its type")
 
 
+INHERIT_KEY = "inherit"
+"""The recipe key naming the recipe this one starts from (a path relative to its folder)."""
+
+
 def read_recipe(path: str | Path) -> dict[str, Any]:
-    """Flatten a sectioned recipe YAML into field -> value, checking every key."""
-    path = Path(path)
+    """Flatten a sectioned recipe YAML into field -> value, checking every key.
+
+    With ``inherit: other.yaml`` the other recipe's values come first and this file's override
+    them, field by field.
+    """
+    return _read_recipe(Path(path), ())
+
+
+def _read_recipe(path: Path, chain: tuple[Path, ...]) -> dict[str, Any]:
+    """``read_recipe`` for ``path``, reached through the recipes in ``chain`` (outermost first)."""
     if not path.is_file():
+        named_by = f" (inherited by {chain[-1]})" if chain else ""
         raise FileNotFoundError(
-            f"--config {path}: no such file; pass a recipe YAML such as configs/demo.yaml"
+            f"--config {path}{named_by}: no such file; pass a recipe YAML such as configs/demo.yaml"
         )
+    here = path.resolve()
+    if here in chain:
+        names = " -> ".join(str(p) for p in (*chain, here))
+        raise ValueError(f"{path}: recipes inherit in a cycle ({names}); remove one inherit")
     data = yaml.safe_load(path.read_text()) or {}
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: a recipe is a mapping of sections ({', '.join(SECTIONS)})")
+        raise ValueError(
+            f"{path}: a recipe is a mapping of sections ({', '.join(SECTIONS)}) and an optional "
+            f"{INHERIT_KEY!r}"
+        )
     flat: dict[str, Any] = {}
+    if INHERIT_KEY in data:
+        base = data.pop(INHERIT_KEY)
+        if not isinstance(base, str) or not base.strip():
+            raise ValueError(
+                f"{path}: {INHERIT_KEY} must be the path of a recipe YAML relative to "
+                f"{path.parent}, got {'null' if base is None else repr(base)}"
+            )
+        flat.update(_read_recipe(path.parent / base, (*chain, here)))
     for section, values in data.items():
         if section not in SECTIONS:
             raise ValueError(
-                f"{path}: unknown section {section!r}; valid sections: {', '.join(SECTIONS)}"
+                f"{path}: unknown section {section!r}; valid sections: {', '.join(SECTIONS)} "
+                f"(and {INHERIT_KEY!r})"
             )
         if values is None:
             continue
