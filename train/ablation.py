@@ -230,11 +230,9 @@ def run_argv(
         argv += ["--max_minutes", str(settings.max_minutes)]
     if settings.max_steps is not None:
         argv += ["--max_steps", str(settings.max_steps)]
-    argv += ["--speed_eval_prompts", str(settings.tau_prompts)]
-    argv += ["--speed_eval_new_tokens", str(settings.tau_new_tokens)]
-    argv += ["--speed_eval_draft_tokens", str(settings.num_draft_tokens)]
-    argv += ["--speed_eval_tree_total_tokens", "0"]  # chains: every kind drafts alike
-    argv += ["--speed_eval_temperatures", *(f"{t:g}" for t in settings.temperatures)]
+    # The run's own speed step times baselines the grid does not compare; tau is measured
+    # by measure_tau on the exported drafter instead.
+    argv += ["--speed_eval_prompts", "0"]
     for name, value in settings.overrides.items():
         argv += [f"--{name}", value]
     sources = cell.get("data", "corpus").split("+")
@@ -288,22 +286,34 @@ def grid_target(settings: GridSettings, kinds: Iterable[str]) -> str:
 # --------------------------------------------------------------------------- one run
 
 
-def train_and_measure(argv: list[str]) -> dict[str, Any]:
-    """One run through ``train.distill.main``; its summary reduced to what the grid compares."""
+def train_and_measure(
+    argv: list[str], settings: GridSettings | None = None, drafter_dir: Path | None = None
+) -> dict[str, Any]:
+    """One run through ``train.distill.main``; its summary reduced to what the grid compares.
+
+    With ``settings`` and ``drafter_dir`` tau comes from :func:`measure_tau` on the exported
+    drafter; without, from the run's own speed step (``summary["speed"]``).
+    """
     from train.distill import main as distill_main
 
     summary = distill_main(argv)
     held_out = summary["held_out"]
-    # The held-out prompts' rows are keyed by temperature ("0", "1"); other rows the speed
-    # step may add (another prompt set, another drafter) are not this run's measurement.
-    speed = {t: r for t, r in (summary.get("speed") or {}).items() if _is_number(t)}
+    if settings is not None and drafter_dir is not None:
+        source = read_recipe(Path(argv[argv.index("--config") + 1])).get(
+            "speed_eval_prompt_source", "demo"
+        )
+        speed = measure_tau(summary["target_path"], drafter_dir, source, settings)
+    else:
+        # The held-out prompts' rows are keyed by temperature ("0", "1"); other rows the speed
+        # step may add (another prompt set, another drafter) are not this run's measurement.
+        speed = {t: r for t, r in (summary.get("speed") or {}).items() if _is_number(t)}
     return {
         "overlap": _per_position(held_out, "overlap@"),
         "greedy_match": _per_position(held_out, "greedy_match@"),
         "held_out": held_out,
         "tau": {t: r["tau"] for t, r in speed.items()},
         "predicted_tau": {t: r["predicted_tau"] for t, r in speed.items()},
-        "speedup": {t: r["speedup"] for t, r in speed.items()},
+        "speedup": {t: r["speedup"] for t, r in speed.items() if "speedup" in r},
         "steps": summary["steps"],
         "stop_reason": summary["stop_reason"],
         "minutes": summary["minutes"],
@@ -311,6 +321,45 @@ def train_and_measure(argv: list[str]) -> dict[str, Any]:
         "data": summary["data"],
         "eval_description": summary["eval_description"],
     }
+
+
+def measure_tau(
+    target_path: str | Path, drafter_dir: Path, prompt_source: str, settings: GridSettings
+) -> dict[str, dict[str, float]]:
+    """Tau and predicted tau of the exported drafter at each of ``settings.temperatures``.
+
+    Chains of ``settings.num_draft_tokens`` for every kind, ``settings.tau_prompts`` held-out
+    prompts of ``settings.tau_new_tokens`` tokens, the decoder seeded once per temperature.
+    The grid compares acceptance, not speed, so the drafter decodes alone: no plain or HF
+    baselines are timed (tau = tokens per target pass, docs/theory.md §5).
+    """
+    from decode.drafters.registry import load_drafter
+    from decode.evaluate import (
+        EvalSettings,
+        encode_prompt,
+        load_target,
+        measure_side_by_side,
+        speculative_method,
+    )
+    from decode.prompts import load_eval_prompts
+
+    target, tokenizer = load_target(str(target_path))
+    drafter = load_drafter(drafter_dir, target)
+    prompts = [
+        encode_prompt(tokenizer, p) for p in load_eval_prompts(prompt_source, settings.tau_prompts)
+    ]
+    out: dict[str, dict[str, float]] = {}
+    for temperature in settings.temperatures:
+        decode_settings = EvalSettings(
+            num_draft_tokens=settings.num_draft_tokens,
+            max_new_tokens=settings.tau_new_tokens,
+            temperature=temperature,
+        )
+        method = speculative_method(target, drafter, decode_settings)
+        result = measure_side_by_side(target, {"drafter": method}, prompts, warmup=False)
+        stats = result["drafter"].stats
+        out[f"{temperature:g}"] = {"tau": stats.tau, "predicted_tau": stats.predicted_tau}
+    return out
 
 
 def _is_number(text: str) -> bool:
@@ -493,7 +542,7 @@ def run_grid(
             log(f"[ablate] run {len(runs) + 1}/{total}: {key}")
             start = time.perf_counter()
             try:
-                measured = train_and_measure(run_args)
+                measured = train_and_measure(run_args, settings, run_dir / "drafter")
             except Exception as error:  # one bad cell must not lose the grid
                 traceback.print_exc()
                 failed[key] = f"{type(error).__name__}: {error}"

@@ -61,8 +61,8 @@ def test_grid_axes_map_to_real_recipe_flags(tmp_path: Path) -> None:
         assert config.optim.seed == 1 and config.optim.max_minutes == 2.5
         assert config.optim.lr_scheduler == "constant"
         assert config.output.output_dir == str(run_dir)
-        assert config.speed_eval.speed_eval_temperatures == [0.0, 1.0]
-        assert config.speed_eval.speed_eval_tree_total_tokens == 0
+        assert config.speed_eval.speed_eval_prompts == 0  # tau comes from measure_tau
+        assert config.data.train_source == "data"  # the data axis names the training text
         regenerated = "regenerated" in cell["data"]
         assert (config.data.dataset == str(regen)) == regenerated
         assert config.data.dataset == (str(regen) if regenerated else "stdlib")
@@ -135,7 +135,7 @@ def test_run_grid_resumes_retries_failures_and_summarizes(
     trained: list[str] = []
     broken: set[str] = set()
 
-    def fake(argv: list[str]) -> dict:
+    def fake(argv: list[str], *_: object) -> dict:
         loss, seed = argv[argv.index("--loss") + 1], int(argv[argv.index("--seed") + 1])
         key = f"loss={loss},seed={seed}"
         trained.append(key)
