@@ -68,7 +68,7 @@ def test_policy_rejects_bad_settings() -> None:
         AdaptiveDraftLength(0)
     with pytest.raises(ValueError, match="decay"):
         AdaptiveDraftLength(4, decay=1.0)
-    with pytest.raises(ValueError, match="adaptive draft lengths apply to chains"):
+    with pytest.raises(ValueError, match="drafts chains only"):  # adaptive trees need trees
         SpeculativeDecoder(
             tiny_llama(), NgramDrafter(vocab_size=64), 3, tree=_tree_spec(), adaptive=True
         )

@@ -15,10 +15,18 @@ import pytest
 import torch
 from decode_helpers import chi_square_p_value, tiny_eagle_drafter
 from tiny_models import tiny_llama
+from tree_helpers import (
+    P_VALUE_FLOOR,
+    PROMPT,
+    SETTINGS,
+    VOCAB,
+    assert_follows,
+    three_token_law,
+)
 
 from decode import SpeculativeDecoder
 from decode.drafters.base import TreeSpec
-from decode.sampling import SamplingConfig, logits_to_probs
+from decode.sampling import SamplingConfig
 from decode.tree import (
     TreeProposal,
     sampled_tree_chain_lengths,
@@ -26,49 +34,10 @@ from decode.tree import (
     verify_tree_stochastic,
 )
 
-PROMPT = [5, 9, 5, 9, 5, 9, 5]
-VOCAB = 64
-P_VALUE_FLOOR = 1e-4
-SETTINGS = [(0.7, 10, 1.0), (1.0, 0, 0.9)]  # (temperature, top_k, top_p)
-
 
 @pytest.fixture(scope="module")
 def target() -> torch.nn.Module:
     return tiny_llama(num_layers=4, seed=0)
-
-
-def _three_token_law(
-    target: torch.nn.Module, prompt: torch.Tensor, sampling: SamplingConfig
-) -> torch.Tensor:  # [V, V, V] exact law of the first three sampled tokens
-    with torch.no_grad():
-        first = logits_to_probs(target(prompt[None]).logits[0, -1], sampling).double()  # [V]
-        vocab = first.shape[0]
-        grid = torch.arange(vocab)
-        one = torch.cat([prompt[None].repeat(vocab, 1), grid[:, None]], 1)  # [V, T+1]
-        second = logits_to_probs(target(one).logits[:, -1], sampling).double()  # [V, V]
-        two = torch.cat(
-            [
-                prompt[None].repeat(vocab * vocab, 1),
-                grid.repeat_interleave(vocab)[:, None],
-                grid.repeat(vocab)[:, None],
-            ],
-            1,
-        )  # [V*V, T+2]
-        third = logits_to_probs(target(two).logits[:, -1], sampling).double()  # [V*V, V]
-    return first[:, None, None] * second[:, :, None] * third.view(vocab, vocab, vocab)
-
-
-def _assert_follows(new: torch.Tensor, law: torch.Tensor, label: str) -> None:
-    """Joint laws of (x1, x2) and (x2, x3): x2 and x3 come from the first tree round."""
-    vocab = law.shape[0]
-    pairs = {
-        "x1,x2": (new[:, 0] * vocab + new[:, 1], law.sum(2).flatten()),
-        "x2,x3": (new[:, 1] * vocab + new[:, 2], law.sum(0).flatten()),
-    }
-    for name, (cells, expected) in pairs.items():
-        counts = torch.bincount(cells, minlength=vocab * vocab)
-        p_value = chi_square_p_value(counts, expected)
-        assert p_value > P_VALUE_FLOOR, (label, name, p_value)
 
 
 def _decoder(target: torch.nn.Module, replacement: bool, spec: TreeSpec) -> SpeculativeDecoder:
@@ -105,7 +74,7 @@ def test_sampled_tree_batch_follows_target_law(
         generator=torch.Generator().manual_seed(0),
     )
     new = out.sequences[:, prompt.numel() :]
-    _assert_follows(new, _three_token_law(target, prompt, sampling), f"batch {replacement}")
+    assert_follows(new, three_token_law(target, prompt, sampling), f"batch {replacement}")
     assert out.stats.accepted_per_position[0] > 0  # the tree's drafts were really verified
     if top_k == 0 and top_p == 1.0:
         assert out.stats.accepted_per_position[1] > 0  # and their chains too
@@ -133,7 +102,7 @@ def test_sampled_tree_batch_one_follows_target_law(
             generator=generator,
         )
         rows.append(out.sequences[0, prompt.numel() :])
-    _assert_follows(torch.stack(rows), _three_token_law(target, prompt, sampling), "batch 1")
+    assert_follows(torch.stack(rows), three_token_law(target, prompt, sampling), "batch 1")
 
 
 def test_sampled_tree_shape_ignores_sampled_values(target: torch.nn.Module) -> None:

@@ -1,0 +1,353 @@
+"""Each round's tree shape, chosen from measured acceptance and measured cost: the tree
+counterpart of :class:`decode.draft_length.AdaptiveDraftLength`.
+
+A round's shape comes from a fixed menu built once from the user's :class:`TreeSpec` and the
+depth limit N: a plain target step, chains of 1..N drafts, and trees. Its layout is a function
+of the shape alone, never of the sampled values, and the shape is fixed from past rounds before
+the round is drafted, so every round is verified exactly (docs/theory.md §4, §7).
+
+**Expected tokens of a sampled tree** (T > 0, children drawn from q without replacement; the
+layout of :func:`decode.tree.sampled_tree_chain_lengths`: ``c`` root children, child ``i``
+continued as a chain of ``L_i`` nodes). The walk tries root child i only after children
+0..i-1 were rejected; with ``beta_i`` the probability that child i is accepted given that it is
+tried (its residual test, docs/theory.md §4) and ``gamma_j`` the probability that the chain's
+node at depth j is accepted given its parent was,
+
+    E = 1 + sum_{i < c} R_i * beta_i * (1 + sum_{j=2}^{L_i} prod_{l=2}^{j} gamma_l(i)),
+    R_i = prod_{i' < i} (1 - beta_i'),
+
+the tree form of ``E[L] = 1 + sum_i prod_{j <= i} alpha_j`` (docs/theory.md §5; Sequoia, Chen
+et al. 2024, value a tree by the same sum over nodes of the probability that each is reached
+and accepted, SpecInfer, Miao et al. 2024, introduced the multi-draft test). Child 0 and its
+chain are drawn exactly as a sampled chain, so ``beta_0`` and ``gamma_j(0)`` are the chain's
+``alpha_1`` and ``alpha_j`` and every chain round measures them too; ``beta_i`` (i >= 1) is
+kept per sibling rank and ``gamma_j`` of the later children's chains per depth, apart from the
+first chain's (their roots are less likely tokens). These rates extrapolate to every shape of
+the menu, run or not.
+
+**Top-k trees** (T = 0; and T > 0 for drafters without sampled trees): which nodes an EAGLE-2
+tree keeps depends on the draft's scores, so no per-rank law gives its layout in advance.
+Each top-k shape keeps its own per-depth rates ``alpha_j`` (the accepted path reaching depth
+j given depth j - 1), ``E = 1 + sum_j prod_{l <= j} alpha_l``, and is measured once before it
+is compared.
+
+**Cost.** A round of ``n`` scored tokens (nodes + 1) and ``d`` draft levels takes
+``T = a + b * n + c * d`` seconds: the verify pass widens with every scored token (on a CPU a
+5-token verify costs about 1.7 target steps, docs/theory.md §5) and every level is a draft
+step. A shape that has run uses its own smoothed time (weight 0.1); the others use a least-
+squares fit of that plane through the measured shapes (a line in ``n + d`` while fewer than
+three are measured, negative slopes refitted without their feature). The policy picks
+
+    s* = argmax_s E(s) / T(s)
+
+over the shapes that fit the rows' remaining room: expected tokens per second. The chains and
+the plain step are on the menu, so in expectation it never does worse than the best chain.
+As in the chain policy, rates are decayed counts (factor 0.99, prior one acceptance in two),
+the longest chain, a plain step and the largest tree are measured first, every
+``probe_every``-th round runs the runner-up or the least recently run of the five best
+shapes, and the current shape is kept until another promises ``switch_margin`` more tokens
+per second. The state carries over from one ``generate`` call to the next.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from decode.drafters.base import TreeSpec
+from decode.tree import sampled_tree_chain_lengths
+
+# Pseudo-counts of the acceptance prior: one accepted draft out of two reached.
+_PRIOR_REACHED, _PRIOR_ACCEPTED = 2.0, 1.0
+# Sampled trees on the menu have at most this many root children: each further sibling is
+# tried only after all earlier ones failed, and the menu stays small.
+MAX_SAMPLED_CHILDREN = 4
+CHAIN, SAMPLED, TOP_K = "chain", "sampled", "top-k"
+
+
+@dataclass(frozen=True)
+class RoundShape:
+    """One entry of the menu: a plain step or chain (``kind`` "chain", ``nodes == depth``), a
+    sampled tree (``children`` root children, ``nodes`` in all) or a top-k tree
+    (``children`` = top_k, ``nodes`` = total_tokens)."""
+
+    kind: str
+    depth: int
+    children: int = 1
+    nodes: int = 0
+
+    @classmethod
+    def chain(cls, length: int) -> RoundShape:
+        return cls(CHAIN, length, 1, length)
+
+    @property
+    def scored_tokens(self) -> int:
+        """Tokens the verify pass scores: the pending token and every node."""
+        return self.nodes + 1
+
+    def chain_lengths(self) -> list[int]:
+        """A sampled tree's chains under the root's children (a chain: one)."""
+        if self.kind == CHAIN:
+            return [self.depth] if self.depth else []
+        return sampled_tree_chain_lengths(self.children, self.depth, self.nodes)
+
+    def tree_spec(self, base: TreeSpec) -> TreeSpec:
+        """The spec the drafter builds this shape from (static choices stay the user's)."""
+        if base.choices is not None:
+            return base
+        return replace(base, top_k=self.children, total_tokens=self.nodes)
+
+
+class _Rates:
+    """Decayed Bernoulli counts per index (acceptance given reached), prior 1 in 2."""
+
+    def __init__(self, size: int) -> None:
+        self.reached = [_PRIOR_REACHED] * size
+        self.accepted = [_PRIOR_ACCEPTED] * size
+
+    def __getitem__(self, index: int) -> float:
+        return self.accepted[index] / self.reached[index]
+
+    def add(self, index: int, reached: int, accepted: int, decay: float) -> None:
+        if reached:
+            self.reached[index] = decay * self.reached[index] + reached
+            self.accepted[index] = decay * self.accepted[index] + accepted
+
+
+def shape_menu(spec: TreeSpec, max_depth: int, *, sampled: bool, vary: bool) -> list[RoundShape]:
+    """The fixed menu: a plain step, chains 1..``max_depth``, then trees.
+
+    ``sampled``: sampled trees with 2..min(top_k, 4) root children, every depth up to
+    ``max_depth`` and every node count from one node per extra child up to full chains,
+    capped at ``spec.total_tokens``. Otherwise top-k trees ``max_depth`` deep: with ``vary``
+    (a drafter that builds its tree from top_k and total_tokens, EAGLE-2's) top_k in {2,
+    spec.top_k} and totals in {N + 2, 2N, spec.total_tokens} (at most what the tree holds),
+    else the user's tree alone.
+    """
+    menu = [RoundShape.chain(w) for w in range(max_depth + 1)]
+    if sampled:
+        for children in range(2, min(spec.top_k, MAX_SAMPLED_CHILDREN) + 1):
+            for depth in range(1, max_depth + 1):
+                most = min(spec.total_tokens, children * depth)
+                for nodes in range(depth + children - 1, most + 1):
+                    menu.append(RoundShape(SAMPLED, depth, children, nodes))
+        return menu
+    if not vary:
+        return [*menu, RoundShape(TOP_K, max_depth, spec.top_k, spec.total_tokens)]
+    for top_k in sorted({2, spec.top_k}):
+        capacity = top_k + (max_depth - 1) * top_k * top_k
+        most = min(capacity, spec.total_tokens)
+        for nodes in sorted({n for n in (max_depth + 2, 2 * max_depth, most) if n <= most}):
+            menu.append(RoundShape(TOP_K, max_depth, top_k, nodes))
+    return menu
+
+
+class TreeSizePolicy:
+    """Picks each round's :class:`RoundShape`; fed each round's acceptance and duration.
+
+    The engine asks :meth:`choose_shape` inside its tree round, where the sampling mode is
+    known. The policy also speaks :class:`AdaptiveDraftLength`'s protocol so that the chain
+    rounds it delegates report to it: :meth:`choose` passes the round's depth limit through
+    and :meth:`update` records a chain round.
+    """
+
+    def __init__(
+        self,
+        spec: TreeSpec,
+        max_depth: int,
+        *,
+        vary_top_k: bool = True,
+        decay: float = 0.99,
+        probe_every: int = 16,
+        switch_margin: float = 0.1,
+    ) -> None:
+        if max_depth < 1:
+            raise ValueError(f"max_depth must be >= 1, got {max_depth}")
+        if not 0.0 < decay < 1.0:
+            raise ValueError(f"decay must lie in (0, 1), got {decay}")
+        self.spec = spec
+        self.max_depth = max_depth
+        self.decay = decay
+        self.probe_every = probe_every
+        self.switch_margin = switch_margin
+        self.menus = {
+            mode: shape_menu(spec, max_depth, sampled=mode == SAMPLED, vary=vary_top_k)
+            for mode in (SAMPLED, TOP_K)
+        }
+        children = max(MAX_SAMPLED_CHILDREN, spec.top_k)
+        self._chain = {greedy: _Rates(max_depth) for greedy in (False, True)}  # alpha_j
+        self._siblings = _Rates(children)  # beta_i of sampled trees (index 0 unused)
+        self._side = _Rates(max_depth)  # gamma_j of the chains under later siblings
+        self._top_k: dict[tuple[RoundShape, bool], _Rates] = {}
+        self._seconds: dict[RoundShape, float] = {}  # smoothed round duration
+        self._scored: dict[RoundShape, int] = {}  # scored tokens where a shape has run
+        self._last_run: dict[RoundShape, int] = {}
+        self._current: RoundShape | None = None
+        self._greedy = True  # the mode of the latest choice (chain rounds report into it)
+        self._rounds = 0
+
+    # -- the expected tokens ------------------------------------------------------------------
+    def expected_tokens(self, shape: RoundShape, greedy: bool) -> float:
+        """``E(s)``: tokens a round of ``shape`` emits on average (see the module docstring)."""
+        if shape.kind == TOP_K:
+            rates = self._top_k.get((shape, greedy)) or _Rates(shape.depth)
+            return _path_sum([rates[j] for j in range(shape.depth)])
+        alpha = self._chain[greedy]
+        total, reach = 1.0, 1.0
+        for rank, length in enumerate(shape.chain_lengths()):
+            beta = alpha[0] if rank == 0 else self._siblings[rank]
+            below = [(alpha if rank == 0 else self._side)[j] for j in range(1, length)]
+            total += reach * beta * _path_sum(below)
+            reach *= 1.0 - beta
+        return total
+
+    # -- the cost -----------------------------------------------------------------------------
+    def round_seconds(self, shape: RoundShape) -> float | None:
+        """``T(s)``: the smoothed measurement where ``shape`` ran, else the fitted plane (None
+        before any round)."""
+        if shape in self._seconds:
+            return self._seconds[shape]
+        if not self._seconds:
+            return None
+        points = [(self._scored[s], s.depth, t) for s, t in self._seconds.items()]
+        n, d = self._scored.get(shape, shape.scored_tokens), shape.depth
+        return max(_fit_plane(points, n, d), 1e-9)
+
+    # -- choosing -----------------------------------------------------------------------------
+    def choose(self, limit: int) -> int:
+        """The engine's draft-length hook: the depth limit passes through to the tree round."""
+        return min(limit, self.max_depth)
+
+    def choose_shape(self, limit: int, *, greedy: bool, sampled: bool) -> RoundShape:
+        """The shape of the next round, at most ``limit`` deep (the rows' remaining room).
+
+        ``sampled``: the drafter draws sampled trees (T > 0); else top-k trees are on the menu.
+        """
+        self._greedy = greedy
+        limit = min(limit, self.max_depth)
+        menu = [s for s in self.menus[SAMPLED if sampled else TOP_K] if s.depth <= limit]
+        for shape in self._first_measured(menu, limit):
+            if shape not in self._seconds:
+                return self._ran(shape)
+        rates = {s: self.expected_tokens(s, greedy) / self.round_seconds(s) for s in menu}
+        ranked = sorted(menu, key=rates.__getitem__, reverse=True)
+        best, current = ranked[0], self._current
+        if current in rates and rates[best] < rates[current] * (1 + self.switch_margin):
+            best = current
+        self._current = best
+        if self.probe_every and self._rounds % self.probe_every == self.probe_every - 1:
+            others = [s for s in ranked[:5] if s != best]
+            if others:
+                if (self._rounds // self.probe_every) % 2 == 0:
+                    return self._ran(others[0])
+                return self._ran(min(others, key=lambda s: self._last_run.get(s, -1)))
+        return self._ran(best)
+
+    def _first_measured(self, menu: list[RoundShape], limit: int) -> list[RoundShape]:
+        """Measured before any comparison: the longest chain, a plain step (two points of the
+        cost plane), the largest tree (the third, and the sibling rates); every top-k tree,
+        whose rates are its own."""
+        chains = [RoundShape.chain(limit), RoundShape.chain(0)]
+        trees = [s for s in menu if s.kind != CHAIN]
+        if not trees:
+            return chains
+        if trees[0].kind == TOP_K:
+            return chains + trees
+        return [*chains, max(trees, key=lambda s: (s.nodes, s.children))]
+
+    def _ran(self, shape: RoundShape) -> RoundShape:
+        self._last_run[shape] = self._rounds
+        return shape
+
+    # -- learning -----------------------------------------------------------------------------
+    def update(
+        self,
+        width: int,
+        num_accepted: torch.Tensor,  # [B] accepted drafts of the rows that were active
+        seconds: float,
+    ) -> None:
+        """Fold in a chain round (``AdaptiveDraftLength``'s signature)."""
+        shape = RoundShape.chain(width)
+        self._time(shape, shape.scored_tokens, seconds)
+        if width == 0 or num_accepted.numel() == 0:
+            return
+        counts = torch.bincount(num_accepted.clamp(max=width), minlength=width + 1).tolist()
+        rates = self._chain[self._greedy]
+        for j in range(width):
+            rates.add(j, sum(counts[j:]), sum(counts[j + 1 :]), self.decay)
+
+    def update_tree(
+        self,
+        shape: RoundShape,
+        accepted_nodes: torch.Tensor,  # [B, D] accepted path of the active rows, -1 padded
+        num_nodes: int,  # nodes the round's tree really had
+        seconds: float,
+    ) -> None:
+        """Fold in a tree round: its duration, and the acceptance along each row's path."""
+        self._time(shape, num_nodes + 1, seconds)
+        if accepted_nodes.numel() == 0:
+            return
+        num_accepted = (accepted_nodes >= 0).sum(1).tolist()
+        if shape.kind == TOP_K:
+            rates = self._top_k.setdefault((shape, self._greedy), _Rates(shape.depth))
+            for j in range(shape.depth):
+                reached = sum(n >= j for n in num_accepted)
+                rates.add(j, reached, sum(n > j for n in num_accepted), self.decay)
+            return
+        # Sampled layout: the root's children are nodes 0..c-1, in trial order.
+        lengths = shape.chain_lengths()
+        first = accepted_nodes[:, 0].tolist()
+        for rank in range(len(lengths)):
+            tried = sum(f < 0 or f >= rank for f in first)
+            taken = sum(f == rank for f in first)
+            if rank == 0:
+                self._chain[self._greedy].add(0, tried, taken, self.decay)
+            else:
+                self._siblings.add(rank, tried, taken, self.decay)
+        for rank, length in enumerate(lengths):
+            below = [n for f, n in zip(first, num_accepted, strict=True) if f == rank]
+            rates = self._chain[self._greedy] if rank == 0 else self._side
+            for j in range(1, length):
+                reached = sum(n >= j for n in below)
+                rates.add(j, reached, sum(n > j for n in below), self.decay)
+
+    def _time(self, shape: RoundShape, scored: int, seconds: float) -> None:
+        self._rounds += 1
+        self._scored[shape] = scored
+        previous = self._seconds.get(shape)
+        self._seconds[shape] = (
+            seconds if previous is None else previous + 0.1 * (seconds - previous)
+        )
+
+
+def _path_sum(rates: list[float]) -> float:
+    """``1 + sum_j prod_{l <= j} rates_l``: expected length of a path with these rates."""
+    total, survive = 1.0, 1.0
+    for rate in rates:
+        survive *= rate
+        total += survive
+    return total
+
+
+def _fit_plane(points: list[tuple[int, int, float]], n: int, d: int) -> float:
+    """Least-squares ``t = a + b * n + c * d`` through ``points`` (n, d, t), evaluated at
+    (n, d); fewer than three distinct points, or a negative slope, fall back to a line in
+    ``n + d`` (one point: proportional to ``1 + n + d``)."""
+    distinct = {(pn, pd) for pn, pd, _ in points}
+    if len(distinct) >= 3:
+        x = torch.tensor([[1.0, pn, pd] for pn, pd, _ in points], dtype=torch.float64)
+        y = torch.tensor([t for _, _, t in points], dtype=torch.float64)
+        coef = torch.linalg.lstsq(x, y[:, None]).solution[:, 0].tolist()
+        if coef[1] >= 0 and coef[2] >= 0:
+            return coef[0] + coef[1] * n + coef[2] * d
+    sizes = [pn + pd for pn, pd, _ in points]
+    times = [t for _, _, t in points]
+    if len(set(sizes)) == 1:
+        return sum(times) / len(times) * (1 + n + d) / (1 + sizes[0])
+    mean_s, mean_t = sum(sizes) / len(sizes), sum(times) / len(times)
+    spread = sum((s - mean_s) ** 2 for s in sizes)
+    slope = max(
+        sum((s - mean_s) * (t - mean_t) for s, t in zip(sizes, times, strict=True)) / spread, 0.0
+    )
+    return mean_t + slope * (n + d - mean_s)

@@ -1,0 +1,346 @@
+"""The tree-size policy: its menu and arithmetic, its choices, and exactness of the rounds it
+shapes (greedy equality; chi-square of the joint law of the first emitted tokens)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from decode_helpers import tiny_eagle_drafter, tiny_medusa_drafter
+from tiny_models import tiny_llama
+from tree_helpers import PROMPT, SETTINGS, assert_follows, three_token_law
+
+from decode import SpeculativeDecoder
+from decode.drafters.base import TreeSpec
+from decode.sampling import SamplingConfig
+from decode.tree import sampled_tree_layout
+from decode.tree_policy import (
+    CHAIN,
+    SAMPLED,
+    TOP_K,
+    RoundShape,
+    TreeSizePolicy,
+    _fit_plane,
+    shape_menu,
+)
+
+SPEC = TreeSpec(top_k=3, total_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def target() -> torch.nn.Module:
+    return tiny_llama(num_layers=4, seed=0)
+
+
+# -- menu and arithmetic -----------------------------------------------------------------------
+def test_menu_holds_plain_step_chains_and_trees_of_fixed_layout() -> None:
+    menu = shape_menu(SPEC, 3, sampled=True, vary=True)
+    assert menu[:4] == [RoundShape.chain(w) for w in range(4)]
+    trees = menu[4:]
+    assert {s.kind for s in trees} == {SAMPLED}
+    assert len(set(menu)) == len(menu)
+    for shape in trees:
+        lengths = shape.chain_lengths()
+        assert len(lengths) == shape.children and lengths[0] == shape.depth
+        assert sum(lengths) == shape.nodes <= SPEC.total_tokens
+        parents, _ = sampled_tree_layout(lengths)  # the shape alone fixes the layout
+        assert parents.numel() == shape.nodes
+    assert RoundShape(SAMPLED, 3, 2, 6) in trees and RoundShape(SAMPLED, 3, 3, 8) in trees
+    top_k = shape_menu(TreeSpec(top_k=4, total_tokens=12), 3, sampled=False, vary=True)[4:]
+    assert {(s.kind, s.depth) for s in top_k} == {(TOP_K, 3)}
+    expected = {(2, 5), (2, 6), (2, 10), (4, 5), (4, 6), (4, 12)}  # 2 x 3 holds 10 nodes
+    assert {(s.children, s.nodes) for s in top_k} == expected
+    static = TreeSpec(choices=((0,), (1,), (0, 0)))
+    (only,) = shape_menu(static, 3, sampled=False, vary=False)[4:]
+    assert only.tree_spec(static) is static
+
+
+def test_expected_tokens_of_a_sampled_tree_is_the_walk_mean() -> None:
+    """The closed form against a simulated walk with the same per-node acceptance rates."""
+    policy = TreeSizePolicy(SPEC, 3)
+    alpha, beta, gamma = [0.7, 0.6, 0.5], [None, 0.4, 0.3], [None, 0.8, 0.2]
+    for j, rate in enumerate(alpha):
+        policy._chain[False].reached[j], policy._chain[False].accepted[j] = 1.0, rate
+    for i in (1, 2):
+        policy._siblings.reached[i], policy._siblings.accepted[i] = 1.0, beta[i]
+        policy._side.reached[i], policy._side.accepted[i] = 1.0, gamma[i]
+    shape = RoundShape(SAMPLED, 3, 3, 8)  # chains [3, 3, 2]
+    assert shape.chain_lengths() == [3, 3, 2]
+    draws = 200_000
+    uniform = torch.rand(draws, 6, generator=torch.Generator().manual_seed(0))
+    # Which root child is accepted (tried in order), then how far down its chain.
+    first = torch.full((draws,), -1)
+    for rank in range(3):
+        rate = alpha[0] if rank == 0 else beta[rank]
+        first = torch.where((first < 0) & (uniform[:, rank] < rate), rank, first)
+    length = torch.tensor(shape.chain_lengths())[first.clamp(min=0)]
+    emitted = 1 + (first >= 0).long()
+    alive = first >= 0
+    for depth in (2, 3):
+        rate = torch.where(first == 0, alpha[depth - 1], gamma[depth - 1])
+        alive = alive & (depth <= length) & (uniform[:, 2 + depth] < rate)
+        emitted += alive.long()
+    total = emitted.double().mean().item()
+    assert policy.expected_tokens(shape, greedy=False) == pytest.approx(total, abs=0.01)
+    chain = RoundShape.chain(3)
+    assert policy.expected_tokens(chain, greedy=False) == pytest.approx(
+        1 + 0.7 + 0.7 * 0.6 + 0.7 * 0.6 * 0.5
+    )
+    assert policy.expected_tokens(RoundShape.chain(0), greedy=False) == 1.0
+
+
+def test_cost_plane_is_recovered_from_three_shapes() -> None:
+    a, b, c = 0.010, 0.002, 0.004
+    points = [(n, d, a + b * n + c * d) for n, d in ((1, 0), (5, 4), (9, 4))]
+    assert _fit_plane(points, 7, 3) == pytest.approx(a + 7 * b + 3 * c)
+    assert _fit_plane(points[:1], 3, 1) == pytest.approx(0.012 * 5 / 2)  # proportional
+    assert _fit_plane(points[:2], 3, 1) == pytest.approx(0.012 + (0.036 - 0.012) * 3 / 8)
+
+
+def test_updates_count_acceptance_per_sibling_rank_and_depth() -> None:
+    policy = TreeSizePolicy(SPEC, 3, decay=0.5)
+    shape = RoundShape(SAMPLED, 3, 2, 5)  # chains [3, 2]: nodes 0, 1 | 2, 3 | 4
+    accepted = torch.tensor([[0, 2, 4], [1, 3, -1], [-1, -1, -1], [1, -1, -1]])
+    policy.update_tree(shape, accepted, 5, 0.01)
+    chain, siblings, side = policy._chain[True], policy._siblings, policy._side
+    # rank 0 tried by all 4 rows, taken by 1; rank 1 tried by 3, taken by 2
+    assert (chain.reached[0], chain.accepted[0]) == (1.0 + 4, 0.5 + 1)
+    assert (siblings.reached[1], siblings.accepted[1]) == (1.0 + 3, 0.5 + 2)
+    # the first chain: depth 2 and 3 reached and accepted once; the second: depth 2, 1 of 2
+    assert (chain.reached[1], chain.accepted[1]) == (1.0 + 1, 0.5 + 1)
+    assert (chain.reached[2], chain.accepted[2]) == (1.0 + 1, 0.5 + 1)
+    assert (side.reached[1], side.accepted[1]) == (1.0 + 2, 0.5 + 1)
+    policy.update(2, torch.tensor([0, 2]), 0.01)  # a chain round counts into the same alpha
+    assert chain.reached[0] == pytest.approx(0.5 * 5 + 2)
+
+
+# -- choices -----------------------------------------------------------------------------------
+def _measured(policy: TreeSizePolicy, cost, shapes, greedy: bool = False) -> None:
+    """Give each shape a measured time ``cost(n, d)`` without touching the acceptance."""
+    policy._greedy = greedy
+    for shape in shapes:
+        policy._time(shape, shape.scored_tokens, cost(shape.scored_tokens, shape.depth))
+
+
+def _set_rates(policy: TreeSizePolicy, alpha: float, beta: float, side: float) -> None:
+    for rates, rate in ((policy._chain[False], alpha), (policy._siblings, beta)):
+        rates.reached = [1.0] * len(rates.reached)
+        rates.accepted = [rate] * len(rates.reached)
+    policy._side.reached = [1.0] * len(policy._side.reached)
+    policy._side.accepted = [side] * len(policy._side.reached)
+
+
+def _best_by_hand(policy: TreeSizePolicy, menu, cost, greedy: bool = False) -> RoundShape:
+    return max(
+        menu,
+        key=lambda s: policy.expected_tokens(s, greedy) / cost(s.scored_tokens, s.depth),
+    )
+
+
+def test_policy_picks_a_wide_tree_when_nodes_are_cheap_and_siblings_accepted() -> None:
+    policy = TreeSizePolicy(SPEC, 3, probe_every=0)
+    _set_rates(policy, alpha=0.5, beta=0.6, side=0.5)
+
+    def cost(n, d):  # a GPU-like verify pass: scored tokens nearly free
+        return 0.010 + 0.0001 * n + 0.001 * d
+
+    menu = policy.menus[SAMPLED]
+    _measured(
+        policy, cost, [RoundShape.chain(3), RoundShape.chain(0), RoundShape(SAMPLED, 3, 3, 8)]
+    )
+    shape = policy.choose_shape(3, greedy=False, sampled=True)
+    assert shape == _best_by_hand(policy, menu, cost)  # the fitted plane is exact here
+    assert shape.kind == SAMPLED and shape.children == 3
+
+
+def test_policy_picks_a_chain_when_extra_nodes_cost_more_than_they_return() -> None:
+    policy = TreeSizePolicy(SPEC, 3, probe_every=0)
+    _set_rates(policy, alpha=0.8, beta=0.15, side=0.3)
+
+    def cost(n, d):  # a CPU verify pass: each scored token costs a third of a step
+        return 0.010 + 0.0035 * n + 0.002 * d
+
+    _measured(
+        policy, cost, [RoundShape.chain(3), RoundShape.chain(0), RoundShape(SAMPLED, 3, 3, 8)]
+    )
+    shape = policy.choose_shape(3, greedy=False, sampled=True)
+    assert shape == _best_by_hand(policy, policy.menus[SAMPLED], cost)
+    assert shape.kind == CHAIN and shape.depth >= 2
+    assert policy.choose_shape(1, greedy=False, sampled=True).depth <= 1  # the room left
+
+
+def test_policy_takes_plain_steps_when_nothing_is_accepted() -> None:
+    policy = TreeSizePolicy(TreeSpec(top_k=2, total_tokens=6), 3, probe_every=0)
+    policy._greedy = True
+    for rates in policy._chain.values():
+        rates.accepted = [0.0] * 3
+    menu = policy.menus[TOP_K]
+    _measured(policy, lambda n, d: 0.010 + 0.002 * n + 0.003 * d, menu, greedy=True)
+    for shape in menu[4:]:
+        policy.update_tree(shape, torch.full((2, 3), -1), shape.nodes, 0.1)
+    assert policy.choose_shape(3, greedy=True, sampled=False) == RoundShape.chain(0)
+
+
+def test_policy_measures_chain_plain_and_the_largest_tree_first() -> None:
+    policy = TreeSizePolicy(SPEC, 3)
+    order = []
+    for _ in range(3):
+        shape = policy.choose_shape(3, greedy=False, sampled=True)
+        order.append(shape)
+        if shape.kind == CHAIN:
+            policy.update(shape.depth, torch.tensor([1]), 0.01)
+        else:
+            policy.update_tree(shape, torch.tensor([[0, -1, -1]]), shape.nodes, 0.02)
+    assert order == [RoundShape.chain(3), RoundShape.chain(0), RoundShape(SAMPLED, 3, 3, 8)]
+
+
+def test_policy_converges_to_the_best_shape_of_a_simulated_drafter() -> None:
+    """Rounds drawn from known rates and costs: the policy ends on their best shape."""
+    generator = torch.Generator().manual_seed(0)
+    alpha, beta, side = 0.6, 0.5, 0.6
+
+    def cost(n, d):
+        return 0.010 + 0.001 * n + 0.002 * d
+
+    truth = TreeSizePolicy(SPEC, 3)
+    _set_rates(truth, alpha, beta, side)
+    best = _best_by_hand(truth, truth.menus[SAMPLED], cost)
+    policy = TreeSizePolicy(SPEC, 3, probe_every=8)
+    chosen = []
+    for _ in range(400):
+        shape = policy.choose_shape(3, greedy=False, sampled=True)
+        chosen.append(shape)
+        rows = 4
+        seconds = cost(shape.scored_tokens, shape.depth)
+        if shape.kind == CHAIN:
+            u = torch.rand(rows, max(shape.depth, 1), generator=generator) < alpha
+            accepted = u[:, : shape.depth].long().cumprod(1).sum(1)
+            policy.update(shape.depth, accepted, seconds)
+            continue
+        lengths = shape.chain_lengths()
+        parents, _ = sampled_tree_layout(lengths)
+        paths = torch.full((rows, shape.depth), -1)
+        for row in range(rows):
+            u = torch.rand(len(lengths) + shape.depth, generator=generator).tolist()
+            first = next((r for r in range(len(lengths)) if u[r] < (alpha if r == 0 else beta)), -1)
+            if first < 0:
+                continue
+            node, paths[row, 0] = first, first
+            for level in range(1, lengths[first]):
+                rate = alpha if first == 0 else side
+                if u[len(lengths) + level] >= rate:
+                    break
+                node = int((parents == node).nonzero()[0])
+                paths[row, level] = node
+        policy.update_tree(shape, paths, shape.nodes, seconds)
+
+    def rate(shape: RoundShape) -> float:  # true tokens per second
+        return truth.expected_tokens(shape, False) / cost(shape.scored_tokens, shape.depth)
+
+    tail = chosen[-100:]
+    assert sum(rate(s) for s in tail) / len(tail) >= 0.93 * rate(best), (best, tail[-5:])
+    assert sum(s.kind == SAMPLED for s in tail) >= 80  # here trees pay
+
+
+# -- exactness in the engine -------------------------------------------------------------------
+def _noisy_eagle(target: torch.nn.Module):
+    """The tiny EAGLE-3 drafter with Gaussian noise on its head: right less often."""
+    drafter = tiny_eagle_drafter(target)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for param in drafter.head.parameters():
+            noise = torch.randn(param.shape, generator=generator, dtype=param.dtype)
+            param.add_(noise * 0.5 * param.std().clamp(min=1e-3))
+    return drafter
+
+
+DRAFTERS = {
+    "eagle": (tiny_eagle_drafter, TreeSpec(top_k=3, total_tokens=10)),
+    "noisy eagle": (_noisy_eagle, TreeSpec(top_k=2, total_tokens=6)),
+    "medusa": (tiny_medusa_drafter, TreeSpec()),
+    "medusa choices": (tiny_medusa_drafter, TreeSpec(choices=((0,), (1,), (0, 0), (0, 0, 0)))),
+}
+
+
+def _recording(decoder: SpeculativeDecoder, first: RoundShape | None = None) -> list[RoundShape]:
+    """Record the policy's shapes; ``first`` replaces its first answer (the rounds stay
+    exact for any shape fixed before drafting, and this one makes the tested round a tree)."""
+    shapes: list[RoundShape] = []
+    choose = decoder.tree_policy.choose_shape
+
+    def recorded(*args, **kwargs) -> RoundShape:
+        shape = choose(*args, **kwargs)
+        shapes.append(first if first is not None and not shapes else shape)
+        return shapes[-1]
+
+    decoder.tree_policy.choose_shape = recorded
+    return shapes
+
+
+@pytest.mark.parametrize("name", list(DRAFTERS))
+def test_adaptive_tree_keeps_greedy_output_exact(target, name: str) -> None:
+    make, spec = DRAFTERS[name]
+    ids = torch.randint(3, 64, (3, 9), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    reference = target.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False
+    )
+    decoder = SpeculativeDecoder(target, make(target), 3, tree=spec, adaptive=True)
+    decoder.tree_policy.probe_every = 2  # visit many shapes in a short run
+    shapes = _recording(decoder)
+    for batch in (3, 1):  # the second call starts from the first call's estimates
+        out = decoder.generate(ids[:batch], attention_mask=mask[:batch], max_new_tokens=24)
+        assert torch.equal(out.sequences, reference[:batch])
+    kinds = {s.kind for s in shapes}
+    assert {CHAIN, TOP_K} <= kinds and RoundShape.chain(0) in shapes
+
+
+def test_adaptive_tree_is_refused_only_for_chain_drafters(target) -> None:
+    from decode import DraftModelDrafter
+
+    with pytest.raises(ValueError, match="drafts chains only"):
+        SpeculativeDecoder(target, DraftModelDrafter(target), 3, tree=SPEC, adaptive=True)
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), SETTINGS)
+def test_adaptive_tree_batch_follows_target_law(target, temperature, top_k, top_p) -> None:
+    """One batch of many rows of one prompt after a warm-up call: a 3-child sampled tree
+    first, then the rounds the warmed-up policy shapes (every round a probe)."""
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+    prompt = torch.tensor(PROMPT)
+    decoder = SpeculativeDecoder(
+        target, tiny_eagle_drafter(target), 3, tree=TreeSpec(top_k=3, total_tokens=7), adaptive=True
+    )
+    decoder.tree_policy.probe_every = 1  # every round a probe: the batch meets other shapes
+    generator = torch.Generator().manual_seed(0)
+    kwargs = dict(sampling=sampling, eos_token_id=[], generator=generator)
+    decoder.generate(prompt[None].repeat(8, 1), max_new_tokens=24, **kwargs)  # warm-up
+    shapes = _recording(decoder, first=RoundShape(SAMPLED, 3, 3, 7))
+    out = decoder.generate(prompt[None].repeat(2500, 1), max_new_tokens=5, **kwargs)
+    new = out.sequences[:, prompt.numel() :]
+    assert_follows(new, three_token_law(target, prompt, sampling), f"adaptive {temperature}")
+    assert len(shapes) >= 2  # the policy's own shapes follow the forced first tree
+    assert out.stats.accepted_per_position[0] > 0  # the tree's drafts were really verified
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), SETTINGS)
+def test_adaptive_tree_batch_one_follows_target_law(target, temperature, top_k, top_p) -> None:
+    """Many batch-1 calls: the policy's state carries over and its shapes vary between calls."""
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+    prompt = torch.tensor(PROMPT)
+    decoder = SpeculativeDecoder(
+        target, tiny_eagle_drafter(target), 3, tree=TreeSpec(top_k=2, total_tokens=6), adaptive=True
+    )
+    decoder.tree_policy.probe_every = 2
+    shapes = _recording(decoder)
+    generator = torch.Generator().manual_seed(1)
+    rows = []
+    for _ in range(1000):
+        out = decoder.generate(
+            prompt[None], max_new_tokens=5, sampling=sampling, eos_token_id=[], generator=generator
+        )
+        rows.append(out.sequences[0, prompt.numel() :])
+    assert_follows(torch.stack(rows), three_token_law(target, prompt, sampling), "batch 1")
+    assert {CHAIN, SAMPLED} <= {s.kind for s in shapes}
