@@ -43,7 +43,7 @@ class EvalSettings:
     peer: bool = True
     tree: TreeSpec | None = None  # tree drafting (EAGLE-3, Medusa); None drafts chains
     lean_target: bool = True  # our CPU forward for Llama-family targets (SpeculativeDecoder)
-    adaptive: bool = False  # per-round draft length in 0..num_draft_tokens (AdaptiveDraftLength)
+    adaptive: bool = False  # per-round draft length in 0..N; with a tree, per-round tree shape
 
 
 def load_target(path: str, device: str = "cpu", dtype: str = "float32", trust_remote_code=False):
@@ -454,7 +454,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--adaptive",
         action="store_true",
-        help="choose each round's draft length in 0..N from measured acceptance and times",
+        help="choose each round's draft length in 0..N from measured acceptance and times; "
+        "with --tree each round's shape (a plain step, a chain or a tree up to --tree-top-k x "
+        "--tree-total-tokens; decode.tree_policy)",
     )
     parser.add_argument(
         "--model-forward",

@@ -7,7 +7,8 @@ On the same prompts, interleaved per prompt: plain decoding (HF ``generate``), H
 generation with the same draft LM, HF prompt lookup, draftsmith's own plain decoding (the
 control: our decoder with no drafter), and draftsmith with the n-gram drafter, the draft LM
 (chain, with N fixed and with the adaptive length in 0..N), EAGLE-3 (chain and dynamic tree)
-and Medusa (static tree), at each temperature.
+and Medusa (static tree), each tree also adaptive (every round's shape chosen by
+``decode.tree_policy``), at each temperature.
 Reports tokens/s, speedup over plain, tau, predicted tau, acceptance per position, held-out
 overlap per position (from each drafter folder's ``eval_results.json``), and the peak resident
 memory of each method (Linux: the process's high-water mark, reset before each call; on a GPU,
@@ -65,6 +66,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--tree-top-k", type=int, default=TREE_TOP_K)
     parser.add_argument("--tree-total-tokens", type=int, default=TREE_TOTAL_TOKENS)
+    parser.add_argument(
+        "--no-adaptive-tree",
+        dest="adaptive_tree",
+        action="store_false",
+        help="skip the adaptive tree rows (each round's shape, a plain step, a chain or a tree "
+        "up to --tree-top-k x --tree-total-tokens, chosen by decode.tree_policy)",
+    )
     parser.add_argument(
         "--sweep",
         type=int,
@@ -184,6 +192,11 @@ def build_methods(args, target, drafters, settings: EvalSettings, meter, peaks, 
         if kind in drafters:
             tree_settings = replace(settings, tree=tree)
             methods[label] = speculative_method(target, drafters[kind], tree_settings)
+            if args.adaptive_tree:  # each round's shape: plain step, chain or tree
+                adaptive = replace(tree_settings, adaptive=True)
+                methods[f"{label} (adaptive)"] = speculative_method(
+                    target, drafters[kind], adaptive
+                )
     return {name: with_peak_memory(m, meter, peaks, name) for name, m in methods.items()}
 
 
@@ -315,7 +328,9 @@ def main(argv: list[str] | None = None) -> dict:
         "draftsmith draft LM (adaptive N)": held_out_overlap(args.draft_lm),
         "draftsmith EAGLE-3 chain": held_out_overlap(args.eagle3),
         "draftsmith EAGLE-3 tree": held_out_overlap(args.eagle3),
+        "draftsmith EAGLE-3 tree (adaptive)": held_out_overlap(args.eagle3),
         "draftsmith Medusa tree": held_out_overlap(args.medusa),
+        "draftsmith Medusa tree (adaptive)": held_out_overlap(args.medusa),
     }
     prompts = [
         encode_prompt(tokenizer, p) for p in load_eval_prompts(args.prompts, args.num_prompts)
