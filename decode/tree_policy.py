@@ -226,9 +226,10 @@ class TreeSizePolicy:
         """
         self._greedy = greedy
         limit = min(limit, self.max_depth)
-        menu = [s for s in self.menus[SAMPLED if sampled else TOP_K] if s.depth <= limit]
-        for shape in self._first_measured(menu, limit):
-            if shape not in self._seconds:
+        full = self.menus[SAMPLED if sampled else TOP_K]
+        menu = [s for s in full if s.depth <= limit]
+        for shape in self._first_measured(full):
+            if shape not in self._seconds and shape.depth <= limit:
                 return self._ran(shape)
         rates = {s: self.expected_tokens(s, greedy) / self.round_seconds(s) for s in menu}
         ranked = sorted(menu, key=rates.__getitem__, reverse=True)
@@ -244,11 +245,11 @@ class TreeSizePolicy:
                 return self._ran(min(others, key=lambda s: self._last_run.get(s, -1)))
         return self._ran(best)
 
-    def _first_measured(self, menu: list[RoundShape], limit: int) -> list[RoundShape]:
-        """Measured before any comparison: the longest chain, a plain step (two points of the
-        cost plane), the largest tree (the third, and the sibling rates); every top-k tree,
-        whose rates are its own."""
-        chains = [RoundShape.chain(limit), RoundShape.chain(0)]
+    def _first_measured(self, menu: list[RoundShape]) -> list[RoundShape]:
+        """Measured before any comparison (where they fit the room): the longest chain, a
+        plain step (two points of the cost plane), the largest tree (the third, and the
+        sibling rates); every top-k tree, whose rates are its own."""
+        chains = [RoundShape.chain(self.max_depth), RoundShape.chain(0)]
         trees = [s for s in menu if s.kind != CHAIN]
         if not trees:
             return chains
