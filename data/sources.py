@@ -115,6 +115,27 @@ def _records(source: str | Path, split: str) -> Iterator[tuple[str, dict[str, An
         yield f"{source}[{split}][{number}]", record
 
 
+def load_records(source: str | Path, split: str = "train") -> datasets.Dataset:
+    """Every record of a local .jsonl/.json file, or of a ``datasets`` name's ``split``, as is.
+
+    The one reader of JSON records: each must be an object; an empty file is an error. A name
+    that is not a local path goes to ``datasets.load_dataset`` (the hub or its local cache).
+    """
+    if isinstance(source, Path) or _looks_local(source):
+        records = [record for _, record in _records(source, split)]
+        if not records:
+            raise ValueError(f"--dataset {source} holds no records; the file is empty")
+        return datasets.Dataset.from_list(records)
+    try:
+        return datasets.load_dataset(source, split=split)
+    except Exception as error:
+        raise FileNotFoundError(
+            f"--dataset {source}: not a file or folder here, and datasets.load_dataset could not "
+            f"load it ({type(error).__name__}: {error}); pass a local .jsonl file, a text "
+            "folder, stdlib, or a dataset name available offline"
+        ) from error
+
+
 def _field(record: Mapping[str, Any], field: str, where: str, argument: str) -> Any:
     if field not in record:
         raise ValueError(

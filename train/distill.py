@@ -43,9 +43,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def distill(config: DistillConfig) -> dict[str, Any]:
     """Run one distillation described by a resolved config."""
+    from data.sequences import collate_rows
     from train.batches import ShardedBatches, shard_list
     from train.checkpoint import CheckpointManager
-    from train.distill_data import collate_rows, load_sequences
+    from train.distill_data import load_sequences
     from train.distributed import format_report, parallel_report
     from train.export import export_drafter, push_to_hub
     from train.loop import LoopConfig, make_accelerator, run_training
@@ -302,7 +303,7 @@ def _cached_training_rows(
     output_dir: Path,
 ) -> tuple[Any, Any]:
     """Limit the rows to what the run will read, cache the target on them, join the two."""
-    from train.distill_data import _take
+    from data.sequences import take
     from train.target_cache import build_or_reuse_cache, open_cached_rows
 
     needed = (
@@ -311,7 +312,7 @@ def _cached_training_rows(
         * config.optim.gradient_accumulation_steps
         * accelerator.num_processes
     )
-    rows = _take(train_rows, needed) if len(train_rows) > needed else train_rows
+    rows = take(train_rows, needed) if len(train_rows) > needed else train_rows
     folder = Path(config.data.cache_dir or output_dir / "target_cache").expanduser()
     hidden = objective.target_cache_hidden_layers()
     key = {
