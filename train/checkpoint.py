@@ -9,6 +9,8 @@ A checkpoint is ``<root>/checkpoint-<step:07d>/``:
 - ``rng_state_<rank>.json`` per process: Python's, NumPy's and torch's generator states;
 - ``objective_state_<rank>.safetensors`` per process: the objective's own state (its sampling
   generators, say) as tensors, with any scalar leaves as JSON in the file's metadata;
+- ``provenance.json`` (``train.provenance``, as in the exported folder: the resolved config,
+  git revision, package versions, platform, time), when the manager was given the config;
 - ``trainer_state.json`` (step, data position, tokens seen, elapsed time), written last.
 
 Nothing in a checkpoint is unpickled with arbitrary classes: accelerate would pickle registered
@@ -41,6 +43,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from decode.atomic_io import replace_folder, write_json_atomic
+from train.provenance import PROVENANCE_FILE, build_provenance
 
 STATE_FILE = "trainer_state.json"
 _PATTERN = re.compile(r"^checkpoint-(\d+)$")
@@ -73,11 +76,16 @@ def objective_file(rank: int) -> str:
 class CheckpointManager:
     """Writes, lists, prunes, resolves and restores checkpoints under ``root``."""
 
-    def __init__(self, root: Path, keep_last: int = 2) -> None:
+    def __init__(
+        self, root: Path, keep_last: int = 2, resolved_config: dict[str, Any] | None = None
+    ) -> None:
+        """``resolved_config`` (``DistillConfig.to_dict()``) goes into each checkpoint's
+        ``provenance.json``; without it no provenance is written."""
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 (checkpoints to keep), got {keep_last}")
         self.root = Path(root)
         self.keep_last = keep_last
+        self.resolved_config = resolved_config
 
     def checkpoints(self) -> list[Path]:
         """Complete checkpoints, oldest first."""
@@ -144,6 +152,8 @@ class CheckpointManager:
         save_state_tensors(temp / objective_file(rank), stateful.state_dict() if stateful else {})
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
+            if self.resolved_config is not None:
+                write_json_atomic(temp / PROVENANCE_FILE, build_provenance(self.resolved_config))
             write_json_atomic(temp / STATE_FILE, state)
             replace_folder(temp, final)
             self._prune()

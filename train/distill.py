@@ -67,7 +67,9 @@ def distill(config: DistillConfig) -> dict[str, Any]:
     target_ref = resolve_target(config.target.target)
     output_dir = Path(config.output.output_dir).expanduser()
     _check_output_dir(output_dir)
-    checkpoints = CheckpointManager(output_dir / "checkpoints", config.output.keep_checkpoints)
+    checkpoints = CheckpointManager(
+        output_dir / "checkpoints", config.output.keep_checkpoints, config.to_dict()
+    )
     resume = _resume_point(config, checkpoints)
     # One process builds a missing demo target before its Accelerator exists (the build trains
     # through its own); under a launcher the main process builds it while the others wait.

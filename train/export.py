@@ -17,27 +17,11 @@ from __future__ import annotations
 
 import json
 import os
-import platform
-import subprocess
-from datetime import datetime, timezone
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from decode.atomic_io import atomic_folder
-
-PACKAGES = (
-    "draftsmith",
-    "torch",
-    "transformers",
-    "accelerate",
-    "peft",
-    "datasets",
-    "tokenizers",
-    "safetensors",
-    "huggingface_hub",
-    "wandb",
-)
+from train.provenance import PROVENANCE_FILE, build_provenance
 
 
 class HubUploadError(RuntimeError):
@@ -69,7 +53,7 @@ def export_drafter(
         objective.save_drafter(temp, tokenizer, state_dict)
         provenance = build_provenance(resolved_config)
         provenance["distributed"] = summary.get("distributed")  # type, world size, shards
-        (temp / "provenance.json").write_text(json.dumps(provenance, indent=2) + "\n")
+        (temp / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
         # Machine-readable held-out metrics (overlap@j ...) for benchmarks and dashboards.
         held_out = summary.get("held_out", {})
         (temp / "eval_results.json").write_text(json.dumps(held_out, indent=2) + "\n")
@@ -100,49 +84,6 @@ def check_finite_weights(weights: Any) -> None:
 
 def describe(objective: Any) -> dict[str, Any]:
     return objective.describe()
-
-
-def build_provenance(resolved_config: dict[str, Any]) -> dict[str, Any]:
-    """Resolved config, git revision of the code, package versions, platform, time."""
-    return {
-        "config": resolved_config,
-        "git": git_revision(),
-        "packages": package_versions(),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    }
-
-
-def git_revision(start: Path | None = None) -> dict[str, Any] | None:
-    """``{"commit", "dirty"}`` of the checkout holding this package, or None outside git."""
-    root = start or Path(__file__).resolve().parents[1]
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
-        )
-        if commit.returncode != 0:
-            return None
-        status = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return {"commit": commit.stdout.strip(), "dirty": bool(status.stdout.strip())}
-
-
-def package_versions() -> dict[str, str | None]:
-    versions: dict[str, str | None] = {}
-    for name in PACKAGES:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
-    return versions
 
 
 def model_card(

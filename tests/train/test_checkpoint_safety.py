@@ -145,3 +145,27 @@ def test_killed_writes_leave_no_temporary_folder(saved: Any) -> None:
     (stale / "model.safetensors").write_bytes(b"half")
     manager.save(accelerator, 6, {"step": 6})
     assert not list(manager.root.glob(".tmp-*"))
+
+
+def test_a_checkpoint_records_the_exports_provenance(tmp_path: Path) -> None:
+    from train.config import DistillConfig
+    from train.provenance import PACKAGES, PROVENANCE_FILE, build_provenance
+
+    accelerator = make_accelerator(cpu=True)
+    accelerator.prepare(torch.nn.Linear(3, 2))
+    config = DistillConfig(config_file="configs/tiny.yaml").to_dict()
+    path = CheckpointManager(tmp_path / "ckpt", resolved_config=config).save(
+        accelerator, 1, {"step": 1}
+    )
+    recorded = json.loads((path / PROVENANCE_FILE).read_text())
+    expected = build_provenance(config)  # the very function the export writes with
+    assert recorded.keys() == expected.keys()
+    assert recorded["config"] == config and recorded["config"]["config_file"] == "configs/tiny.yaml"
+    assert recorded["git"] == expected["git"] and recorded["git"]["commit"]  # this checkout
+    assert recorded["packages"] == expected["packages"] and list(recorded["packages"]) == list(
+        PACKAGES
+    )
+    assert recorded["packages"]["torch"] and recorded["python"] == expected["python"]
+    # Without a config (a caller outside distill), no provenance and the checkpoint still loads.
+    bare = CheckpointManager(tmp_path / "bare").save(accelerator, 1, {"step": 1})
+    assert not (bare / PROVENANCE_FILE).exists()

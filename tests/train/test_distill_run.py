@@ -37,6 +37,12 @@ def test_tiny_run_exports_the_drafter_folder(
     # Checkpoints at 2, 4, 6, the last 2 kept; the log holds steps 1..6.
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert names == ["checkpoint-0000004", "checkpoint-0000006"]
+    # Each checkpoint carries the export's provenance (the same config, code and versions).
+    for name in names:
+        recorded = json.loads((tmp_path / "checkpoints" / name / "provenance.json").read_text())
+        assert recorded["config"] == provenance["config"]
+        assert recorded["packages"] == provenance["packages"]
+        assert (recorded["git"] or {}).get("commit") == (provenance["git"] or {}).get("commit")
     steps = [
         r["step"]
         for r in read_metrics_log(tmp_path / "logs" / "metrics.jsonl")
