@@ -1,9 +1,19 @@
 """Evaluation prompts: the embedded demo set (held-out stdlib code), third-party code the demo
-target never saw (``ood``), or a user file."""
+target never saw (``ood``), or a user file.
+
+The one module of ``decode/`` that imports ``data/`` (docs/architecture.md, the arrow
+``decode/ -> data/``): the demo set is cut from ``data.corpus``, prompt files are records read by
+``data.sources``. Evaluation imports this module where it needs prompts, so the decoder and
+``import decode`` load nothing of ``data/``.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
+
+from data.corpus import load_stdlib_corpus
+from data.sources import load_prompts
 
 DEMO_PROMPT_CHARS = 400
 # Installed with draftsmith on every machine, and not the standard library the demo target
@@ -35,8 +45,6 @@ def ood_prompts(num_prompts: int) -> list[str]:
     """Prompts from the installed source of ``OOD_PACKAGES`` (one per file, files spread
     evenly over each package's sorted file list, packages taken in turn), so the same
     installation always gives the same prompts."""
-    import importlib.util
-
     file_lists = []
     for package in OOD_PACKAGES:
         spec = importlib.util.find_spec(package)
@@ -76,8 +84,6 @@ def demo_prompts(num_prompts: int) -> list[str]:
     Each prompt is the code just before a ``def``/``class`` line, up to and including that
     line, so the model continues a function or class body: text of the kind it was trained on.
     """
-    from data.corpus import load_stdlib_corpus
-
     test_split = load_stdlib_corpus()["test"]
     prompts = _prompts_from_texts(test_split["text"], num_prompts, per_file=2)
     if not prompts:
@@ -88,8 +94,6 @@ def demo_prompts(num_prompts: int) -> list[str]:
 def file_prompts(path: str, num_prompts: int) -> list[str | list[dict[str, str]]]:
     """Prompts from a JSONL/JSON file (``prompt`` or ``messages`` field) or a text file."""
     if path.endswith((".jsonl", ".json")):
-        from data.sources import load_prompts
-
         return load_prompts(path)[:num_prompts]
     file = Path(path)
     if not file.is_file():

@@ -262,3 +262,18 @@ def test_no_module_shadows_an_installed_package(package: str) -> None:
             if not origin.startswith(str(ROOT)):
                 shadowing.append(f"{package}/{name}.py shadows {name}")
     assert not shadowing, shadowing
+
+
+def test_the_decoder_loads_nothing_of_data() -> None:
+    """Only ``decode/prompts.py`` draws ``decode/ -> data/``, and nothing the decoder, the
+    evaluation loop or the server need at import time imports it."""
+    import subprocess
+
+    code = (
+        "import sys, decode, decode.engine, decode.evaluate, decode.drafters.registry\n"
+        "print(sorted(m for m in sys.modules if m == 'data' or m.startswith('data.')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]", out.stdout
