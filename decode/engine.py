@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from numbers import Integral
+from types import EllipsisType
 
 import torch
 
@@ -174,21 +175,31 @@ class SpeculativeDecoder:
         streamer: Streamer | None = None,
         drafter: Drafter | None = None,
         record: bool = False,
+        tree: TreeSpec | EllipsisType | None = ...,
     ) -> DecodeSession:
         """An empty ``DecodeSession``: rows join with ``add_rows``, leave with ``retire``.
 
         Its rows share the sampling settings and the generator. ``drafter`` holds the
         session's drafting state: by default a ``spawn`` of this decoder's drafter (the same
         weights), so several sessions can be open at once; ``record`` keeps every emitted token
-        for ``sequences``.
+        for ``sequences``; ``tree`` replaces the decoder's tree settings (``None``: chains).
         """
         sampling = _sampling_config(sampling, None, None, None)
+        tree = self.tree if tree is ... else tree
+        if tree is not None and not self.drafter.supports_trees:
+            raise ValueError(
+                f"the {self.drafter.kind} drafter drafts chains only: drop the tree settings"
+            )
+        if tree is not None and self.draft_length is not None and self.tree_policy is None:
+            raise ValueError(
+                "this decoder adapts chain lengths: build it with the tree to adapt trees"
+            )
         if generator is not None:
             self._check_generator(generator)
         eos = self._eos_tensor(eos_token_id)
         pad = self._pad_id(pad_token_id, eos)
         drafter = self.drafter.spawn() if drafter is None else drafter
-        return DecodeSession(self, drafter, sampling, generator, eos, pad, streamer, record)
+        return DecodeSession(self, drafter, sampling, generator, eos, pad, streamer, record, tree)
 
     def _chain_round(self, session: DecodeSession, width: int) -> torch.Tensor:  # [B]
         """Draft a chain, verify it in one target pass, roll both caches back, emit; returns
@@ -229,12 +240,12 @@ class SpeculativeDecoder:
         drafter, target, sampling = session.drafter, session.target, session.sampling
         generator = session.generator
         sampled = not sampling.greedy and drafter.supports_sampled_trees
-        policy, spec = self.tree_policy, self.tree
+        policy, spec = self.tree_policy, session.tree
         if policy is not None:  # adaptive: this round's shape (a chain reports itself)
             shape = policy.choose_shape(width, greedy=sampling.greedy, sampled=sampled)
             if shape.kind == "chain":
                 return self._chain_round(session, shape.depth)
-            spec, width = shape.tree_spec(self.tree), shape.depth
+            spec, width = shape.tree_spec(session.tree), shape.depth
             active = session.active.clone()  # finish_round retires rows that just ended
         round_start = _clock(self.device)
         if sampled:
@@ -427,9 +438,11 @@ class DecodeSession:
         pad: int,
         streamer: Streamer | None,
         record: bool,
+        tree: TreeSpec | None,
     ) -> None:
         device = decoder.device
         self.decoder = decoder
+        self.tree = tree  # None: chain rounds
         self.drafter = drafter
         self.sampling = sampling
         self.generator = generator
@@ -514,7 +527,7 @@ class DecodeSession:
         limit = min(decoder.num_draft_tokens, room - 1)
         policy = decoder.draft_length
         width = max(1, limit) if policy is None else policy.choose(limit)
-        round_fn = decoder._chain_round if decoder.tree is None else decoder._tree_round
+        round_fn = decoder._chain_round if self.tree is None else decoder._tree_round
         self.pending = round_fn(self, width)
 
     def retire(self, rows: Sequence[int]) -> None:

@@ -1,11 +1,15 @@
 """Serve a target with a trained drafter behind OpenAI's API.
 
     python decode/serve.py --target PATH --drafter PATH [--drafter-kind KIND]
-        [--host 127.0.0.1] [--port 8000] [--num-draft-tokens 4] [--api-key KEY]
+        [--host 127.0.0.1] [--port 8000] [--num-draft-tokens N] [--api-key KEY]
+        [--tree [--tree-top-k K] [--tree-total-tokens M] [--tree-when-sampling]]
     python decode/serve.py --target PATH --drafter-kind ngram      # prompt lookup, no weights
     python decode/serve.py --target PATH --drafter-kind none       # plain decoding, no drafter
 
-Then any OpenAI client works against ``http://127.0.0.1:8000/v1`` (completions, chat
+Requests are batched continuously: a new one joins the running batch at the next round and a
+finished one leaves it (decode/serving/scheduler.py). ``--tree`` serves EAGLE-3 and Medusa
+drafters with trees (the flags and defaults of ``decode.evaluate``), chains otherwise. Then any
+OpenAI client works against ``http://127.0.0.1:8000/v1`` (completions, chat
 completions through the tokenizer's chat template, ``stream: true``); ``GET /metrics`` gives
 Prometheus totals (tau, acceptance per position) and ``GET /health`` liveness. Binds loopback
 unless ``--host`` says otherwise; ``--api-key`` (or ``$DRAFTSMITH_API_KEY``) requires a bearer
@@ -31,6 +35,7 @@ logger = logging.getLogger("draftsmith.serve")
 
 def build_server(config: ServeConfig) -> OpenAIServer:
     """Load the models named by a ``ServeConfig`` and wrap them in an ``OpenAIServer``."""
+    from decode.drafters.base import TreeSpec
     from decode.serving.app import OpenAIServer, ServingLimits
     from decode.serving.loading import load_components
 
@@ -56,6 +61,10 @@ def build_server(config: ServeConfig) -> OpenAIServer:
         model_name=config.served_model_name or Path(config.target).resolve().name,
         num_draft_tokens=config.num_draft_tokens,
         adaptive=config.adaptive,
+        tree=TreeSpec(top_k=config.tree_top_k, total_tokens=config.tree_total_tokens)
+        if config.tree
+        else None,
+        tree_when_sampling=config.tree_when_sampling,
         limits=limits,
         api_key=config.api_key,
         max_batch_size=config.max_batch_size,
@@ -81,10 +90,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     server = build_server(config)
     logger.info(
-        "serving %s with a %s drafter (%d draft tokens) on http://%s:%d/v1",
+        "serving %s with a %s drafter (%d draft tokens, %s) on http://%s:%d/v1",
         server.model_name,
         server.drafter_kind,
         server.num_draft_tokens,
+        "chains" if server.tree is None else f"trees {server.tree}",
         config.host,
         config.port,
     )

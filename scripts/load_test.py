@@ -8,8 +8,9 @@ Each client sends streaming requests back to back (``stream: true`` with
 running then get ``--grace`` seconds to finish and are cut off after that, so the run always
 ends by itself. Printed: requests/s and completion tokens/s over the run, p50/p99 latency
 (request sent -> ``[DONE]``), p50/p99 time to first token (request sent -> first non-empty
-text), and errors (any non-200 answer, an ``error`` event, a stream without ``[DONE]``;
-expected: 0). Exit status 1 when there were errors. Only loopback servers unless
+text), the mean per-request tau when the server reports ``usage.speculative`` (draftsmith's
+acceptance: tokens per target pass), and errors (any non-200 answer, an ``error`` event, a
+stream without ``[DONE]``; expected: 0). Exit status 1 when there were errors. Only loopback servers unless
 ``--allow-remote``.
 """
 
@@ -50,6 +51,7 @@ class Result:
     ttft_s: float | None = None
     completion_tokens: int = 0
     error: str | None = None
+    tau: float | None = None  # usage.speculative.tau, when the server reports it
 
 
 @dataclass
@@ -70,6 +72,7 @@ class Summary:
     ttft_p50_s: float
     ttft_p99_s: float
     mean_completion_tokens: float
+    mean_tau: float | None = None
     error_examples: list[str] = field(default_factory=list)
 
 
@@ -141,6 +144,7 @@ async def one_request(client: httpx.AsyncClient, path: str, body: dict[str, obje
     start = time.perf_counter()
     ttft = None
     tokens = 0
+    tau = None
     async with client.stream("POST", path, json=body) as response:
         if response.status_code != 200:
             text = (await response.aread()).decode(errors="replace")
@@ -151,7 +155,7 @@ async def one_request(client: httpx.AsyncClient, path: str, body: dict[str, obje
             data = line[len("data: ") :]
             if data == "[DONE]":
                 latency = time.perf_counter() - start
-                return Result(True, latency, ttft if ttft is not None else latency, tokens)
+                return Result(True, latency, ttft if ttft is not None else latency, tokens, tau=tau)
             chunk = json.loads(data)
             if "error" in chunk:
                 return Result(False, error=f"error event: {chunk['error'].get('message')}")
@@ -161,6 +165,9 @@ async def one_request(client: httpx.AsyncClient, path: str, body: dict[str, obje
                     ttft = time.perf_counter() - start
             if chunk.get("usage"):
                 tokens = int(chunk["usage"]["completion_tokens"])
+                speculative = chunk["usage"].get("speculative") or {}
+                if speculative.get("rounds"):
+                    tau = float(speculative["tau"])
     return Result(False, error="the stream ended without [DONE]")
 
 
@@ -226,6 +233,7 @@ def summarize(
     latencies = [r.latency_s for r in done]
     ttfts = [r.ttft_s for r in done if r.ttft_s is not None]
     tokens = sum(r.completion_tokens for r in done)
+    taus = [r.tau for r in done if r.tau is not None]
     return Summary(
         url=args.url,
         model=model,
@@ -243,6 +251,7 @@ def summarize(
         ttft_p50_s=percentile(ttfts, 0.5),
         ttft_p99_s=percentile(ttfts, 0.99),
         mean_completion_tokens=tokens / len(done) if done else 0.0,
+        mean_tau=sum(taus) / len(taus) if taus else None,
         error_examples=sorted({r.error or "" for r in failed})[:5],
     )
 
@@ -260,6 +269,8 @@ def report(summary: Summary, args: argparse.Namespace) -> str:
         f"{summary.mean_completion_tokens:.1f} per request)",
         f"latency p50/p99:  {summary.latency_p50_s:.3f} / {summary.latency_p99_s:.3f} s",
         f"ttft p50/p99:     {summary.ttft_p50_s:.3f} / {summary.ttft_p99_s:.3f} s",
+        "tau per request:  "
+        + ("not reported" if summary.mean_tau is None else f"{summary.mean_tau:.2f} (mean)"),
         f"errors:           {summary.errors}",
     ]
     lines += [f"  {example}" for example in summary.error_examples]

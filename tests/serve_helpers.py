@@ -39,17 +39,21 @@ def parse_prometheus(text: str) -> Metrics:
             helped.add(line.split()[2])
         elif line.startswith("# TYPE "):
             _, _, name, kind = line.split()
-            assert kind in {"counter", "gauge"}, line
+            assert kind in {"counter", "gauge", "histogram"}, line
             typed[name] = kind
         else:
             match = SAMPLE.match(line)
             assert match, f"not a Prometheus sample line: {line!r}"
             name = match["name"]
+            family = re.sub(r"_(bucket|sum|count)$", "", name)
+            if typed.get(family) == "histogram":  # a histogram's samples carry suffixes
+                assert name != family, f"{name}: a histogram sample needs _bucket/_sum/_count"
+                name = family
             assert name in typed and name in helped, f"{name} has no # TYPE / # HELP"
             labels = frozenset(
                 re.findall(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"', match["labels"] or "")
             )
-            samples[(name, labels)] = float(match["value"])
+            samples[(match["name"], labels)] = float(match["value"])
     return samples
 
 

@@ -37,7 +37,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from decode.defaults import NUM_DRAFT_TOKENS
-from decode.drafters.base import Drafter
+from decode.drafters.base import Drafter, TreeSpec
+from decode.serving.config import MAX_BATCH_SIZE
 from decode.serving.metrics import CONTENT_TYPE, ServerMetrics
 from decode.serving.protocol import (
     APIError,
@@ -127,9 +128,11 @@ class OpenAIServer:
         model_name: str,
         num_draft_tokens: int = NUM_DRAFT_TOKENS,
         adaptive: bool = False,
+        tree: TreeSpec | None = None,
+        tree_when_sampling: bool = False,
         limits: ServingLimits | None = None,
         api_key: str | None = None,
-        max_batch_size: int = 8,
+        max_batch_size: int = MAX_BATCH_SIZE,
         max_queue: int = 64,
         seed: int = 0,
     ) -> None:
@@ -155,12 +158,16 @@ class OpenAIServer:
             self.queue,
             num_draft_tokens=num_draft_tokens,
             adaptive=adaptive,
+            tree=tree,
+            tree_when_sampling=tree_when_sampling,
             max_batch_size=max_batch_size,
             eos_token_ids=self.eos_token_ids,
             pad_token_id=pad,
             seed=seed,
-            on_batch=self.metrics.record_batch,
+            on_decode=self.metrics.record_decode,
+            on_prefill=self.metrics.record_prefill,
         )
+        self.tree = tree
         self.drafter_kind = drafter.kind
         self.num_draft_tokens = num_draft_tokens
         self.created = int(time.time())
@@ -444,6 +451,7 @@ class OpenAIServer:
                     batch_size=event.batch_size,
                 )
                 self.metrics.record_answer(answer.prompt_tokens, answer.completion_tokens)
+                self.metrics.record_request(answer.stats)
                 yield text.finish(), answer
                 return
         finally:

@@ -17,10 +17,12 @@ from typing import Any
 
 import yaml
 
-from decode.defaults import NUM_DRAFT_TOKENS
+from decode.defaults import NUM_DRAFT_TOKENS, TREE_TOP_K, TREE_TOTAL_TOKENS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 API_KEY_ENV = "DRAFTSMITH_API_KEY"
+# Rows decoded at once (``--max-batch-size``): more requests wait in the queue until one retires.
+MAX_BATCH_SIZE = 32
 
 
 def _f(default: Any, help: str) -> Any:
@@ -51,13 +53,26 @@ class ServeConfig:
     adaptive: bool = _f(
         False, "choose each round's draft length in 0..N from measured acceptance and times"
     )
+    tree: bool = _f(
+        False,
+        "draft trees (eagle3: EAGLE-2 dynamic trees; medusa: static choices) for greedy "
+        "requests, and for sampled ones with --tree-when-sampling; chains otherwise",
+    )
+    tree_when_sampling: bool = _f(
+        False, "keep --tree for sampled requests (eagle3 then drafts sampled trees)"
+    )
+    tree_top_k: int = _f(TREE_TOP_K, "children per expanded node of a --tree")
+    tree_total_tokens: int = _f(TREE_TOTAL_TOKENS, "nodes kept per --tree")
     trust_remote_code: bool = _f(False, "allow custom modelling code shipped with the target")
     dtype: str = _f("auto", f"dtype of the target: {', '.join(DTYPES)}")
     device: str = _f("auto", "cpu, cuda, cuda:1 ... (auto: cuda when available)")
     num_threads: int | None = _f(
         None, "torch intra-op CPU threads (default: torch's choice; 1 on a busy machine)"
     )
-    max_batch_size: int = _f(8, "compatible queued requests decoded together in one call")
+    max_batch_size: int = _f(
+        MAX_BATCH_SIZE,
+        "requests decoded at once (continuous batching: they join and leave between rounds)",
+    )
     max_queue: int = _f(64, "requests waiting for the decoder; more are answered 429")
     max_tokens_limit: int = _f(1024, "largest max_tokens a request may ask for")
     max_context_length: int | None = _f(
@@ -84,6 +99,8 @@ class ServeConfig:
         positive = {
             "num_draft_tokens": self.num_draft_tokens,
             "max_batch_size": self.max_batch_size,
+            "tree_top_k": self.tree_top_k,
+            "tree_total_tokens": self.tree_total_tokens,
             "max_queue": self.max_queue,
             "max_tokens_limit": self.max_tokens_limit,
             "default_max_tokens": self.default_max_tokens,
@@ -102,6 +119,8 @@ class ServeConfig:
             raise ValueError(f"--max-context-length must be >= 2, got {self.max_context_length}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must lie in [0, 65535], got {self.port}")
+        if self.tree_when_sampling and not self.tree:
+            raise ValueError("--tree-when-sampling keeps trees for sampled requests: add --tree")
         if self.drafter is None and self.drafter_kind is None:
             raise ValueError(
                 "no drafter: pass --drafter PATH (a trained drafter folder) or "

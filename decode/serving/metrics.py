@@ -1,8 +1,10 @@
 """Server totals and their Prometheus text exposition (format 0.0.4).
 
-Decoding totals merge the ``DecodeStats`` of every generate call, so ``draftsmith_tau`` and
+Decoding totals merge the ``DecodeStats`` of every round, so ``draftsmith_tau`` and
 ``draftsmith_acceptance_rate`` follow the engine's one definition (decode/stats.py): tau is
-``1 + accepted / row-rounds`` and alpha_j is accepted over reached at draft position j.
+``1 + accepted / row-rounds`` and alpha_j is accepted over reached at draft position j. Each
+finished request adds its own tau to the ``draftsmith_request_tau`` histogram and its drafted
+and accepted tokens to per-request counters (the numbers its ``usage.speculative`` reports).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from collections import Counter
 from decode.stats import DecodeStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# Upper bounds of the per-request tau histogram's buckets (tau >= 1; +Inf is added).
+TAU_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)
 
 
 class ServerMetrics:
@@ -27,9 +31,13 @@ class ServerMetrics:
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._cancelled = 0
-        self._batches = 0
-        self._batch_rows = 0
+        self._prefills = 0
+        self._prefill_rows = 0
         self._decode = DecodeStats()
+        self._request_tau = [0] * (len(TAU_BUCKETS) + 1)  # per bucket, +Inf last
+        self._request_tau_sum = 0.0
+        self._request_drafted = 0
+        self._request_accepted = 0
 
     def record_response(self, endpoint: str, status: int) -> None:
         with self._lock:
@@ -44,11 +52,28 @@ class ServerMetrics:
         with self._lock:
             self._cancelled += 1
 
-    def record_batch(self, stats: DecodeStats, rows: int) -> None:
+    def record_prefill(self, rows: int) -> None:
+        """A prefill pass admitted ``rows`` requests (joining the running batch)."""
+        with self._lock:
+            self._prefills += 1
+            self._prefill_rows += rows
+
+    def record_decode(self, stats: DecodeStats) -> None:
+        """Totals of decoding rounds (folded ``DecodeStats``)."""
         with self._lock:
             self._decode = self._decode.merge(stats)
-            self._batches += 1
-            self._batch_rows += rows
+
+    def record_request(self, stats: DecodeStats) -> None:
+        """A finished request's own acceptance (its ``usage.speculative``)."""
+        if stats.rounds == 0:  # answered by its prefill alone: no verification to report
+            return
+        tau = stats.tau
+        bucket = next((i for i, bound in enumerate(TAU_BUCKETS) if tau <= bound), -1)
+        with self._lock:
+            self._request_tau[bucket] += 1
+            self._request_tau_sum += tau
+            self._request_drafted += stats.draft_positions
+            self._request_accepted += sum(stats.accepted_per_position)
 
     def render(self, queue_depth: int, running: int) -> str:
         """Every metric with ``# HELP`` and ``# TYPE``, one sample per line."""
@@ -59,9 +84,13 @@ class ServerMetrics:
                 "prompt_tokens": self._prompt_tokens,
                 "generation_tokens": self._generation_tokens,
                 "cancelled": self._cancelled,
-                "batches": self._batches,
-                "batch_rows": self._batch_rows,
+                "prefills": self._prefills,
+                "prefill_rows": self._prefill_rows,
+                "request_drafted": self._request_drafted,
+                "request_accepted": self._request_accepted,
             }
+            request_tau = list(self._request_tau)
+            request_tau_sum = self._request_tau_sum
         out = _Exposition()
         out.add(
             "draftsmith_info",
@@ -84,8 +113,18 @@ class ServerMetrics:
                 "cancelled",
                 "Generation requests whose client left early (their decoder row was dropped).",
             ),
-            ("batches_total", "batches", "Generate calls (one prefill pass each)."),
-            ("batch_rows_total", "batch_rows", "Requests decoded, summed over batches."),
+            ("prefills_total", "prefills", "Prefill passes (requests joining the batch)."),
+            ("prefill_rows_total", "prefill_rows", "Requests admitted, summed over prefills."),
+            (
+                "request_draft_tokens_total",
+                "request_drafted",
+                "Draft tokens proposed for finished requests (usage.speculative.drafted_tokens).",
+            ),
+            (
+                "request_accepted_tokens_total",
+                "request_accepted",
+                "Draft tokens accepted for finished requests (usage.speculative.accepted_tokens).",
+            ),
         ):
             out.add(f"draftsmith_{name}", "counter", help_text, [({}, scalars[key])])
         out.add(
@@ -132,6 +171,14 @@ class ServerMetrics:
             "alpha_j: accepted / verified at draft position j.",
             [({"position": str(j + 1)}, alphas[j]) for j in positions],
         )
+        cumulative = [sum(request_tau[: i + 1]) for i in range(len(request_tau))]
+        bounds = [repr(bound) for bound in TAU_BUCKETS] + ["+Inf"]
+        out.add_histogram(
+            "draftsmith_request_tau",
+            "Per-request tau (1 + accepted drafts per verification round) of finished requests.",
+            list(zip(bounds, cumulative, strict=True)),
+            request_tau_sum,
+        )
         out.add(
             "draftsmith_num_draft_tokens",
             "gauge",
@@ -158,6 +205,17 @@ class _Exposition:
         self._lines.append(f"# TYPE {name} {kind}")
         for labels, value in samples:
             self._lines.append(f"{name}{_labels(labels)} {_number(value)}")
+
+    def add_histogram(
+        self, name: str, help_text: str, buckets: list[tuple[str, int]], total: float
+    ) -> None:
+        """Cumulative ``buckets`` (upper bound label, count), then ``_sum`` and ``_count``."""
+        self._lines.append(f"# HELP {name} {help_text}")
+        self._lines.append(f"# TYPE {name} histogram")
+        for bound, count in buckets:
+            self._lines.append(f"{name}_bucket{_labels({'le': bound})} {count}")
+        self._lines.append(f"{name}_sum {_number(float(total))}")
+        self._lines.append(f"{name}_count {buckets[-1][1]}")
 
     def text(self) -> str:
         return "\n".join(self._lines) + "\n"

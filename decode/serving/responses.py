@@ -29,12 +29,26 @@ class Answer:
     stats: DecodeStats
     batch_size: int
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
+        """OpenAI's token counts plus ``speculative``: this request's own acceptance."""
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "speculative": speculative_usage(self.stats),
         }
+
+
+def speculative_usage(stats: DecodeStats) -> dict[str, float | int]:
+    """One request's acceptance: draft tokens proposed for it and accepted over its
+    verification rounds, and ``tau`` = 1 + accepted / rounds (tokens per target pass,
+    decode/stats.py); a tree counts its depth as drafted."""
+    return {
+        "rounds": stats.rounds,
+        "drafted_tokens": stats.draft_positions,
+        "accepted_tokens": sum(stats.accepted_per_position),
+        "tau": stats.tau,
+    }
 
 
 class ChunkShape:
@@ -58,7 +72,7 @@ class ChunkShape:
         choice["delta" if self.chat else "text"] = delta
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", choice)
 
-    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         envelope = self._envelope("chat.completion.chunk" if self.chat else "text_completion")
         envelope["usage"] = usage
         return envelope

@@ -1,22 +1,25 @@
 """The bounded request queue and the one worker thread that runs the decoder.
 
-Drafters are stateful, so one ``SpeculativeDecoder.generate`` call runs at a time. The worker
-takes the oldest waiting request and every later one that is *compatible* with it (same
-temperature, top-p, top-k and ``ignore_eos``; greedy requests ignore the sampling knobs), up to
-``max_batch_size``, and decodes them as one left-padded batch. Each row gets its own
-``max_tokens`` by truncation: the call runs to the largest, and a row that reached its own
-limit (or EOS, or was cancelled) is finished for its client at once while the other rows go on.
-A sampled request with a ``seed`` runs alone with ``torch.Generator().manual_seed(seed)``, so
-the seed alone fixes its answer; unseeded sampled batches draw their seed from one server
-generator.
+Continuous batching: the worker keeps *lanes*, each a ``DecodeSession`` with the requests it
+decodes, and runs one speculative round of every lane in turn. Between rounds, waiting requests
+join (``DecodeSession.add_rows``: they are prefilled as a batch of their own and merged into
+the running caches) and finished ones retire (``DecodeSession.retire`` frees their cache
+slots), so a new request waits at most one round per lane, never for a batch to finish.
+``max_batch_size`` bounds the rows decoding at once, over all lanes.
 
-The decoder's streamer hands every round's new tokens to each request's ``asyncio.Queue``
-(thread-safe, through the event loop); when every row of the batch is finished or cancelled
-(a disconnected client, a ``stop`` string) the streamer returns False and the call ends.
+Requests share a lane when they sample alike: every greedy request shares one lane (the
+sampling knobs are moot), unseeded sampled requests with equal ``SamplingConfig`` share one
+(its generator seeded from the server's generator), and a sampled request with a ``seed`` gets
+a lane of its own with ``torch.Generator().manual_seed(seed)``, so the seed alone fixes its
+answer. The sampler applies one temperature, top-k and top-p to a whole batch, hence the
+lanes. EOS is applied per request here (``ignore_eos`` requests share the greedy lane): the
+sessions decode without EOS and a row that emitted one is finished for its client and retired.
 
-Per-request acceptance statistics are exact: a thin drafter wrapper records each round's
-accepted-draft counts, and the streamer credits them to the rows that emitted tokens that round
-(the rows the engine counts as active), as ``DecodeStats.record_round`` does for the batch.
+The session's streamer hands every round's ``RoundUpdate`` to ``_deliver``: each row's new
+tokens go to its request's ``asyncio.Queue`` (thread-safe, through the event loop) and its
+accepted-draft count to the request's own ``DecodeStats``, so per-request acceptance is exact.
+A cancelled request (a disconnected client, a ``stop`` string) is finished at the next round
+and its row retired after it.
 """
 
 from __future__ import annotations
@@ -30,8 +33,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decode.drafters.base import Drafter, DraftProposal, TargetPass
-from decode.engine import SpeculativeDecoder
+from decode.drafters.base import Drafter, TreeSpec
+from decode.engine import DecodeSession, RoundUpdate, SpeculativeDecoder
 from decode.sampling import SamplingConfig
 from decode.stats import DecodeStats
 
@@ -54,13 +57,13 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.sampling.greedy
 
-    def batch_key(self) -> tuple[SamplingConfig | None, bool] | None:
-        """Requests with equal keys share one generate call; None means run alone."""
+    def lane_key(self) -> SamplingConfig | None:
+        """Requests with equal keys share one lane (decoding session); None means alone."""
         if self.greedy:
-            return (None, self.ignore_eos)  # greedy requests ignore the sampling knobs
+            return SamplingConfig(temperature=0.0)  # greedy requests ignore the sampling knobs
         if self.seed is not None:
             return None
-        return (self.sampling, self.ignore_eos)
+        return self.sampling
 
 
 @dataclass
@@ -71,7 +74,7 @@ class TokensEvent:
 @dataclass
 class DoneEvent:
     stats: DecodeStats  # this request's rows only
-    batch_size: int
+    batch_size: int  # the most rows it shared a round with (itself included)
 
 
 @dataclass
@@ -104,6 +107,7 @@ class GenerationJob:
         self.delivered = 0
         self.finished = False
         self.stats = DecodeStats()
+        self.batch_size = 1
 
     @property
     def cancelled(self) -> bool:
@@ -122,7 +126,7 @@ class GenerationJob:
 
 
 class RequestQueue:
-    """FIFO of waiting jobs with a capacity; hands out batches of compatible jobs."""
+    """FIFO of waiting jobs with a capacity."""
 
     def __init__(self, capacity: int) -> None:
         if capacity < 1:
@@ -154,28 +158,18 @@ class RequestQueue:
                 return False
             return True
 
-    def take_batch(self, max_size: int, timeout: float) -> list[GenerationJob]:
-        """The oldest live job and the later live jobs compatible with it ([] on timeout)."""
+    def take(self, max_jobs: int, timeout: float) -> list[GenerationJob]:
+        """Up to ``max_jobs`` of the oldest live jobs, waiting up to ``timeout`` s for one
+        ([] then); cancelled jobs are dropped."""
         with self._condition:
-            self._condition.wait_for(lambda: self._jobs or self._closed, timeout=timeout)
-            while self._jobs and self._jobs[0].cancelled:
-                self._jobs.popleft()
-            if not self._jobs:
-                return []
-            first = self._jobs.popleft()
-            batch = [first]
-            key = first.params.batch_key()
-            if key is None:
-                return batch
-            for job in list(self._jobs):
-                if len(batch) >= max_size:
-                    break
-                if job.cancelled:
-                    self._jobs.remove(job)
-                elif job.params.batch_key() == key:
-                    self._jobs.remove(job)
-                    batch.append(job)
-            return batch
+            if timeout > 0:
+                self._condition.wait_for(lambda: self._jobs or self._closed, timeout=timeout)
+            taken: list[GenerationJob] = []
+            while self._jobs and len(taken) < max_jobs:
+                job = self._jobs.popleft()
+                if not job.cancelled:
+                    taken.append(job)
+            return taken
 
     def close(self) -> list[GenerationJob]:
         """Refuse new jobs, wake the worker, and return the jobs that were still waiting."""
@@ -187,62 +181,17 @@ class RequestQueue:
             return waiting
 
 
-class RecordingDrafter(Drafter):
-    """Forwards every call to ``inner`` and keeps the last round's accepted-draft counts.
+@dataclass
+class _Lane:
+    """One decoding session and its requests, in the session's row order."""
 
-    Chain rounds only (``supports_trees`` is False): the server runs chain speculation.
-    """
-
-    supports_trees = False
-
-    def __init__(self, inner: Drafter) -> None:
-        self.inner = inner
-        self.kind = inner.kind  # type: ignore[misc]
-        self.needs_hidden_states = inner.needs_hidden_states  # type: ignore[misc]
-        self._width = 0
-        self._last: tuple[list[int], int] | None = None
-
-    @property
-    def vocab_size(self) -> int:
-        return self.inner.vocab_size
-
-    def check_compatible(self, target: torch.nn.Module) -> None:
-        self.inner.check_compatible(target)
-
-    def prefill(
-        self,
-        input_ids: torch.Tensor,  # [B, T]
-        attention_mask: torch.Tensor,  # [B, T]
-        target_pass: TargetPass,
-        pending: torch.Tensor,  # [B]
-    ) -> None:
-        self._last = None
-        self.inner.prefill(input_ids, attention_mask, target_pass, pending)
-
-    def propose(
-        self, num_tokens: int, sampling: SamplingConfig, generator: torch.Generator | None
-    ) -> DraftProposal:
-        proposal = self.inner.propose(num_tokens, sampling, generator)
-        self._width = proposal.tokens.shape[1]
-        return proposal
-
-    def commit(
-        self,
-        num_accepted: torch.Tensor,  # [B]
-        next_tokens: torch.Tensor,  # [B]
-        target_pass: TargetPass,
-    ) -> None:
-        self._last = (num_accepted.tolist(), self._width)
-        self.inner.commit(num_accepted, next_tokens, target_pass)
-
-    def take_round(self) -> tuple[list[int], int] | None:
-        """(accepted drafts per row, drafts per row) of the round just committed, once."""
-        last, self._last = self._last, None
-        return last
+    key: SamplingConfig | None
+    session: DecodeSession
+    jobs: list[GenerationJob] = field(default_factory=list)
 
 
 class BatchWorker:
-    """The thread that owns the decoder and drains the queue batch by batch."""
+    """The thread that owns the decoder: admits queued requests, runs rounds, retires rows."""
 
     def __init__(
         self,
@@ -252,28 +201,41 @@ class BatchWorker:
         *,
         num_draft_tokens: int,
         adaptive: bool = False,
+        tree: TreeSpec | None = None,
+        tree_when_sampling: bool = False,
         max_batch_size: int,
         eos_token_ids: Sequence[int],
         pad_token_id: int,
         seed: int,
-        on_batch: Callable[[DecodeStats, int], None] | None = None,
+        on_decode: Callable[[DecodeStats], None] | None = None,
+        on_prefill: Callable[[int], None] | None = None,
     ) -> None:
+        """``tree`` drafts trees for greedy requests, and for sampled ones too with
+        ``tree_when_sampling`` (else they draft chains), as ``decode.evaluate``'s flags do.
+        ``on_decode`` gets the totals of every round (folded ``DecodeStats``), ``on_prefill``
+        the number of requests each prefill pass admitted."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        self._drafter = RecordingDrafter(drafter)
         self.decoder = SpeculativeDecoder(
-            target, self._drafter, num_draft_tokens, adaptive=adaptive
+            target, drafter, num_draft_tokens, tree=tree, adaptive=adaptive
         )
+        self.tree_when_sampling = tree_when_sampling
         self.queue = queue
         self.max_batch_size = max_batch_size
-        self.eos_token_ids = list(eos_token_ids)
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.pad_token_id = pad_token_id
-        self._on_batch = on_batch
+        self._on_decode = on_decode
+        self._on_prefill = on_prefill
         device = self.decoder.device
         self._seeds = torch.Generator(device=device).manual_seed(seed)
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="draftsmith-decoder", daemon=True)
-        self.running = 0  # rows of the batch in flight (read by /metrics)
+        self._lanes: list[_Lane] = []
+
+    @property
+    def running(self) -> int:
+        """Requests being decoded (read by /metrics)."""
+        return sum(len(lane.jobs) for lane in list(self._lanes))
 
     @property
     def alive(self) -> bool:
@@ -283,7 +245,7 @@ class BatchWorker:
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Stop after the current round; fail the jobs that never started."""
+        """Stop after the current round; fail the jobs that never finished."""
         self._stopping.set()
         for job in self.queue.close():
             job.post(ErrorEvent("the server is shutting down", status=503))
@@ -291,95 +253,165 @@ class BatchWorker:
             self._thread.join(timeout)
 
     def _loop(self) -> None:
-        while not self._stopping.is_set():
-            batch = self.queue.take_batch(self.max_batch_size, timeout=0.2)
-            if batch:
-                self.run_batch(batch)
-
-    def run_batch(self, jobs: list[GenerationJob]) -> None:
-        """Decode ``jobs`` in one call; every job ends with a ``DoneEvent`` or ``ErrorEvent``."""
-        self.running = len(jobs)
         try:
-            stats = self._generate(jobs)
-        except Exception as error:  # answer the clients, keep serving the others
-            logger.exception("generation failed for a batch of %d", len(jobs))
-            for job in jobs:
-                if not job.finished:
-                    job.finished = True
-                    job.post(ErrorEvent(f"generation failed: {type(error).__name__}: {error}"))
-            return
+            while not self._stopping.is_set():
+                self.tick(timeout=0.2)
         finally:
-            self.running = 0
-        for job in jobs:
-            if job.finished or job.cancelled or not self._stopping.is_set():
-                self._finish(job, len(jobs))
-            else:  # the call was stopped early for the shutdown
-                job.finished = True
-                job.post(ErrorEvent("the server is shutting down", status=503))
-        if self._on_batch is not None:
-            self._on_batch(stats, len(jobs))
+            for lane in self._lanes:
+                for job in lane.jobs:
+                    if not job.finished:
+                        job.finished = True
+                        job.post(ErrorEvent("the server is shutting down", status=503))
+            self._lanes = []
 
-    def _generate(self, jobs: list[GenerationJob]) -> DecodeStats:
-        params = jobs[0].params
-        device = self.decoder.device
+    def tick(self, timeout: float = 0.0) -> bool:
+        """Admit waiting requests (waiting up to ``timeout`` s when nothing runs), then run one
+        round of every lane and retire its finished rows. True while some lane runs."""
+        self._admit(timeout if not self._lanes else 0.0)
+        for lane in list(self._lanes):
+            if self._stopping.is_set():
+                break
+            self._round(lane)
+        return bool(self._lanes)
+
+    def drain(self) -> None:
+        """Run until no request waits or decodes (tests; the thread runs ``tick`` itself)."""
+        while self.tick() or len(self.queue):
+            pass
+
+    # -- joining -------------------------------------------------------------------------
+    def _admit(self, timeout: float) -> None:
+        free = self.max_batch_size - self.running
+        if free <= 0:
+            return
+        jobs = self.queue.take(free, timeout)
+        groups: dict[int, tuple[_Lane, list[GenerationJob]]] = {}
+        for job in jobs:
+            lane = self._lane_for(job.params)
+            groups.setdefault(id(lane), (lane, []))[1].append(job)
+        for lane, joining in groups.values():
+            self._join(lane, joining)
+
+    def _lane_for(self, params: SamplingParams) -> _Lane:
+        key = params.lane_key()
+        if key is not None:
+            for lane in self._lanes:
+                if lane.key == key:
+                    return lane
+        tree: TreeSpec | None = None
+        if params.greedy or self.tree_when_sampling:
+            tree = self.decoder.tree
+        session = self.decoder.session(
+            sampling=params.sampling,
+            eos_token_id=[],  # EOS is each request's own business (``_deliver``)
+            pad_token_id=self.pad_token_id,
+            generator=self._generator(params),
+            tree=tree,
+        )
+        lane = _Lane(key, session)
+        session.streamer = lambda update: self._deliver(lane, update)
+        self._lanes.append(lane)
+        return lane
+
+    def _join(self, lane: _Lane, jobs: list[GenerationJob]) -> None:
+        """Prefill ``jobs`` as one left-padded batch and add them to ``lane``."""
         width = max(len(job.prompt_ids) for job in jobs)
         input_ids = torch.full((len(jobs), width), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((len(jobs), width), dtype=torch.long)
         for row, job in enumerate(jobs):
             input_ids[row, width - len(job.prompt_ids) :] = torch.tensor(job.prompt_ids)
             attention_mask[row, width - len(job.prompt_ids) :] = 1
-        eos = [] if params.ignore_eos else self.eos_token_ids
+        device = self.decoder.device
+        running = len(lane.jobs)
+        lane.jobs.extend(jobs)
+        try:
+            lane.session.add_rows(
+                input_ids.to(device), attention_mask.to(device), [job.max_tokens for job in jobs]
+            )
+        except Exception as error:  # answer these clients; a lane left half-merged fails too
+            logger.exception("prefill failed for %d requests", len(jobs))
+            lane.jobs = lane.jobs[:running]
+            self._fail(jobs, error)
+            if lane.session.batch_size != running or not lane.jobs:
+                self._fail(lane.jobs, error)
+                self._lanes.remove(lane)
+            return
+        if self._on_prefill is not None:
+            self._on_prefill(len(jobs))
+        self._retire(lane)
 
-        def streamer(rows: list[list[int]]) -> bool:
-            return self._deliver(jobs, rows, set(eos))
-
-        output = self.decoder.generate(
-            input_ids.to(device),
-            attention_mask.to(device),
-            max_new_tokens=max(job.max_tokens for job in jobs),
-            eos_token_id=eos,
-            generator=self._generator(params, device),
-            pad_token_id=self.pad_token_id,
-            streamer=streamer,
-            sampling=params.sampling,
-        )
-        return output.stats
-
-    def _generator(self, params: SamplingParams, device: torch.device) -> torch.Generator | None:
+    def _generator(self, params: SamplingParams) -> torch.Generator | None:
         if params.greedy:
             return None
+        device = self.decoder.device
         if params.seed is not None:
             return torch.Generator(device=device).manual_seed(params.seed)
         seed = int(torch.randint(0, 2**62, (1,), generator=self._seeds, device=device))
         return torch.Generator(device=device).manual_seed(seed)
 
-    def _deliver(self, jobs: list[GenerationJob], rows: list[list[int]], eos: set[int]) -> bool:
+    # -- rounds --------------------------------------------------------------------------
+    def _round(self, lane: _Lane) -> None:
+        try:
+            lane.session.step()
+        except Exception as error:  # answer the clients, keep serving the other lanes
+            logger.exception("generation failed for a batch of %d", len(lane.jobs))
+            self._fail(lane.jobs, error)
+            self._lanes.remove(lane)
+            return
+        if self._on_decode is not None:
+            stats, lane.session.stats = lane.session.stats, DecodeStats()
+            self._on_decode(stats.fold())
+        self._retire(lane)
+
+    def _retire(self, lane: _Lane) -> None:
+        """Drop the finished requests' rows (an emptied lane closes)."""
+        done = [row for row, job in enumerate(lane.jobs) if job.finished]
+        if not done:
+            return
+        lane.session.retire(done)
+        lane.jobs = [job for job in lane.jobs if not job.finished]
+        if not lane.jobs:
+            self._lanes.remove(lane)
+
+    def _deliver(self, lane: _Lane, update: RoundUpdate) -> bool:
         """The streamer: pass each row's new tokens on; False once no row needs more."""
-        round_ = self._drafter.take_round()  # None for the token emitted by the prefill
-        for row, (job, tokens) in enumerate(zip(jobs, rows, strict=True)):
+        rows = len(lane.jobs)
+        lane.session.stats.tokens_emitted += sum(len(tokens) for tokens in update.tokens)
+        for row, (job, tokens) in enumerate(zip(lane.jobs, update.tokens, strict=True)):
             if job.finished:
                 continue
             if job.cancelled:
-                self._finish(job, len(jobs))
+                self._finish(job)
                 continue
             if not tokens:
                 continue
-            if round_ is not None:
-                accepted, drafted = round_
+            job.batch_size = max(job.batch_size, rows)
+            if update.accepted is not None:
                 job.stats.record_round(
-                    torch.tensor([accepted[row]]), drafted, torch.ones(1, dtype=torch.bool)
+                    torch.tensor([update.accepted[row]]), update.drafted, torch.ones(1, dtype=bool)
                 )
             tokens = tokens[: job.max_tokens - job.delivered]
+            eos = () if job.params.ignore_eos else self.eos_token_ids
+            ended = next((i for i, token in enumerate(tokens) if token in eos), None)
+            if ended is not None:
+                tokens = tokens[: ended + 1]
             job.delivered += len(tokens)
             job.post(TokensEvent(tokens))
-            if job.delivered >= job.max_tokens or tokens[-1] in eos:
-                self._finish(job, len(jobs))
-        return not self._stopping.is_set() and not all(job.finished for job in jobs)
+            if job.delivered >= job.max_tokens or ended is not None:
+                self._finish(job)
+        return not self._stopping.is_set() and not all(job.finished for job in lane.jobs)
 
     @staticmethod
-    def _finish(job: GenerationJob, batch_size: int) -> None:
+    def _finish(job: GenerationJob) -> None:
         if job.finished:
             return
         job.finished = True
         job.stats.tokens_emitted = job.delivered
-        job.post(DoneEvent(job.stats.fold(), batch_size))
+        job.post(DoneEvent(job.stats.fold(), job.batch_size))
+
+    @staticmethod
+    def _fail(jobs: list[GenerationJob], error: Exception) -> None:
+        for job in jobs:
+            if not job.finished:
+                job.finished = True
+                job.post(ErrorEvent(f"generation failed: {type(error).__name__}: {error}"))

@@ -152,7 +152,7 @@ def test_generate_is_one_session_and_its_rows_keep_their_limits(target: torch.nn
         session.add_rows(ids, None, [4, 0])
 
 
-@pytest.mark.parametrize("kind", ["draft_lm", "eagle3"])
+@pytest.mark.parametrize("kind", ["draft_lm", pytest.param("eagle3", marks=pytest.mark.slow)])
 def test_a_sampled_row_joining_mid_run_follows_the_targets_law(
     target: torch.nn.Module, kind: str
 ) -> None:
@@ -165,7 +165,7 @@ def test_a_sampled_row_joining_mid_run_follows_the_targets_law(
     _, second_law = exact_two_token_law(target, joining, sampling)
     generator = torch.Generator().manual_seed(5)
     counts = torch.zeros_like(second_law)
-    trials = 600
+    trials = 300
     for _ in range(trials):
         collector = Collector()
         session = decoder.session(sampling=sampling, eos_token_id=[], generator=generator,

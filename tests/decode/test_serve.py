@@ -38,6 +38,7 @@ MODEL = "tiny"
 MAX_TOKENS_LIMIT = 1536
 MAX_CONTEXT = 2048
 MAX_QUEUE = 8
+MAX_BATCH_SIZE = 4
 MAX_REQUEST_BYTES = 65536
 TEXTS = [
     "def add(a, b):\n    return a + b\n",
@@ -122,7 +123,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         sys.executable, "decode/serve.py",
         "--target", str(root / "target"), "--drafter", str(root / "draft"),
         "--served-model-name", MODEL, "--port", str(port), "--api-key", API_KEY,
-        "--max-queue", str(MAX_QUEUE), "--max-batch-size", "8",
+        "--max-queue", str(MAX_QUEUE), "--max-batch-size", str(MAX_BATCH_SIZE),
         "--max-tokens-limit", str(MAX_TOKENS_LIMIT), "--max-context-length", str(MAX_CONTEXT),
         "--max-request-bytes", str(MAX_REQUEST_BYTES), "--num-threads", "1",
         "--log-level", "warning",
@@ -229,6 +230,11 @@ def test_greedy_completion_equals_decoder_and_target_generate(served: Served, pr
     assert stats["tau"] == pytest.approx(1 + accepted / stats["target_forward_passes"])
     # Every verification pass yields 1 + accepted tokens; the first token comes from prefill.
     assert 1 + stats["target_forward_passes"] + accepted >= len(expected)
+    speculative = answer.usage.model_extra["speculative"]  # the same numbers, usage-side
+    assert speculative["rounds"] == stats["target_forward_passes"]
+    assert speculative["accepted_tokens"] == accepted and speculative["tau"] == stats["tau"]
+    assert sum(stats["verified_per_position"]) <= speculative["drafted_tokens"]
+    assert speculative["drafted_tokens"] <= 4 * speculative["rounds"]
 
 
 def test_token_id_prompt_and_chat_greedy(served: Served) -> None:
@@ -339,30 +345,29 @@ def test_stop_strings_cut_before_the_first_occurrence(served: Served) -> None:
 # -- concurrency ---------------------------------------------------------------------------
 
 
-def test_concurrent_clients_are_batched_and_all_correct(served: Served) -> None:
+def test_concurrent_clients_join_the_running_batch_and_are_all_correct(served: Served) -> None:
+    """Continuous batching: requests sent while a long stream decodes join it at a round
+    boundary (none waits for it to end) and each gets its own greedy answer."""
     expected = {prompt: served.text(served.greedy(served.encode(prompt), 24)) for prompt in PROMPTS}
     client = served.openai()
 
     def ask(prompt: str) -> Completion:
         return client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
 
-    with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        with long_stream(served):
-            futures = [pool.submit(ask, prompt) for prompt in PROMPTS]
-            # All eight wait behind the long stream, so they leave the queue as one batch.
-            served.wait_for(
-                lambda m: metric(m, "draftsmith_queue_depth") == len(PROMPTS), "8 queued requests"
-            )
-        answers = [future.result() for future in futures]
+    with ThreadPoolExecutor(len(PROMPTS)) as pool, long_stream(served):
+        futures = [pool.submit(ask, prompt) for prompt in PROMPTS]
+        answers = [future.result() for future in futures]  # while the long stream runs
     for prompt, answer in zip(PROMPTS, answers, strict=True):
         assert answer.choices[0].text == expected[prompt], prompt
-        assert answer.model_extra["draftsmith"]["batch_size"] == len(PROMPTS)
+        assert answer.model_extra["draftsmith"]["batch_size"] >= 2  # beside the long stream
 
 
 def test_full_queue_is_429_and_queued_requests_still_finish(served: Served) -> None:
     body = {"model": MODEL, "prompt": "fox", "max_tokens": 4, "temperature": 0}
     with ThreadPoolExecutor(MAX_QUEUE) as pool:
-        with long_stream(served):
+        with contextlib.ExitStack() as streams:
+            for _ in range(MAX_BATCH_SIZE):  # every decoder row busy: new requests must queue
+                streams.enter_context(long_stream(served))
             futures = [pool.submit(post, served, "/v1/completions", body) for _ in range(MAX_QUEUE)]
             served.wait_for(
                 lambda m: metric(m, "draftsmith_queue_depth") == MAX_QUEUE, "a full queue"
@@ -498,6 +503,14 @@ def test_metrics_are_prometheus_text_with_totals(served: Served) -> None:
         alpha = metric(metrics, "draftsmith_acceptance_rate", position=str(j))
         assert alpha == pytest.approx(accepted[j - 1] / verified[j - 1])
     assert metric(metrics, "draftsmith_info", model=MODEL, drafter_kind="draft_lm") == 1
+    finished = metric(metrics, "draftsmith_request_tau_count")  # per-request acceptance
+    assert finished >= 1 and metric(metrics, "draftsmith_request_tau_bucket", le="+Inf") == finished
+    assert metric(metrics, "draftsmith_request_tau_sum") >= finished  # each tau >= 1
+    assert (
+        0
+        < metric(metrics, "draftsmith_request_accepted_tokens_total")
+        <= metric(metrics, "draftsmith_request_draft_tokens_total")
+    )
 
 
 def test_load_test_script_runs_and_stops_by_itself(served: Served, tmp_path: Path) -> None:

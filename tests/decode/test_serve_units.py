@@ -8,12 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from decode_helpers import noisy_copy
+from decode_helpers import noisy_copy, tiny_eagle_drafter, tiny_medusa_drafter
+from serve_helpers import metric, parse_prometheus
 from tiny_models import tiny_llama
 from transformers import PreTrainedTokenizerFast
 
 from data.tokenizer import train_byte_level_bpe
 from decode import SpeculativeDecoder
+from decode.drafters.base import Drafter, TreeSpec
 from decode.drafters.draft_lm import DraftModelDrafter
 from decode.sampling import SamplingConfig
 from decode.serve import _is_loopback
@@ -146,15 +148,17 @@ def test_queue_batches_compatible_jobs_in_order_and_is_bounded() -> None:
             queue.put(GenerationJob([1], 4, greedy))
         names = {id(job): name for name, job in jobs.items()}
 
-        def take(max_size: int = 8) -> list[str]:
-            return [names[id(job)] for job in queue.take_batch(max_size, timeout=0.01)]
+        def take(max_jobs: int = 8) -> list[str]:
+            return [names[id(job)] for job in queue.take(max_jobs, timeout=0.01)]
 
-        assert take() == ["g1", "g2"]
-        assert take(max_size=1) == ["s1"]
+        assert take(2) == ["g1", "s1"]  # oldest first, whatever their settings
         jobs["s2"].cancel()
-        assert take() == ["seeded"]  # a seeded sampled request runs alone
-        assert take() == ["g_raw"]
-        assert take() == [] and len(queue) == 0  # the cancelled one was dropped
+        assert take() == ["g2", "seeded", "g_raw"]  # the cancelled one was dropped
+        assert take() == [] and len(queue) == 0
+        keys = {name: job.params.lane_key() for name, job in jobs.items()}
+        assert keys["g1"] == keys["g2"] == keys["g_raw"]  # greedy: one lane, EOS per request
+        assert keys["s1"] == keys["s2"] != keys["g1"]
+        assert keys["seeded"] is None  # a seeded sampled request runs alone
 
         late = GenerationJob([1], 4, greedy)
         queue.put(late)
@@ -248,36 +252,60 @@ def models() -> Models:
 
 
 def make_worker(
-    models: Models, batches: list[DecodeStats] | None = None, adaptive: bool = False
+    models: Models,
+    rounds: list[DecodeStats] | None = None,
+    adaptive: bool = False,
+    drafter: Drafter | None = None,
+    tree: TreeSpec | None = None,
+    max_batch_size: int = 8,
 ) -> BatchWorker:
     target, draft = models
     return BatchWorker(
         target,
-        DraftModelDrafter(draft),
-        RequestQueue(8),
-        num_draft_tokens=4,
+        DraftModelDrafter(draft) if drafter is None else drafter,
+        RequestQueue(16),
+        num_draft_tokens=3 if tree is not None else 4,
         adaptive=adaptive,
-        max_batch_size=8,
+        tree=tree,
+        max_batch_size=max_batch_size,
         eos_token_ids=[2],
         pad_token_id=0,
         seed=0,
-        on_batch=None if batches is None else lambda stats, rows: batches.append(stats),
+        on_decode=None if rounds is None else rounds.append,
     )
+
+
+Spec = tuple[list[int], int, SamplingParams]
 
 
 def run_jobs(
     worker: BatchWorker,
-    specs: list[tuple[list[int], int, SamplingParams]],
+    specs: list[Spec],
     cancel: tuple[int, ...] = (),
+    later: list[tuple[int, Spec]] = (),  # type: ignore[assignment]
 ) -> list[list[Event]]:
-    """Run one batch through ``worker.run_batch`` and collect every job's events."""
+    """Queue the jobs of ``specs``, run the worker until idle and collect every job's events;
+    each ``(rounds, spec)`` of ``later`` is queued after that many rounds (it joins mid-run)."""
 
     async def scenario() -> list[list[Event]]:
         jobs = [GenerationJob(ids, max_tokens, params) for ids, max_tokens, params in specs]
+        joining = [(at, GenerationJob(*spec)) for at, spec in later]
         for index in cancel:
             jobs[index].cancel()
-        await asyncio.to_thread(worker.run_batch, jobs)
+        for job in jobs:
+            worker.queue.put(job)
+
+        def work() -> None:
+            ticks = 0
+            while worker.tick() or len(worker.queue) or any(at >= ticks for at, _ in joining):
+                ticks += 1
+                for at, job in joining:
+                    if at == ticks:
+                        worker.queue.put(job)
+
+        await asyncio.to_thread(work)
         await asyncio.sleep(0)
+        jobs += [job for _, job in joining]
         events = []
         for job in jobs:
             received = []
@@ -295,17 +323,21 @@ def tokens_of(events: list[Event]) -> list[int]:
     return [token for event in events if isinstance(event, TokensEvent) for token in event.tokens]
 
 
-def greedy_reference(target: torch.nn.Module, prompt: list[int], max_tokens: int) -> list[int]:
+def greedy_reference(
+    target: torch.nn.Module, prompt: list[int], max_tokens: int, eos: tuple[int, ...] = (2,)
+) -> list[int]:
     ids = torch.tensor([prompt])
     out = target.generate(
         ids,
         attention_mask=torch.ones_like(ids),
         max_new_tokens=max_tokens,
         do_sample=False,
-        eos_token_id=[2],
+        eos_token_id=list(eos) or None,
         pad_token_id=0,
     )
-    return out[0, len(prompt) :].tolist()
+    tokens = out[0, len(prompt) :].tolist()
+    ended = next((i for i, token in enumerate(tokens) if token in eos), None)
+    return tokens if ended is None else tokens[: ended + 1]
 
 
 @pytest.mark.parametrize("adaptive", [False, True])
@@ -322,24 +354,70 @@ def test_batched_rows_each_get_their_own_greedy_answer_and_max_tokens(
 
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_per_request_stats_add_up_to_the_batch_stats(models: Models, adaptive: bool) -> None:
-    batches: list[DecodeStats] = []
+    rounds: list[DecodeStats] = []
     raw = SamplingParams(ignore_eos=True)
     specs = [([5, 9, 11], 24, raw), ([7], 24, raw), ([3, 4, 5, 6], 24, raw)]
-    events = run_jobs(make_worker(models, batches, adaptive), specs)
+    events = run_jobs(make_worker(models, rounds, adaptive), specs, later=[(3, ([8, 1], 9, raw))])
     rows = [received[-1].stats for received in events]
-    (batch,) = batches
+    batch = DecodeStats()
+    for stats in rounds:
+        batch = batch.merge(stats)
     assert sum(row.rounds for row in rows) == batch.rounds
     for j in range(4):
-        assert sum(row.accepted_per_position[j] for row in rows) == batch.accepted_per_position[j]
-        assert sum(row.reached_per_position[j] for row in rows) == batch.reached_per_position[j]
-    assert all(row.tokens_emitted == 24 for row in rows)
+        accepted = [row.accepted_per_position[j : j + 1] for row in rows]  # [] if never drafted
+        reached = [row.reached_per_position[j : j + 1] for row in rows]
+        assert sum(sum(a) for a in accepted) == batch.accepted_per_position[j]
+        assert sum(sum(r) for r in reached) == batch.reached_per_position[j]
+    assert [row.tokens_emitted for row in rows] == [24, 24, 24, 9]
     assert 1.0 <= batch.tau < 5.0  # the noisy draft is right only sometimes
+
+
+@pytest.mark.parametrize("kind", ["draft_lm", "eagle3_tree", "medusa_tree"])
+def test_requests_joining_a_running_batch_get_their_own_greedy_answers(
+    models: Models, kind: str
+) -> None:
+    """Continuous batching: requests queued while others decode join at a round boundary
+    (EOS per request: ``ignore_eos`` rows share the greedy lane) and retire when done."""
+    target = models[0]
+    drafter, tree = None, None
+    if kind == "eagle3_tree":
+        drafter, tree = tiny_eagle_drafter(target), TreeSpec(top_k=3, total_tokens=8)
+    elif kind == "medusa_tree":
+        drafter, tree = tiny_medusa_drafter(target), TreeSpec()
+    worker = make_worker(models, drafter=drafter, tree=tree, max_batch_size=3)
+    raw = SamplingParams(ignore_eos=True)
+    specs = [([5, 9, 11], 20, raw), ([7], 5, SamplingParams())]
+    later = [(2, ([3, 4, 5, 6, 7, 8, 9], 13, SamplingParams())), (2, ([12, 13], 9, raw)),
+             (4, ([30, 31, 32, 33], 7, SamplingParams()))]  # fmt: skip
+    events = run_jobs(worker, specs, later=later)
+    for (prompt, max_tokens, params), received in zip(
+        specs + [spec for _, spec in later], events, strict=True
+    ):
+        eos = () if params.ignore_eos else (2,)
+        assert tokens_of(received) == greedy_reference(target, prompt, max_tokens, eos)
+    assert events[0][-1].batch_size == 3  # at most max_batch_size rows at once
+    assert worker.running == 0 and not worker._lanes
+
+
+def test_sampled_lanes_run_beside_the_greedy_one_and_a_seed_still_fixes_the_answer(
+    models: Models,
+) -> None:
+    worker = make_worker(models)
+    seeded = SamplingParams(SamplingConfig(temperature=0.9), seed=11, ignore_eos=True)
+    hot = SamplingParams(SamplingConfig(temperature=0.8, top_k=20), ignore_eos=True)
+    alone = tokens_of(run_jobs(worker, [([5, 9], 16, seeded)])[0])
+    specs = [([7], 12, SamplingParams()), ([5, 9], 16, seeded), ([4], 10, hot), ([6], 10, hot)]
+    events = run_jobs(worker, specs, later=[(2, ([5, 9], 16, seeded))])
+    assert tokens_of(events[1]) == tokens_of(events[4]) == alone
+    assert tokens_of(events[0]) == greedy_reference(models[0], [7], 12)
+    assert [len(tokens_of(e)) for e in events[2:4]] == [10, 10]
+    assert events[2][-1].batch_size == 2 and events[1][-1].batch_size == 1  # lanes by setting
 
 
 def test_a_cancelled_row_is_dropped_and_the_others_finish(models: Models) -> None:
     specs = [([5, 9, 11], 10, SamplingParams()), ([7], 10, SamplingParams())]
     events = run_jobs(make_worker(models), specs, cancel=(0,))
-    assert tokens_of(events[0]) == []
+    assert events[0] == []  # its client left while it waited: dropped from the queue
     assert tokens_of(events[1]) == greedy_reference(models[0], [7], 10)
 
 
@@ -448,10 +526,26 @@ def test_metrics_text_escapes_labels_and_folds_batches() -> None:
     metrics = ServerMetrics('we"ird\\name', "ngram", 4)
     stats = DecodeStats()
     stats.record_round(torch.tensor([2, 0]), 3, torch.tensor([True, True]))
-    metrics.record_batch(stats.fold(), rows=2)
+    metrics.record_prefill(rows=2)
+    metrics.record_decode(stats.fold())
+    for accepted in ([2, 0], [1], []):  # three requests' own rounds (the last: no round)
+        own = DecodeStats()
+        for a in accepted:
+            own.record_round(torch.tensor([a]), 3, torch.tensor([True]))
+        metrics.record_request(own.fold())
     text = metrics.render(queue_depth=1, running=0)
     assert 'model="we\\"ird\\\\name"' in text
     assert "draftsmith_tau 2.0\n" in text  # 1 + 2 accepted / 2 row-rounds
     assert 'draftsmith_acceptance_rate{position="2"} 1.0' in text  # reached 1, accepted 1
     assert 'draftsmith_acceptance_rate{position="3"} 0.0' in text
     assert "draftsmith_queue_depth 1\n" in text
+    samples = parse_prometheus(text)
+    assert metric(samples, "draftsmith_prefill_rows_total") == 2
+    # Per-request tau: 2.0 (2 + 0 accepted over 2 rounds) and 2.0 (1 over 1 round).
+    assert metric(samples, "draftsmith_request_tau_bucket", le="1.75") == 0
+    assert metric(samples, "draftsmith_request_tau_bucket", le="2.0") == 2
+    assert metric(samples, "draftsmith_request_tau_bucket", le="+Inf") == 2
+    assert metric(samples, "draftsmith_request_tau_count") == 2
+    assert metric(samples, "draftsmith_request_tau_sum") == 4.0
+    assert metric(samples, "draftsmith_request_draft_tokens_total") == 9
+    assert metric(samples, "draftsmith_request_accepted_tokens_total") == 3
