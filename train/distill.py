@@ -19,11 +19,11 @@ Runs as a script with ``train/`` first on ``sys.path``, so this file imports the
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,27 +41,51 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return distill(config)
 
 
+@dataclass
+class _Plan:
+    """What the checks that need no model settle: they fail before anything loads or trains."""
+
+    loss: Any  # train.losses.Loss
+    objective_cls: type
+    target_ref: Any  # train.target_model.resolve_target's answer
+    output_dir: Path
+    checkpoints: Any  # train.checkpoint.CheckpointManager
+    resume: Path | None
+
+
+@dataclass
+class _Run:
+    """The started run: its processes, the target, the objective and the rows it trains on."""
+
+    accelerator: Accelerator
+    reporters: list[str]
+    location: Any  # the target's folder
+    target_name: str
+    tokenizer: Any
+    objective: Any  # train.objectives.Objective
+    description: str  # the training data, for the model card
+    train_rows: Any
+    eval_rows: list[dict[str, Any]]
+    cache_stats: Any = None  # train.target_cache's statistics with target_outputs: cache
+
+
 def distill(config: DistillConfig) -> dict[str, Any]:
-    """Run one distillation described by a resolved config."""
-    from data.sequences import collate_rows
-    from train.batches import ShardedBatches, shard_list
+    """Run one distillation described by a resolved config: check, start, load, train, export."""
+    plan = _plan(config)
+    accelerator, reporters, location, target_name = _start(config, plan)
+    run = _load(config, plan, accelerator, reporters, location, target_name)
+    tracker = _tracker(config, plan, run)
+    result = _train(config, plan, run, tracker)
+    return _finish(config, plan, run, tracker, result)
+
+
+def _plan(config: DistillConfig) -> _Plan:
+    """Check the loss, the kind, the target reference and the run folder; find the resume point."""
     from train.checkpoint import CheckpointManager
-    from train.distill_data import load_sequences
-    from train.distributed import format_report, parallel_report
-    from train.export import export_drafter, push_to_hub
-    from train.loop import LoopConfig, make_accelerator, run_training
     from train.losses import build_loss
     from train.objectives import get_objective_class
-    from train.target_model import (
-        load_model,
-        load_tokenizer,
-        resolve_target,
-        target_location,
-        target_on_main_first,
-    )
-    from train.tracking import RunTracker
+    from train.target_model import resolve_target
 
-    # ---- checks that need no model: fail before anything is loaded or trained
     loss = build_loss(config.loss.loss)
     objective_cls = get_objective_class(config.drafter.drafter_kind)
     target_ref = resolve_target(config.target.target)
@@ -71,31 +95,53 @@ def distill(config: DistillConfig) -> dict[str, Any]:
         output_dir / "checkpoints", config.output.keep_checkpoints, config.to_dict()
     )
     resume = _resume_point(config, checkpoints)
+    return _Plan(loss, objective_cls, target_ref, output_dir, checkpoints, resume)
+
+
+def _start(config: DistillConfig, plan: _Plan) -> tuple[Accelerator, list[str], Any, str]:
+    """The accelerator and the target's folder (a missing demo target built on one process)."""
+    from train.loop import make_accelerator
+    from train.target_model import target_location, target_on_main_first
+
     # One process builds a missing demo target before its Accelerator exists (the build trains
     # through its own); under a launcher the main process builds it while the others wait.
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched == 1:
-        location, target_name = target_location(target_ref)
+        location, target_name = target_location(plan.target_ref)
 
     reporters = [name for name in config.logging_reporters() if name != "none"]
     accelerator = make_accelerator(
         gradient_accumulation_steps=config.optim.gradient_accumulation_steps,
         mixed_precision=config.optim.mixed_precision,
         log_with=reporters,
-        project_dir=output_dir,
+        project_dir=plan.output_dir,
     )
     if launched > 1:
-        location, target_name = target_on_main_first(target_ref, accelerator)
-    if resume is None and config.output.overwrite_output_dir and accelerator.is_main_process:
-        shutil.rmtree(output_dir / "checkpoints", ignore_errors=True)
-        (output_dir / "logs" / "metrics.jsonl").unlink(missing_ok=True)
+        location, target_name = target_on_main_first(plan.target_ref, accelerator)
+    if plan.resume is None and config.output.overwrite_output_dir and accelerator.is_main_process:
+        shutil.rmtree(plan.output_dir / "checkpoints", ignore_errors=True)
+        (plan.output_dir / "logs" / "metrics.jsonl").unlink(missing_ok=True)
     accelerator.wait_for_everyone()
+    return accelerator, reporters, location, target_name
+
+
+def _load(
+    config: DistillConfig,
+    plan: _Plan,
+    accelerator: Accelerator,
+    reporters: list[str],
+    location: Any,
+    target_name: str,
+) -> _Run:
+    """Tokenizer, data (its errors before the model loads), target, objective and the rows."""
+    from train.distill_data import load_sequences
+    from train.target_model import load_model, load_tokenizer
 
     remote = config.target.trust_remote_code
     tokenizer = load_tokenizer(location, remote)
     sets = load_sequences(config.data, tokenizer, config.optim.seed)  # data errors before the model
     target = load_model(location, config.target.target_dtype, remote).to(accelerator.device)
-    objective = objective_cls.from_config(config, target, tokenizer, loss)
+    objective = plan.objective_cls.from_config(config, target, tokenizer, plan.loss)
     train_rows = sets.train
     if config.data.train_source == "target_samples":
         started = time.perf_counter()
@@ -107,47 +153,79 @@ def distill(config: DistillConfig) -> dict[str, Any]:
                 f"{time.perf_counter() - started:.0f} s"
             )
     objective.prepare(train_rows)
-    pad_id = tokenizer.pad_token_id
-
     cache_stats = None
     if config.data.target_outputs == "cache":
         train_rows, cache_stats = _cached_training_rows(
-            config, accelerator, objective, target, target_name, train_rows, pad_id, output_dir
+            config,
+            accelerator,
+            objective,
+            target,
+            target_name,
+            train_rows,
+            tokenizer.pad_token_id,
+            plan.output_dir,
         )
     eval_rows = _eval_rows(config, target, tokenizer, sets.held_out, accelerator)
+    return _Run(
+        accelerator,
+        reporters,
+        location,
+        target_name,
+        tokenizer,
+        objective,
+        sets.description,
+        train_rows,
+        eval_rows,
+        cache_stats,
+    )
+
+
+def _tracker(config: DistillConfig, plan: _Plan, run: _Run) -> Any:
+    """The run's trackers (metrics.jsonl plus the configured reporters), resumed in step."""
+    from train.tracking import RunTracker
+
+    tracker = RunTracker(
+        run.accelerator,
+        run.reporters,
+        config.logging.project,
+        config.logging.run_name or plan.output_dir.name,
+        config.to_dict(),
+        plan.output_dir,
+        resume_step=None if plan.resume is None else plan.checkpoints.step_of(plan.resume),
+    )
+    if run.cache_stats is not None and plan.resume is None:  # logged at step 0 by the first run
+        tracker.log({"cache/bytes_per_token": run.cache_stats.bytes_per_token}, 0)
+    return tracker
+
+
+def _train(config: DistillConfig, plan: _Plan, run: _Run, tracker: Any) -> Any:
+    """Batch the rows (each process its shard) and run the training loop."""
+    from data.cache import collate_cached
+    from data.sequences import collate_rows
+    from train.batches import ShardedBatches, shard_list
+    from train.loop import LoopConfig, run_training
+
+    accelerator, pad_id = run.accelerator, run.tokenizer.pad_token_id
 
     def collate(rows: list[dict[str, Any]]) -> dict[str, Any]:
         batch = collate_rows(rows, pad_id)
         if "hidden_states" in rows[0] and "hidden_states" not in batch:  # eagle3/medusa caches
-            from data.cache import collate_cached
-
             batch["hidden_states"] = collate_cached(rows, pad_id)["hidden_states"]
         return batch
 
     batch_size = config.optim.per_device_batch_size
-    local_eval = shard_list(eval_rows, accelerator.process_index, accelerator.num_processes)
+    local_eval = shard_list(run.eval_rows, accelerator.process_index, accelerator.num_processes)
     eval_batches = [
         collate(local_eval[i : i + batch_size]) for i in range(0, len(local_eval), batch_size)
     ]
     train_batches = ShardedBatches(
-        train_rows,
+        run.train_rows,
         batch_size,
         collate,
         seed=config.optim.seed,
         process_index=accelerator.process_index,
         num_processes=accelerator.num_processes,
     )
-    tracker = RunTracker(
-        accelerator,
-        reporters,
-        config.logging.project,
-        config.logging.run_name or output_dir.name,
-        config.to_dict(),
-        output_dir,
-        resume_step=None if resume is None else checkpoints.step_of(resume),
-    )
-    if cache_stats is not None and resume is None:  # logged at step 0 by the first run
-        tracker.log({"cache/bytes_per_token": cache_stats.bytes_per_token}, 0)
     loop_config = LoopConfig(
         max_steps=config.optim.max_steps,
         learning_rate=config.optim.learning_rate,
@@ -165,31 +243,73 @@ def distill(config: DistillConfig) -> dict[str, Any]:
         progress_bar=config.logging.progress_bar,
         description=f"distil {config.drafter.drafter_kind}",
     )
-    result = run_training(
-        objective,
+    return run_training(
+        run.objective,
         train_batches,
         loop_config,
         accelerator,
         eval_batches=eval_batches,
         log=tracker.log,
-        checkpoints=checkpoints,
-        resume_from=resume,
+        checkpoints=plan.checkpoints,
+        resume_from=plan.resume,
     )
-    parallel = parallel_report(objective.module, accelerator)  # a collective
+
+
+def _finish(
+    config: DistillConfig, plan: _Plan, run: _Run, tracker: Any, result: Any
+) -> dict[str, Any]:
+    """Report the parallel layout, export the drafter, write the summary, measure, push."""
+    from decode.atomic_io import write_json_atomic
+    from train.distributed import format_report, parallel_report
+    from train.export import export_drafter, push_to_hub
+
+    accelerator, output_dir = run.accelerator, plan.output_dir
+    parallel = parallel_report(run.objective.module, accelerator)  # a collective
     if accelerator.is_main_process:
         print(format_report(parallel))
+    summary = _summary(config, plan, run, result, parallel, tracker.wandb_mode)
+    state_dict = accelerator.get_state_dict(run.objective.module)  # a collective under FSDP
+    if accelerator.is_main_process:
+        export_drafter(
+            run.objective,
+            output_dir / "drafter",
+            run.tokenizer,
+            config.to_dict(),
+            summary,
+            state_dict,
+        )
+        write_json_atomic(output_dir / "summary.json", summary)
+        _print_summary(summary)
+        if config.speed_eval.speed_eval_prompts > 0:
+            summary["speed"] = _measure_speed(config, run.location, output_dir, result.final_eval)
+            write_json_atomic(output_dir / "summary.json", summary)
+    accelerator.wait_for_everyone()
+    tracker.finish()
+    if config.output.push_to_hub and accelerator.is_main_process:
+        summary["hub_url"] = push_to_hub(output_dir / "drafter", config.output.push_to_hub)
+    return summary
 
-    summary = {
-        "target": target_name,
-        "target_path": location,
+
+def _summary(
+    config: DistillConfig,
+    plan: _Plan,
+    run: _Run,
+    result: Any,
+    parallel: dict[str, Any],
+    wandb_mode: Any,
+) -> dict[str, Any]:
+    """What ``summary.json`` and the model card report about the run."""
+    return {
+        "target": run.target_name,
+        "target_path": run.location,
         "drafter_kind": config.drafter.drafter_kind,
-        "data": sets.description,
+        "data": run.description,
         "target_outputs": config.data.target_outputs,
         "on_policy_fraction": config.data.on_policy_fraction,
         "loss": config.loss.loss,
         "loss_temperature": config.loss.loss_temperature,
         "eval_temperature": config.loss.eval_temperature,
-        "eval_description": _eval_description(config, len(eval_rows)),
+        "eval_description": _eval_description(config, len(run.eval_rows)),
         "held_out": result.final_eval,
         "steps": result.steps,
         "stop_reason": result.stop_reason,
@@ -199,27 +319,12 @@ def distill(config: DistillConfig) -> dict[str, Any]:
         "world_size": result.world_size,
         "params_in_sync": result.params_in_sync,
         "distributed": parallel,
-        "train_sequences": len(train_rows),
+        "train_sequences": len(run.train_rows),
         "last_checkpoint": str(result.last_checkpoint) if result.last_checkpoint else None,
-        "cache": None if cache_stats is None else _cache_summary(cache_stats),
-        "drafter_dir": str(output_dir / "drafter"),
-        "wandb_mode": tracker.wandb_mode,
+        "cache": None if run.cache_stats is None else _cache_summary(run.cache_stats),
+        "drafter_dir": str(plan.output_dir / "drafter"),
+        "wandb_mode": wandb_mode,
     }
-    state_dict = accelerator.get_state_dict(objective.module)  # a collective under FSDP
-    if accelerator.is_main_process:
-        export_drafter(
-            objective, output_dir / "drafter", tokenizer, config.to_dict(), summary, state_dict
-        )
-        (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        _print_summary(summary)
-        if config.speed_eval.speed_eval_prompts > 0:
-            summary["speed"] = _measure_speed(config, location, output_dir, result.final_eval)
-            (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    accelerator.wait_for_everyone()
-    tracker.finish()
-    if config.output.push_to_hub and accelerator.is_main_process:
-        summary["hub_url"] = push_to_hub(output_dir / "drafter", config.output.push_to_hub)
-    return summary
 
 
 def _measure_speed(

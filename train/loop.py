@@ -150,6 +150,44 @@ def run_training(
     ``checkpoints``. The accelerator must be built with ``step_scheduler_with_optimizer=False``
     (see ``make_accelerator``): the schedule counts optimizer steps, not samples.
     """
+    _check_loop_arguments(accelerator, checkpoints, resume_from)
+    run = _start_run(objective, config, accelerator, checkpoints, resume_from)
+    batches = train_batches.iterate(start=run.state.micro_step)
+    stop_reason = "max_steps"
+    while run.state.step < config.max_steps:
+        if config.max_minutes is not None and _out_of_time(run.clock, config, accelerator):
+            stop_reason = "max_minutes"
+            break
+        _optimizer_step(run, batches)
+        _after_step(run, eval_batches, log, checkpoints)
+    run.bar.close()
+    return _end_run(run, eval_batches, log, checkpoints, stop_reason)
+
+
+@dataclass
+class _RunState:
+    """Everything one ``run_training`` call carries from step to step."""
+
+    objective: Objective
+    config: LoopConfig
+    accelerator: Accelerator
+    module: torch.nn.Module  # prepared by accelerate
+    optimizer: Any
+    scheduler: Any
+    trainable: list[torch.nn.Parameter]
+    state: TrainerState
+    clock: _Clock
+    bar: Any  # tqdm
+    window: _MetricWindow = field(default_factory=lambda: _MetricWindow())
+    window_tokens: int = 0
+    window_start: float = 0.0
+    last_train: dict[str, float] = field(default_factory=dict)
+    last_checkpoint: Path | None = None
+
+
+def _check_loop_arguments(
+    accelerator: Accelerator, checkpoints: CheckpointManager | None, resume_from: Path | None
+) -> None:
     if accelerator.step_scheduler_with_optimizer:
         raise ValueError(
             "run_training needs Accelerator(step_scheduler_with_optimizer=False): accelerate "
@@ -157,6 +195,16 @@ def run_training(
         )
     if resume_from is not None and checkpoints is None:
         raise ValueError("resume_from needs a CheckpointManager to load it with")
+
+
+def _start_run(
+    objective: Objective,
+    config: LoopConfig,
+    accelerator: Accelerator,
+    checkpoints: CheckpointManager | None,
+    resume_from: Path | None,
+) -> _RunState:
+    """Prepare module, optimizer and schedule with accelerate; restore a checkpoint if given."""
     clock = _Clock()
     module = objective.trainable_module()
     optimizer = build_optimizer(module, config)
@@ -181,96 +229,123 @@ def run_training(
         disable=not (accelerator.is_local_main_process and config.progress_bar),
         dynamic_ncols=True,
     )
-    accumulation = accelerator.gradient_accumulation_steps
-    trainable = [p for p in module.parameters() if p.requires_grad]
-    window = _MetricWindow()
-    window_tokens, window_start = 0, clock.elapsed()
-    last_train: dict[str, float] = {}
-    last_checkpoint: Path | None = None
-    stop_reason = "max_steps"
-    batches = train_batches.iterate(start=state.micro_step)
+    run = _RunState(
+        objective,
+        config,
+        accelerator,
+        module,
+        optimizer,
+        scheduler,
+        trainable=[p for p in module.parameters() if p.requires_grad],
+        state=state,
+        clock=clock,
+        bar=bar,
+    )
+    run.window_start = clock.elapsed()
     module.train()
+    return run
 
-    while state.step < config.max_steps:
-        if config.max_minutes is not None and _out_of_time(clock, config, accelerator):
-            stop_reason = "max_minutes"
-            break
-        for _ in range(accumulation):
-            _, batch = next(batches)
-            batch = _to_device(batch, accelerator.device)
-            with accelerator.accumulate(module):
-                loss, metrics = objective.compute_loss(batch)
-                loss_value = _finite_loss(loss, state.step + 1, accelerator, config)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients:
-                    if config.max_grad_norm > 0:
-                        grad_norm = accelerator.clip_grad_norm_(trainable, config.max_grad_norm)
-                        if grad_norm is not None:
-                            metrics["grad_norm"] = float(grad_norm)
-                            if not math.isfinite(metrics["grad_norm"]):
-                                raise _diverged(
-                                    f"the gradient norm is {metrics['grad_norm']}",
-                                    state.step + 1,
-                                    config,
-                                )
-                    optimizer.step()
-                    scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-            tokens = _count_tokens(batch) * accelerator.num_processes
-            state.micro_step += 1
-            state.tokens_seen += tokens
-            window_tokens += tokens
-            window.add({"loss": loss_value, **metrics})
-        state.step += 1
-        state.elapsed_s = clock.elapsed()
-        bar.update(1)
 
-        if config.log_every and (state.step % config.log_every == 0 or state.step == 1):
-            now = clock.elapsed()
-            last_train = window.mean(accelerator)
-            last_train["lr"] = scheduler.get_last_lr()[0]
-            last_train["tokens_seen"] = float(state.tokens_seen)
-            last_train["tokens_per_s"] = window_tokens / max(now - window_start, 1e-9)
-            window_tokens, window_start = 0, now
-            bar.set_postfix(loss=f"{last_train['loss']:.3f}", lr=f"{last_train['lr']:.2e}")
-            if log is not None and accelerator.is_main_process:
-                log({f"train/{k}": v for k, v in last_train.items()}, state.step)
-        if config.eval_every and state.step % config.eval_every == 0 and eval_batches:
-            state.last_eval = _run_eval(objective, eval_batches, accelerator, log, state.step)
-            module.train()
-        if (
-            checkpoints is not None
-            and config.checkpoint_every
-            and state.step % config.checkpoint_every == 0
-        ):
-            _check_parameters(trainable, state.step, config, accelerator)
-            last_checkpoint = checkpoints.save(accelerator, state.step, asdict(state), objective)
-    bar.close()
+def _optimizer_step(run: _RunState, batches: Any) -> None:
+    """One optimizer step over ``gradient_accumulation_steps`` micro-batches."""
+    accelerator, config, state = run.accelerator, run.config, run.state
+    for _ in range(accelerator.gradient_accumulation_steps):
+        _, batch = next(batches)
+        batch = _to_device(batch, accelerator.device)
+        with accelerator.accumulate(run.module):
+            loss, metrics = run.objective.compute_loss(batch)
+            loss_value = _finite_loss(loss, state.step + 1, accelerator, config)
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                if config.max_grad_norm > 0:
+                    grad_norm = accelerator.clip_grad_norm_(run.trainable, config.max_grad_norm)
+                    if grad_norm is not None:
+                        metrics["grad_norm"] = float(grad_norm)
+                        if not math.isfinite(metrics["grad_norm"]):
+                            raise _diverged(
+                                f"the gradient norm is {metrics['grad_norm']}",
+                                state.step + 1,
+                                config,
+                            )
+                run.optimizer.step()
+                run.scheduler.step()
+            run.optimizer.zero_grad(set_to_none=True)
+        tokens = _count_tokens(batch) * accelerator.num_processes
+        state.micro_step += 1
+        state.tokens_seen += tokens
+        run.window_tokens += tokens
+        run.window.add({"loss": loss_value, **metrics})
+    state.step += 1
+    state.elapsed_s = run.clock.elapsed()
+    run.bar.update(1)
 
+
+def _after_step(
+    run: _RunState,
+    eval_batches: Sequence[Batch],
+    log: LogFn | None,
+    checkpoints: CheckpointManager | None,
+) -> None:
+    """Log, evaluate and checkpoint when their intervals fall on this step."""
+    accelerator, config, state = run.accelerator, run.config, run.state
+    if config.log_every and (state.step % config.log_every == 0 or state.step == 1):
+        now = run.clock.elapsed()
+        last_train = run.window.mean(accelerator)
+        last_train["lr"] = run.scheduler.get_last_lr()[0]
+        last_train["tokens_seen"] = float(state.tokens_seen)
+        last_train["tokens_per_s"] = run.window_tokens / max(now - run.window_start, 1e-9)
+        run.last_train, run.window_tokens, run.window_start = last_train, 0, now
+        run.bar.set_postfix(loss=f"{last_train['loss']:.3f}", lr=f"{last_train['lr']:.2e}")
+        if log is not None and accelerator.is_main_process:
+            log({f"train/{k}": v for k, v in last_train.items()}, state.step)
+    if config.eval_every and state.step % config.eval_every == 0 and eval_batches:
+        state.last_eval = _run_eval(run.objective, eval_batches, accelerator, log, state.step)
+        run.module.train()
+    if (
+        checkpoints is not None
+        and config.checkpoint_every
+        and state.step % config.checkpoint_every == 0
+    ):
+        _check_parameters(run.trainable, state.step, config, accelerator)
+        run.last_checkpoint = checkpoints.save(
+            accelerator, state.step, asdict(state), run.objective
+        )
+
+
+def _end_run(
+    run: _RunState,
+    eval_batches: Sequence[Batch],
+    log: LogFn | None,
+    checkpoints: CheckpointManager | None,
+    stop_reason: str,
+) -> LoopResult:
+    """The final evaluation and checkpoint (unless this step already had them); the result."""
+    accelerator, config, state = run.accelerator, run.config, run.state
     if eval_batches and not (config.eval_every and state.step % config.eval_every == 0):
-        state.last_eval = _run_eval(objective, eval_batches, accelerator, log, state.step)
-    state.elapsed_s = clock.elapsed()
-    _check_parameters(trainable, state.step, config, accelerator)
+        state.last_eval = _run_eval(run.objective, eval_batches, accelerator, log, state.step)
+    state.elapsed_s = run.clock.elapsed()
+    _check_parameters(run.trainable, state.step, config, accelerator)
     if checkpoints is not None and config.checkpoint_at_end:
         latest = checkpoints.latest()
         if latest is None or latest.name != f"checkpoint-{state.step:07d}":
-            last_checkpoint = checkpoints.save(accelerator, state.step, asdict(state), objective)
+            run.last_checkpoint = checkpoints.save(
+                accelerator, state.step, asdict(state), run.objective
+            )
         else:
-            last_checkpoint = latest
+            run.last_checkpoint = latest
     accelerator.wait_for_everyone()
-    in_sync = parameters_in_sync(module, accelerator)
-    minutes = state.elapsed_s / 60
+    in_sync = parameters_in_sync(run.module, accelerator)
     return LoopResult(
         steps=state.step,
         tokens_seen=state.tokens_seen,
-        minutes=minutes,
+        minutes=state.elapsed_s / 60,
         tokens_per_second=state.tokens_seen / max(state.elapsed_s, 1e-9),
         stop_reason=stop_reason,
         world_size=accelerator.num_processes,
         params_in_sync=in_sync,
-        last_train_metrics=last_train,
+        last_train_metrics=run.last_train,
         final_eval=state.last_eval,
-        last_checkpoint=last_checkpoint,
+        last_checkpoint=run.last_checkpoint,
     )
 
 
