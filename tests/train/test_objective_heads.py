@@ -13,7 +13,7 @@ from objective_helpers import CONFIGS, bind, sampled_batch
 from tiny_models import tiny_llama
 
 from decode.drafters.registry import DRAFTER_LOADERS, load_drafter
-from train.config import parse_config
+from train.config import parse_config, read_recipe
 from train.losses import build_loss
 from train.objectives import OBJECTIVES, Objective, get_objective_class
 from train.objectives.heads import (
@@ -24,10 +24,9 @@ from train.objectives.heads import (
 )
 
 TINY_RECIPES = {
-    "draft_lm": CONFIGS / "tiny.yaml",
-    "eagle3": CONFIGS / "tiny_eagle3.yaml",
-    "medusa": CONFIGS / "tiny_medusa.yaml",
+    read_recipe(path)["drafter_kind"]: path for path in sorted(CONFIGS.glob("tiny*.yaml"))
 }
+"""Drafter kind -> its tiny recipe: a new kind's ``configs/tiny_<kind>.yaml`` joins the tests."""
 
 
 # -- the protocol -------------------------------------------------------------------------------
