@@ -10,12 +10,14 @@ import pytest
 import torch
 from objective_helpers import (
     CONFIGS,
+    assert_aligned_with_greedy_labels,
     assert_decodes_greedy_output,
     bind,
     cached_batch,
     means,
     sampled_batch,
     train,
+    train_on_own_text,
 )
 from tiny_models import tiny_llama
 
@@ -52,27 +54,13 @@ def test_step_k_targets_are_the_targets_law_of_the_label_it_predicts() -> None:
     objective = bind(make_objective(target, unroll_steps=3))
     _, target_logits = objective._target_outputs(batch)
     steps = objective._unroll(batch, objective._target_outputs(batch)[0])
-    seen = 0
-    for k, (_, draft, target_k, mask, labels) in enumerate(
-        objective._aligned(batch, steps, target_logits)
-    ):
-        assert draft.shape[:2] == target_k.shape[:2] == mask.shape == labels.shape
-        assert draft.shape[1] == 20 - 2 - k
-        assert torch.equal(target_k.argmax(-1)[mask], labels[mask])
-        seen += 1
-    assert seen == 3
+    assert_aligned_with_greedy_labels(objective._aligned(batch, steps, target_logits), 20, 3)
 
 
 def test_training_time_test_lowers_the_loss_and_raises_held_out_overlap_per_step() -> None:
     target = tiny_llama(num_layers=4, dtype=torch.float32)
-    train_batch = sampled_batch(target, rows=16, length=32, seed=1)
-    held_out = sampled_batch(target, rows=8, length=32, seed=2)
     objective = bind(make_objective(target, loss="tv", unroll_steps=3))
-    before = means(objective.evaluate(held_out))
-    losses = train(objective, train_batch, steps=40)
-    after = means(objective.evaluate(held_out))
-    assert losses[-1] < 0.7 * losses[0]
-    assert after["loss"] < before["loss"]
+    before, after, held_out = train_on_own_text(objective, target)
     for j in (1, 2, 3):
         assert after[f"overlap@{j}"] > before[f"overlap@{j}"] + 0.1, (j, before, after)
         assert 0.0 <= after[f"greedy_match@{j}"] <= 1.0

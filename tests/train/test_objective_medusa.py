@@ -10,12 +10,13 @@ import pytest
 import torch
 from objective_helpers import (
     CONFIGS,
+    assert_aligned_with_greedy_labels,
     assert_decodes_greedy_output,
     bind,
     cached_batch,
-    means,
     sampled_batch,
     train,
+    train_on_own_text,
 )
 from tiny_models import tiny_llama
 
@@ -42,27 +43,16 @@ def test_head_i_is_compared_with_the_targets_law_of_the_token_it_guesses() -> No
     for i in range(3):  # zero residual blocks: each head starts as the target's own head
         expected = target_logits[:, : 20 - 2 - i]
         torch.testing.assert_close(logits[i].double(), expected, rtol=1e-4, atol=1e-4)
-    seen = 0
-    for i, (weight, draft, target_i, mask, labels) in enumerate(
-        objective._aligned(batch, logits, target_logits)
-    ):
-        assert weight == pytest.approx(0.8**i)
-        assert draft.shape[1] == target_i.shape[1] == 20 - 2 - i
-        assert torch.equal(target_i.argmax(-1)[mask], labels[mask])
-        seen += 1
-    assert seen == 3
+    weights = assert_aligned_with_greedy_labels(
+        objective._aligned(batch, logits, target_logits), 20, 3
+    )
+    assert weights == pytest.approx([0.8**i for i in range(3)])
 
 
 def test_training_lowers_the_loss_and_raises_held_out_overlap_per_head() -> None:
     target = tiny_llama(num_layers=2, dtype=torch.float32)
-    train_batch = sampled_batch(target, rows=16, length=32, seed=1)
-    held_out = sampled_batch(target, rows=8, length=32, seed=2)
     objective = make_objective(target, loss="fkl")
-    before = means(objective.evaluate(held_out))
-    losses = train(objective, train_batch, steps=40)
-    after = means(objective.evaluate(held_out))
-    assert losses[-1] < 0.7 * losses[0]
-    assert after["loss"] < before["loss"]
+    before, after, _ = train_on_own_text(objective, target)
     for j in (1, 2, 3):
         assert after[f"overlap@{j}"] > before[f"overlap@{j}"] + 0.03, (j, before, after)
     describe = objective.describe()
