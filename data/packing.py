@@ -8,7 +8,7 @@ against ``input_ids[t]``. A causal LM loss therefore uses ``loss_mask[:, 1:]`` a
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import datasets
@@ -26,6 +26,27 @@ def _require_column(dataset: datasets.Dataset, column: str, argument: str) -> No
             f"dataset has no column {column!r} (columns: {dataset.column_names}); pass "
             f"{argument}= the name of the column that holds it"
         )
+
+
+RowFn = Callable[[Mapping[str, list[Any]]], dict[str, list[list[int]]]]
+
+
+def map_to_rows(dataset: datasets.Dataset, fn: RowFn, desc: str) -> datasets.Dataset:
+    """``dataset`` mapped in batches by ``fn`` to rows of ``input_ids`` (int32) and
+    ``loss_mask`` (int8); ``fn`` may return fewer or more rows than it was given."""
+    return dataset.map(
+        fn,
+        batched=True,
+        batch_size=_MAP_BATCH_SIZE,
+        remove_columns=dataset.column_names,
+        features=datasets.Features(
+            {
+                "input_ids": datasets.Sequence(datasets.Value("int32")),
+                "loss_mask": datasets.Sequence(datasets.Value("int8")),
+            }
+        ),
+        desc=desc,
+    )
 
 
 def tokenize_and_pack(
@@ -63,19 +84,7 @@ def tokenize_and_pack(
         blocks = [stream[start : start + block_size] for start in range(0, usable, block_size)]
         return {"input_ids": blocks, "loss_mask": [[1] * block_size for _ in blocks]}
 
-    return dataset.map(
-        pack,
-        batched=True,
-        batch_size=_MAP_BATCH_SIZE,
-        remove_columns=dataset.column_names,
-        features=datasets.Features(
-            {
-                "input_ids": datasets.Sequence(datasets.Value("int32")),
-                "loss_mask": datasets.Sequence(datasets.Value("int8")),
-            }
-        ),
-        desc=f"tokenize and pack into blocks of {block_size}",
-    )
+    return map_to_rows(dataset, pack, f"tokenize and pack into blocks of {block_size}")
 
 
 def render_and_pad(
@@ -106,19 +115,7 @@ def render_and_pad(
                 loss_mask.append(rendered["loss_mask"])
         return {"input_ids": input_ids, "loss_mask": loss_mask}
 
-    return dataset.map(
-        render,
-        batched=True,
-        batch_size=_MAP_BATCH_SIZE,
-        remove_columns=dataset.column_names,
-        features=datasets.Features(
-            {
-                "input_ids": datasets.Sequence(datasets.Value("int32")),
-                "loss_mask": datasets.Sequence(datasets.Value("int8")),
-            }
-        ),
-        desc=f"render conversations (max {block_size} tokens)",
-    )
+    return map_to_rows(dataset, render, f"render conversations (max {block_size} tokens)")
 
 
 def collate(

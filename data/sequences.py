@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from data.cache import collate_cached
-from data.packing import collate, render_and_pad, tokenize_and_pack
+from data.packing import collate, map_to_rows, render_and_pad, tokenize_and_pack
 from data.sources import load_conversations, load_jsonl, load_records, load_text_files
 
 if TYPE_CHECKING:
@@ -128,7 +128,7 @@ def render_prompt_response(
                 mask_out.append(mask)
         return {"input_ids": ids_out, "loss_mask": mask_out}
 
-    return table.map(render, batched=True, remove_columns=table.column_names)
+    return map_to_rows(table, render, f"render prompt/response pairs (max {block_size} tokens)")
 
 
 # ---------------------------------------------------------------------- sources

@@ -35,6 +35,16 @@ def next_token_targets(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     return labels, weights
 
 
+def next_token_logits(module: torch.nn.Module, batch: Batch) -> torch.Tensor:  # [B, T-1, V]
+    """A causal LM's logits at every position but the last: position t predicts token t+1."""
+    outputs = module(
+        input_ids=batch["input_ids"],
+        attention_mask=batch.get("attention_mask"),
+        use_cache=False,
+    )
+    return outputs.logits[:, :-1]
+
+
 class CausalLMObjective(Objective):
     """Cross-entropy of a causal LM on its own training text (no teacher)."""
 
@@ -72,9 +82,4 @@ class CausalLMObjective(Objective):
         }
 
     def _logits(self, batch: Batch) -> torch.Tensor:  # [B, T-1, V]
-        outputs = self.module(
-            input_ids=batch["input_ids"],
-            attention_mask=batch.get("attention_mask"),
-            use_cache=False,
-        )
-        return outputs.logits[:, :-1]
+        return next_token_logits(self.module, batch)

@@ -57,7 +57,7 @@ from train.drafter_models import (
 from train.generation import sample_continuations
 from train.losses import Loss, TargetProbs, cross_entropy, overlap
 from train.objectives import Batch, MetricSums, Objective
-from train.objectives.causal_lm import next_token_targets
+from train.objectives.causal_lm import next_token_logits, next_token_targets
 from train.objectives.eagle3 import count_tokens
 from train.objectives.heads import cached_target_logprobs
 
@@ -406,12 +406,7 @@ class DraftLMObjective(Objective):
         return target[..., self.draft_to_target]
 
     def _draft_logits(self, batch: Batch) -> torch.Tensor:  # [B, T-1, V_draft]
-        outputs = self.module(
-            input_ids=batch["input_ids"],
-            attention_mask=batch.get("attention_mask"),
-            use_cache=False,
-        )
-        return outputs.logits[:, :-1]
+        return next_token_logits(self.module, batch)
 
     @torch.no_grad()
     def _target(self, batch: Batch) -> torch.Tensor | TargetProbs:  # [B, T-1, V]
