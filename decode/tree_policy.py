@@ -31,19 +31,28 @@ Each top-k shape keeps its own per-depth rates ``alpha_j`` (the accepted path re
 j given depth j - 1), ``E = 1 + sum_j prod_{l <= j} alpha_l``, and is measured once before it
 is compared.
 
-**Cost.** A round of ``n`` scored tokens (nodes + 1) and ``d`` draft levels takes
-``T = a + b * n + c * d`` seconds: the verify pass widens with every scored token (on a CPU a
-5-token verify costs about 1.7 target steps, docs/theory.md §5) and every level is a draft
-step. A shape that has run uses its own smoothed time (weight 0.1); the others use a least-
-squares fit of that plane through the measured shapes (a line in ``n + d`` while fewer than
-three are measured, negative slopes refitted without their feature). The policy picks
+**Cost.** A round of ``n`` scored tokens (nodes + 1), ``s`` draft-network steps (depth - 1;
+the first level comes from the logits of the last commit) and, for a tree, its tree-masked
+verify pass takes
+
+    T = a + b * n + c * s + e * [tree]
+
+seconds: the verify pass widens with every scored token (on a CPU a 5-token verify costs
+about 1.7 target steps, docs/theory.md §5) and every level is a draft step. The coefficients
+are one least-squares fit over every round seen, weighted by recency (each round's weight
+decays by ``decay``, recursive least squares with forgetting), with non-negative slopes; a
+round slower than 1.5 times a prediction the past rounds pin down counts as 1.5 times (the
+machine is shared: a stall says nothing about the shape). One model for all shapes compares them under the same
+recent load, where per-shape averages would compare a shape timed during a stall with one
+timed in a quiet moment. The policy picks
 
     s* = argmax_s E(s) / T(s)
 
 over the shapes that fit the rows' remaining room: expected tokens per second. The chains and
 the plain step are on the menu, so in expectation it never does worse than the best chain.
-As in the chain policy, rates are decayed counts (factor 0.99, prior one acceptance in two),
-the longest chain, a plain step and the largest tree are measured first, every
+As in the chain policy, rates are decayed counts (factor 0.99, prior one acceptance in two);
+the longest chain, a plain step, a half-length chain (three points of the cost plane) and the
+largest tree are measured first (every top-k tree, whose rates are its own); every
 ``probe_every``-th round runs the runner-up or the least recently run of the five best
 shapes, and the current shape is kept until another promises ``switch_margin`` more tokens
 per second. The state carries over from one ``generate`` call to the next.
@@ -180,7 +189,7 @@ class TreeSizePolicy:
         self._siblings = _Rates(children)  # beta_i of sampled trees (index 0 unused)
         self._side = _Rates(max_depth)  # gamma_j of the chains under later siblings
         self._top_k: dict[tuple[RoundShape, bool], _Rates] = {}
-        self._seconds: dict[RoundShape, float] = {}  # smoothed round duration
+        self.cost = RoundCost(decay)
         self._scored: dict[RoundShape, int] = {}  # scored tokens where a shape has run
         self._last_run: dict[RoundShape, int] = {}
         self._current: RoundShape | None = None
@@ -204,15 +213,12 @@ class TreeSizePolicy:
 
     # -- the cost -----------------------------------------------------------------------------
     def round_seconds(self, shape: RoundShape) -> float | None:
-        """``T(s)``: the smoothed measurement where ``shape`` ran, else the fitted plane (None
-        before any round)."""
-        if shape in self._seconds:
-            return self._seconds[shape]
-        if not self._seconds:
-            return None
-        points = [(self._scored[s], s.depth, t) for s, t in self._seconds.items()]
-        n, d = self._scored.get(shape, shape.scored_tokens), shape.depth
-        return max(_fit_plane(points, n, d), 1e-9)
+        """``T(s)`` from the fitted cost model (None before any round)."""
+        return self.cost.predict(self._features(shape))
+
+    def _features(self, shape: RoundShape) -> tuple[float, ...]:
+        scored = self._scored.get(shape, shape.scored_tokens)  # a top-k tree's real size
+        return _features(scored, max(shape.depth - 1, 0), shape.kind != CHAIN)
 
     # -- choosing -----------------------------------------------------------------------------
     def choose(self, limit: int) -> int:
@@ -229,7 +235,7 @@ class TreeSizePolicy:
         full = self.menus[SAMPLED if sampled else TOP_K]
         menu = [s for s in full if s.depth <= limit]
         for shape in self._first_measured(full):
-            if shape not in self._seconds and shape.depth <= limit:
+            if shape not in self._scored and shape.depth <= limit:
                 return self._ran(shape)
         rates = {s: self.expected_tokens(s, greedy) / self.round_seconds(s) for s in menu}
         ranked = sorted(menu, key=rates.__getitem__, reverse=True)
@@ -247,9 +253,10 @@ class TreeSizePolicy:
 
     def _first_measured(self, menu: list[RoundShape]) -> list[RoundShape]:
         """Measured before any comparison (where they fit the room): the longest chain, a
-        plain step (two points of the cost plane), the largest tree (the third, and the
-        sibling rates); every top-k tree, whose rates are its own."""
-        chains = [RoundShape.chain(self.max_depth), RoundShape.chain(0)]
+        plain step and a half-length chain (the cost plane), the largest tree (the tree
+        term and the sibling rates); every top-k tree, whose rates are its own."""
+        half = RoundShape.chain((self.max_depth + 1) // 2)
+        chains = list(dict.fromkeys([RoundShape.chain(self.max_depth), RoundShape.chain(0), half]))
         trees = [s for s in menu if s.kind != CHAIN]
         if not trees:
             return chains
@@ -316,10 +323,7 @@ class TreeSizePolicy:
     def _time(self, shape: RoundShape, scored: int, seconds: float) -> None:
         self._rounds += 1
         self._scored[shape] = scored
-        previous = self._seconds.get(shape)
-        self._seconds[shape] = (
-            seconds if previous is None else previous + 0.1 * (seconds - previous)
-        )
+        self.cost.add(self._features(shape), seconds)
 
 
 def _path_sum(rates: list[float]) -> float:
@@ -331,24 +335,71 @@ def _path_sum(rates: list[float]) -> float:
     return total
 
 
-def _fit_plane(points: list[tuple[int, int, float]], n: int, d: int) -> float:
-    """Least-squares ``t = a + b * n + c * d`` through ``points`` (n, d, t), evaluated at
-    (n, d); fewer than three distinct points, or a negative slope, fall back to a line in
-    ``n + d`` (one point: proportional to ``1 + n + d``)."""
-    distinct = {(pn, pd) for pn, pd, _ in points}
-    if len(distinct) >= 3:
-        x = torch.tensor([[1.0, pn, pd] for pn, pd, _ in points], dtype=torch.float64)
-        y = torch.tensor([t for _, _, t in points], dtype=torch.float64)
-        coef = torch.linalg.lstsq(x, y[:, None]).solution[:, 0].tolist()
-        if coef[1] >= 0 and coef[2] >= 0:
-            return coef[0] + coef[1] * n + coef[2] * d
-    sizes = [pn + pd for pn, pd, _ in points]
-    times = [t for _, _, t in points]
-    if len(set(sizes)) == 1:
-        return sum(times) / len(times) * (1 + n + d) / (1 + sizes[0])
-    mean_s, mean_t = sum(sizes) / len(sizes), sum(times) / len(times)
-    spread = sum((s - mean_s) ** 2 for s in sizes)
-    slope = max(
-        sum((s - mean_s) * (t - mean_t) for s, t in zip(sizes, times, strict=True)) / spread, 0.0
-    )
-    return mean_t + slope * (n + d - mean_s)
+def _features(scored: int, draft_steps: int, tree: bool) -> tuple[float, ...]:
+    """``(1, n, s, [tree])``: the regressors of the cost model."""
+    return (1.0, float(scored), float(draft_steps), float(tree))
+
+
+class RoundCost:
+    """``T = a + b * n + c * s + e * [tree]`` by least squares with forgetting.
+
+    Keeps the decayed normal equations ``G = sum_r w_r x_r x_r^T``, ``m = sum_r w_r x_r t_r``
+    (``w_r = decay^age``); a slope that comes out negative is fixed at 0 and the rest refitted.
+    A round is clipped at ``clip`` times its prediction only where its leverage
+    ``x^T G^-1 x`` is below 1/2, i.e. where earlier rounds already determine that prediction.
+    Directions no round has explored yet (a tree term before any tree ran) get a tiny ridge
+    and so a coefficient near 0.
+    """
+
+    def __init__(self, decay: float = 0.99, clip: float = 1.5) -> None:
+        size = len(_features(0, 0, False))
+        self.decay = decay
+        self.clip = clip
+        self._gram = torch.zeros(size, size, dtype=torch.float64)
+        self._moment = torch.zeros(size, dtype=torch.float64)
+        self._coef: list[float] | None = None
+        self._rounds = 0
+
+    def add(self, x: tuple[float, ...], seconds: float) -> None:
+        """Fold in one round of features ``x`` that took ``seconds``."""
+        row = torch.tensor(x, dtype=torch.float64)
+        if self._rounds and self._leverage(row) < 0.5:  # past rounds pin this prediction
+            seconds = min(seconds, self.clip * self.predict(x))
+        self._gram = self.decay * self._gram + torch.outer(row, row)
+        self._moment = self.decay * self._moment + row * seconds
+        self._coef = None
+        self._rounds += 1
+
+    def predict(self, x: tuple[float, ...]) -> float | None:
+        """Seconds of a round with features ``x`` (None before any round)."""
+        if not self._rounds:
+            return None
+        if self._coef is None:
+            self._coef = self._fit()
+        return max(sum(c * v for c, v in zip(self._coef, x, strict=True)), 1e-9)
+
+    def _leverage(self, row: torch.Tensor) -> float:
+        """``x^T G^-1 x``: small where the recent rounds determine the prediction at x."""
+        gram = self._gram + self._ridge() * torch.eye(row.numel(), dtype=row.dtype)
+        return float(row @ torch.linalg.solve(gram, row))
+
+    def _ridge(self) -> float:
+        return 1e-9 * float(self._gram.diagonal().sum()) + 1e-30
+
+    def _fit(self) -> list[float]:
+        size = self._moment.numel()
+        free = list(range(size))
+        while True:
+            gram = self._gram[free][:, free]
+            ridge = self._ridge()
+            coef = torch.linalg.solve(
+                gram + ridge * torch.eye(len(free), dtype=gram.dtype), self._moment[free]
+            )
+            slopes = [(float(c), i) for c, i in zip(coef, free, strict=True) if i > 0]
+            worst = min(slopes, default=(0.0, -1))
+            if worst[0] >= 0:
+                full = [0.0] * size
+                for c, i in zip(coef.tolist(), free, strict=True):
+                    full[i] = c
+                return full
+            free.remove(worst[1])

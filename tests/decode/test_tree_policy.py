@@ -17,9 +17,10 @@ from decode.tree_policy import (
     CHAIN,
     SAMPLED,
     TOP_K,
+    RoundCost,
     RoundShape,
     TreeSizePolicy,
-    _fit_plane,
+    _features,
     shape_menu,
 )
 
@@ -88,12 +89,31 @@ def test_expected_tokens_of_a_sampled_tree_is_the_walk_mean() -> None:
     assert policy.expected_tokens(RoundShape.chain(0), greedy=False) == 1.0
 
 
-def test_cost_plane_is_recovered_from_three_shapes() -> None:
-    a, b, c = 0.010, 0.002, 0.004
-    points = [(n, d, a + b * n + c * d) for n, d in ((1, 0), (5, 4), (9, 4))]
-    assert _fit_plane(points, 7, 3) == pytest.approx(a + 7 * b + 3 * c)
-    assert _fit_plane(points[:1], 3, 1) == pytest.approx(0.012 * 5 / 2)  # proportional
-    assert _fit_plane(points[:2], 3, 1) == pytest.approx(0.012 + (0.036 - 0.012) * 3 / 8)
+def test_cost_model_recovers_the_plane_and_resists_stalls() -> None:
+    a, b, c, e = 0.010, 0.002, 0.004, 0.003
+
+    def seconds(n, s, tree):
+        return a + b * n + c * s + e * tree
+
+    cost = RoundCost(decay=0.99)
+    assert cost.predict(_features(5, 3, False)) is None
+    points = [(5, 3, False), (1, 0, False), (3, 1, False), (13, 3, True)]
+    for n, steps, tree in points * 3:
+        cost.add(_features(n, steps, tree), seconds(n, steps, tree))
+    assert cost.predict(_features(7, 2, True)) == pytest.approx(seconds(7, 2, True), rel=1e-5)
+    cost.add(_features(5, 3, False), 100.0)  # a stall counts as three times the prediction
+    assert cost.predict(_features(5, 3, False)) < 2 * seconds(5, 3, False)
+    slow = RoundCost(decay=0.9)  # a slower machine later: the fit follows it
+    for factor in [1.0] * 20 + [2.0] * 60:
+        for n, steps, tree in points:
+            slow.add(_features(n, steps, tree), factor * seconds(n, steps, tree))
+    assert slow.predict(_features(7, 2, True)) == pytest.approx(2 * seconds(7, 2, True), rel=0.01)
+    flat = RoundCost()  # rounds that get faster with more tokens: the slope is held at 0
+    for n in (1, 5, 9):
+        flat.add(_features(n, 0, False), 0.02 - 0.001 * n)
+    assert flat.predict(_features(20, 0, False)) == pytest.approx(
+        flat.predict(_features(1, 0, False))
+    )
 
 
 def test_updates_count_acceptance_per_sibling_rank_and_depth() -> None:
@@ -115,10 +135,15 @@ def test_updates_count_acceptance_per_sibling_rank_and_depth() -> None:
 
 # -- choices -----------------------------------------------------------------------------------
 def _measured(policy: TreeSizePolicy, cost, shapes, greedy: bool = False) -> None:
-    """Give each shape a measured time ``cost(n, d)`` without touching the acceptance."""
+    """Give each shape a measured time ``cost(n, s, tree)`` without touching the acceptance."""
     policy._greedy = greedy
     for shape in shapes:
-        policy._time(shape, shape.scored_tokens, cost(shape.scored_tokens, shape.depth))
+        policy._time(shape, shape.scored_tokens, _cost(cost, shape))
+
+
+def _cost(cost, shape: RoundShape) -> float:
+    """``cost`` of the shape's scored tokens, draft steps and tree flag."""
+    return cost(shape.scored_tokens, max(shape.depth - 1, 0), shape.kind != CHAIN)
 
 
 def _set_rates(policy: TreeSizePolicy, alpha: float, beta: float, side: float) -> None:
@@ -132,7 +157,7 @@ def _set_rates(policy: TreeSizePolicy, alpha: float, beta: float, side: float) -
 def _best_by_hand(policy: TreeSizePolicy, menu, cost, greedy: bool = False) -> RoundShape:
     return max(
         menu,
-        key=lambda s: policy.expected_tokens(s, greedy) / cost(s.scored_tokens, s.depth),
+        key=lambda s: policy.expected_tokens(s, greedy) / _cost(cost, s),
     )
 
 
@@ -140,15 +165,13 @@ def test_policy_picks_a_wide_tree_when_nodes_are_cheap_and_siblings_accepted() -
     policy = TreeSizePolicy(SPEC, 3, probe_every=0)
     _set_rates(policy, alpha=0.5, beta=0.6, side=0.5)
 
-    def cost(n, d):  # a GPU-like verify pass: scored tokens nearly free
-        return 0.010 + 0.0001 * n + 0.001 * d
+    def cost(n, s, tree):  # a GPU-like verify pass: scored tokens nearly free
+        return 0.010 + 0.0001 * n + 0.001 * s + 0.0002 * tree
 
     menu = policy.menus[SAMPLED]
-    _measured(
-        policy, cost, [RoundShape.chain(3), RoundShape.chain(0), RoundShape(SAMPLED, 3, 3, 8)]
-    )
+    _measured(policy, cost, [*map(RoundShape.chain, (3, 0, 2)), RoundShape(SAMPLED, 3, 3, 8)])
     shape = policy.choose_shape(3, greedy=False, sampled=True)
-    assert shape == _best_by_hand(policy, menu, cost)  # the fitted plane is exact here
+    assert shape == _best_by_hand(policy, menu, cost)  # the fitted cost is exact here
     assert shape.kind == SAMPLED and shape.children == 3
 
 
@@ -156,12 +179,10 @@ def test_policy_picks_a_chain_when_extra_nodes_cost_more_than_they_return() -> N
     policy = TreeSizePolicy(SPEC, 3, probe_every=0)
     _set_rates(policy, alpha=0.8, beta=0.15, side=0.3)
 
-    def cost(n, d):  # a CPU verify pass: each scored token costs a third of a step
-        return 0.010 + 0.0035 * n + 0.002 * d
+    def cost(n, s, tree):  # a CPU verify pass: each scored token costs a third of a step
+        return 0.010 + 0.0035 * n + 0.002 * s + 0.001 * tree
 
-    _measured(
-        policy, cost, [RoundShape.chain(3), RoundShape.chain(0), RoundShape(SAMPLED, 3, 3, 8)]
-    )
+    _measured(policy, cost, [*map(RoundShape.chain, (3, 0, 2)), RoundShape(SAMPLED, 3, 3, 8)])
     shape = policy.choose_shape(3, greedy=False, sampled=True)
     assert shape == _best_by_hand(policy, policy.menus[SAMPLED], cost)
     assert shape.kind == CHAIN and shape.depth >= 2
@@ -174,43 +195,44 @@ def test_policy_takes_plain_steps_when_nothing_is_accepted() -> None:
     for rates in policy._chain.values():
         rates.accepted = [0.0] * 3
     menu = policy.menus[TOP_K]
-    _measured(policy, lambda n, d: 0.010 + 0.002 * n + 0.003 * d, menu, greedy=True)
+    _measured(policy, lambda n, s, tree: 0.010 + 0.002 * n + 0.003 * s, menu, greedy=True)
     for shape in menu[4:]:
         policy.update_tree(shape, torch.full((2, 3), -1), shape.nodes, 0.1)
     assert policy.choose_shape(3, greedy=True, sampled=False) == RoundShape.chain(0)
 
 
-def test_policy_measures_chain_plain_and_the_largest_tree_first() -> None:
+def test_policy_measures_chains_plain_and_the_largest_tree_first() -> None:
     policy = TreeSizePolicy(SPEC, 3)
     order = []
-    for _ in range(3):
+    for _ in range(4):
         shape = policy.choose_shape(3, greedy=False, sampled=True)
         order.append(shape)
         if shape.kind == CHAIN:
             policy.update(shape.depth, torch.tensor([1]), 0.01)
         else:
             policy.update_tree(shape, torch.tensor([[0, -1, -1]]), shape.nodes, 0.02)
-    assert order == [RoundShape.chain(3), RoundShape.chain(0), RoundShape(SAMPLED, 3, 3, 8)]
+    assert order == [RoundShape.chain(w) for w in (3, 0, 2)] + [RoundShape(SAMPLED, 3, 3, 8)]
 
 
 def test_policy_converges_to_the_best_shape_of_a_simulated_drafter() -> None:
-    """Rounds drawn from known rates and costs: the policy ends on their best shape."""
+    """Rounds drawn from known rates and noisy costs: the policy ends near their best rate."""
     generator = torch.Generator().manual_seed(0)
-    alpha, beta, side = 0.6, 0.5, 0.6
+    alpha, beta, side = 0.5, 0.6, 0.6
 
-    def cost(n, d):
-        return 0.010 + 0.001 * n + 0.002 * d
+    def cost(n, s, tree):  # trees pay here: the best beats the best chain by 20%
+        return 0.010 + 0.0003 * n + 0.001 * s + 0.0005 * tree
 
     truth = TreeSizePolicy(SPEC, 3)
     _set_rates(truth, alpha, beta, side)
     best = _best_by_hand(truth, truth.menus[SAMPLED], cost)
     policy = TreeSizePolicy(SPEC, 3, probe_every=8)
     chosen = []
-    for _ in range(400):
+    for step in range(400):
         shape = policy.choose_shape(3, greedy=False, sampled=True)
         chosen.append(shape)
         rows = 4
-        seconds = cost(shape.scored_tokens, shape.depth)
+        jitter = 0.8 + 0.4 * float(torch.rand((), generator=generator))  # a shared machine
+        seconds = _cost(cost, shape) * jitter * (5.0 if step % 25 == 0 else 1.0)  # and stalls
         if shape.kind == CHAIN:
             u = torch.rand(rows, max(shape.depth, 1), generator=generator) < alpha
             accepted = u[:, : shape.depth].long().cumprod(1).sum(1)
@@ -234,7 +256,7 @@ def test_policy_converges_to_the_best_shape_of_a_simulated_drafter() -> None:
         policy.update_tree(shape, paths, shape.nodes, seconds)
 
     def rate(shape: RoundShape) -> float:  # true tokens per second
-        return truth.expected_tokens(shape, False) / cost(shape.scored_tokens, shape.depth)
+        return truth.expected_tokens(shape, False) / _cost(cost, shape)
 
     tail = chosen[-100:]
     assert sum(rate(s) for s in tail) / len(tail) >= 0.93 * rate(best), (best, tail[-5:])
