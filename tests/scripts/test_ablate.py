@@ -5,32 +5,19 @@ interrupted and resumed."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from script_helpers import load_script
 
 from train import ablation
 from train.config import parse_config
-from train.demo_target import build_demo_target
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("ablate", REPO / "scripts" / "ablate.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture(scope="module")
-def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("t") / "tiny"
-    return build_demo_target(folder, preset="tiny", max_steps=20, progress_bar=False, verbose=False)
+    return load_script("ablate")
 
 
 def test_grid_axes_map_to_real_recipe_flags(tmp_path: Path) -> None:

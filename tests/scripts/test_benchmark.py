@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from script_helpers import load_script
 
 
 def _load_script():
-    spec = importlib.util.spec_from_file_location("benchmark", ROOT / "scripts" / "benchmark.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmark")
 
 
 def test_benchmark_writes_report_and_plots(tiny_pair_dirs, tmp_path) -> None:

@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from types import ModuleType
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "build_demo_target.py"
+from script_helpers import load_script
 
 
 def _load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("build_demo_target_script", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("build_demo_target", "build_demo_target_script")
 
 
 def test_cli_builds_then_reuses_and_shows_generations(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import signal
@@ -17,28 +16,15 @@ from types import ModuleType
 import datasets
 import httpx
 import pytest
+from script_helpers import load_script
 from serve_helpers import free_port, tail
-
-from train.demo_target import build_demo_target
 
 REPO = Path(__file__).resolve().parents[2]
 API_KEY = "regenerate-key"
 
 
 def _script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "regenerate_data", REPO / "scripts" / "regenerate_data.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture(scope="module")
-def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("t") / "tiny"
-    return build_demo_target(folder, preset="tiny", max_steps=20, progress_bar=False, verbose=False)
+    return load_script("regenerate_data")
 
 
 def test_plain_prompts_become_prompt_response_records(tmp_path: Path, target: Path) -> None:
