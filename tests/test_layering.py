@@ -68,7 +68,21 @@ def _package_files() -> dict[str, Path]:
     return files
 
 
+def _test_files() -> dict[str, Path]:
+    """Module name -> file for tests/: the shared helpers at its top under the names the tests
+    import them by (``tests/`` is on ``sys.path``), the test modules under ``tests.<path>``."""
+    files: dict[str, Path] = {}
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        relative = path.relative_to(ROOT / "tests").with_suffix("")
+        name = relative.name if len(relative.parts) == 1 else ".".join(("tests", *relative.parts))
+        files[name] = path
+    return files
+
+
 FILES = _package_files()
+TEST_FILES = _test_files()
+GRAPH_FILES = {**FILES, **TEST_FILES}
+"""Every project .py file: the layered packages and the tests (for the cycle check)."""
 
 
 def _is_type_checking_block(node: ast.AST) -> bool:
@@ -108,13 +122,13 @@ def _imports(path: Path, module: str, *, runtime_only: bool) -> list[str]:
                 source = node.module or ""
             for alias in node.names:
                 submodule = f"{source}.{alias.name}"
-                names.append(submodule if submodule in FILES else source)
+                names.append(submodule if submodule in GRAPH_FILES else source)
     return names
 
 
 def _project_module(name: str) -> str | None:
     """The longest prefix of ``name`` that is a module of the project, if any."""
-    while name and name not in FILES:
+    while name and name not in GRAPH_FILES:
         name = name.rpartition(".")[0]
     return name or None
 
@@ -125,7 +139,8 @@ def _arrows_drawn() -> dict[tuple[str, str], set[str]]:
     for module, path in FILES.items():
         source = module.split(".")[0]
         for name in _imports(path, module, runtime_only=False):
-            target = name.split(".")[0]
+            # A test helper is imported by its bare name (``tiny_models``): still tests/.
+            target = "tests" if _project_module(name) in TEST_FILES else name.split(".")[0]
             if target in (*LAYERS, "tests") and target != source:
                 drawn.setdefault((source, target), set()).add(str(path.relative_to(ROOT)))
     return drawn
@@ -185,9 +200,10 @@ def test_training_stack_stays_in_train() -> None:
 
 
 def _import_graph() -> dict[str, set[str]]:
-    """Module -> project modules it imports at run time (module level or inside functions)."""
+    """Module -> project modules it imports at run time (module level or inside functions),
+    over every project file, tests included."""
     graph: dict[str, set[str]] = {}
-    for module, path in FILES.items():
+    for module, path in GRAPH_FILES.items():
         targets = {_project_module(name) for name in _imports(path, module, runtime_only=True)}
         graph[module] = {target for target in targets if target and target != module}
     return graph
