@@ -32,6 +32,11 @@ def test_draft_length_and_tree_shape_have_one_default_everywhere() -> None:
     for args in (evaluate, benchmark):
         assert args.num_draft_tokens == NUM_DRAFT_TOKENS
         assert (args.tree_top_k, args.tree_total_tokens) == (TREE_TOP_K, TREE_TOTAL_TOKENS)
+    serve = ServeConfig.__dataclass_fields__
+    assert (serve["tree_top_k"].default, serve["tree_total_tokens"].default) == (
+        TREE_TOP_K,
+        TREE_TOTAL_TOKENS,
+    )
     assert speed.speed_eval_draft_tokens == NUM_DRAFT_TOKENS
     assert speed.speed_eval_tree_top_k == TREE_TOP_K
     drafted = [
