@@ -35,10 +35,7 @@ from transformers import DynamicCache
 
 from decode.kv_cache import AttentionLayout, PreallocatedLayer
 from decode.llama_math import apply_rope, rms_norm
-
-# Decoder layers of these model types are the plain Llama block (optionally with q/k/v biases,
-# per-head q/k norms for Qwen3, and grouped key/value heads).
-LEAN_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+from decode.output_head import LLAMA_FAMILY_MODEL_TYPES
 
 # Rope types whose angles are a fixed function of the position (computed once by the model's
 # rope init function); other known types depend on the call (see ``_angles_depend_on_call``).
@@ -211,7 +208,7 @@ def _is_plain_llama_on_cpu(model: torch.nn.Module) -> bool:
     """A Llama-family decoder with SiLU MLPs, full or sliding-window attention, a full-width
     rope of a type ``_rotary`` reproduces, on CPU."""
     config = getattr(model, "config", None)
-    if getattr(config, "model_type", None) not in LEAN_MODEL_TYPES:
+    if getattr(config, "model_type", None) not in LLAMA_FAMILY_MODEL_TYPES:
         return False
     decoder = model.get_decoder()
     rope = _rope_parameters(config)

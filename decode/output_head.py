@@ -33,8 +33,12 @@ from __future__ import annotations
 
 import torch
 
-# Model types whose logits are exactly ``lm_head(decoder(x).last_hidden_state)``.
-PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+# The Llama family this package runs by hand: logits are exactly
+# ``lm_head(decoder(x).last_hidden_state)`` (no soft-capping or scaling), and the decoder
+# layers are the plain Llama block (optionally with q/k/v biases, per-head q/k norms for Qwen3,
+# and grouped key/value heads), which ``decode.lean_decoder`` reproduces. The one definition:
+# this module is a leaf, so the lean decoder imports it from here.
+LLAMA_FAMILY_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 
 class OutputHead:
@@ -52,7 +56,7 @@ class OutputHead:
         head = model.get_output_embeddings()
         config = getattr(model, "config", None)
         if (
-            getattr(config, "model_type", None) not in PLAIN_HEAD_MODEL_TYPES
+            getattr(config, "model_type", None) not in LLAMA_FAMILY_MODEL_TYPES
             or type(head) is not torch.nn.Linear
             or head.bias is not None
             or head.weight.device.type != "cpu"
