@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from tiny_models import tiny_causal_lm
 
 from decode.drafters.eagle import Eagle3Config, Eagle3Head, build_vocab_maps
 from decode.drafters.medusa import MedusaHeads
@@ -21,29 +22,17 @@ ENGINE_VOCAB = 256
 
 def engine_llama(num_layers: int = 2, seed: int = 0) -> torch.nn.Module:
     """A float32 random Llama: vocab 256, width 64, 2 heads of 32, 1 key/value head."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
+    return tiny_causal_lm(
+        "llama",
         vocab_size=ENGINE_VOCAB,
         hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=num_layers,
+        num_layers=num_layers,
+        seed=seed,
+        dtype=torch.float32,
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=32,
-        max_position_embeddings=512,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        tie_word_embeddings=False,
     )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).float().eval()
-    generator = torch.Generator().manual_seed(seed + 1000)
-    head = model.get_output_embeddings().weight
-    with torch.no_grad():  # peaked next-token laws, like a trained model's
-        head.copy_(torch.randn(head.shape, generator=generator) * 0.5)
-    return model
 
 
 def save_target(model: torch.nn.Module, folder: Path) -> Path:

@@ -16,6 +16,30 @@ _ARCHITECTURES = {
 }
 
 
+def tiny_config_kwargs(
+    vocab_size: int = TINY_VOCAB,
+    hidden_size: int = 32,
+    num_layers: int = 2,
+    **overrides: object,
+) -> dict[str, object]:
+    """The keyword arguments of a tiny model's config: 4 query heads over 2 key/value heads, an
+    MLP twice the width, untied head, ids pad 0 / bos 1 / eos 2; ``overrides`` replace any."""
+    return {
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": 2 * hidden_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+        "tie_word_embeddings": False,
+        **overrides,
+    }
+
+
 def tiny_causal_lm(
     architecture: str,
     vocab_size: int = TINY_VOCAB,
@@ -26,23 +50,13 @@ def tiny_causal_lm(
     **config_overrides: object,
 ) -> torch.nn.Module:
     """A small random causal LM of ``architecture``; float64 so argmax ties cannot flip between
-    paths. ``config_overrides`` go to the config (e.g. ``sliding_window`` for Mistral)."""
+    paths. ``config_overrides`` go to the config (e.g. ``sliding_window`` for Mistral, or
+    ``num_attention_heads``), replacing :func:`tiny_config_kwargs`' values."""
     import transformers
 
     config_name, model_name = _ARCHITECTURES[architecture]
     config = getattr(transformers, config_name)(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        tie_word_embeddings=False,
-        **config_overrides,
+        **tiny_config_kwargs(vocab_size, hidden_size, num_layers, **config_overrides)
     )
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config).to(dtype).eval()

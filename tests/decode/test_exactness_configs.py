@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from decode_helpers import AdversarialDrafter, noisy_copy
+from tiny_models import tiny_config_kwargs
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from decode import DraftModelDrafter, SpeculativeDecoder
@@ -26,20 +27,7 @@ WINDOW = 6  # smaller than the prompt (10), let alone prompt + new tokens (12)
 PROMPT_LEN = 10
 NEW_TOKENS = 12
 
-COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=HEAD_DIM,
-    max_position_embeddings=64,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-    tie_word_embeddings=False,
-)
+COMMON = tiny_config_kwargs(VOCAB, hidden_size=32, head_dim=HEAD_DIM, max_position_embeddings=64)
 
 
 def _longrope(original_max_position_embeddings: int) -> dict:
