@@ -42,9 +42,12 @@ about 1.7 target steps, docs/theory.md §5) and every level is a draft step. The
 are one least-squares fit over every round seen, weighted by recency (each round's weight
 decays by ``decay``, recursive least squares with forgetting), with non-negative slopes; a
 round slower than 1.5 times a prediction the past rounds pin down counts as 1.5 times (the
-machine is shared: a stall says nothing about the shape). One model for all shapes compares them under the same
-recent load, where per-shape averages would compare a shape timed during a stall with one
-timed in a quiet moment. The policy picks
+machine is shared: a stall says nothing about the shape). One model for all shapes compares
+them under the same recent load, where per-shape averages would compare a shape timed during
+a stall with one timed in a quiet moment. What the plane misses about one shape (a top-k
+tree's wider draft steps, a longer commit after longer accepted paths) is kept as that
+shape's smoothed ratio of measured to predicted time, which the load does not change. The
+policy picks
 
     s* = argmax_s E(s) / T(s)
 
@@ -190,6 +193,7 @@ class TreeSizePolicy:
         self._side = _Rates(max_depth)  # gamma_j of the chains under later siblings
         self._top_k: dict[tuple[RoundShape, bool], _Rates] = {}
         self.cost = RoundCost(decay)
+        self._ratio: dict[RoundShape, float] = {}  # measured time / the plane's, smoothed
         self._scored: dict[RoundShape, int] = {}  # scored tokens where a shape has run
         self._last_run: dict[RoundShape, int] = {}
         self._current: RoundShape | None = None
@@ -213,8 +217,10 @@ class TreeSizePolicy:
 
     # -- the cost -----------------------------------------------------------------------------
     def round_seconds(self, shape: RoundShape) -> float | None:
-        """``T(s)`` from the fitted cost model (None before any round)."""
-        return self.cost.predict(self._features(shape))
+        """``T(s)``: the fitted cost model times the shape's own measured ratio to it (None
+        before any round)."""
+        predicted = self.cost.predict(self._features(shape))
+        return None if predicted is None else predicted * self._ratio.get(shape, 1.0)
 
     def _features(self, shape: RoundShape) -> tuple[float, ...]:
         scored = self._scored.get(shape, shape.scored_tokens)  # a top-k tree's real size
@@ -323,7 +329,13 @@ class TreeSizePolicy:
     def _time(self, shape: RoundShape, scored: int, seconds: float) -> None:
         self._rounds += 1
         self._scored[shape] = scored
-        self.cost.add(self._features(shape), seconds)
+        features = self._features(shape)
+        predicted = self.cost.pinned(features)
+        if predicted is not None:  # what the plane misses about this shape, load aside
+            ratio = min(max(seconds / predicted, 1 / self.cost.clip), self.cost.clip)
+            previous = self._ratio.get(shape, 1.0)
+            self._ratio[shape] = previous + 0.1 * (ratio - previous)
+        self.cost.add(features, seconds)
 
 
 def _path_sum(rates: list[float]) -> float:
@@ -362,9 +374,10 @@ class RoundCost:
 
     def add(self, x: tuple[float, ...], seconds: float) -> None:
         """Fold in one round of features ``x`` that took ``seconds``."""
+        predicted = self.pinned(x)
+        if predicted is not None:
+            seconds = min(seconds, self.clip * predicted)
         row = torch.tensor(x, dtype=torch.float64)
-        if self._rounds and self._leverage(row) < 0.5:  # past rounds pin this prediction
-            seconds = min(seconds, self.clip * self.predict(x))
         self._gram = self.decay * self._gram + torch.outer(row, row)
         self._moment = self.decay * self._moment + row * seconds
         self._coef = None
@@ -377,6 +390,13 @@ class RoundCost:
         if self._coef is None:
             self._coef = self._fit()
         return max(sum(c * v for c, v in zip(self._coef, x, strict=True)), 1e-9)
+
+    def pinned(self, x: tuple[float, ...]) -> float | None:
+        """The prediction at ``x`` where past rounds determine it (leverage < 1/2), else None."""
+        if not self._rounds:
+            return None
+        row = torch.tensor(x, dtype=torch.float64)
+        return self.predict(x) if self._leverage(row) < 0.5 else None
 
     def _leverage(self, row: torch.Tensor) -> float:
         """``x^T G^-1 x``: small where the recent rounds determine the prediction at x."""

@@ -366,3 +366,19 @@ def test_adaptive_tree_batch_one_follows_target_law(target, temperature, top_k, 
         rows.append(out.sequences[0, prompt.numel() :])
     assert_follows(torch.stack(rows), three_token_law(target, prompt, sampling), "batch 1")
     assert {CHAIN, SAMPLED} <= {s.kind for s in shapes}
+
+
+def test_a_shape_off_the_plane_keeps_its_own_ratio() -> None:
+    """A top-k tree whose draft steps cost more than the plane says: its ratio corrects it."""
+    policy = TreeSizePolicy(TreeSpec(top_k=2, total_tokens=6), 3)
+    wide = RoundShape(TOP_K, 3, 2, 6)
+
+    def cost(n, s, tree):
+        return 0.010 + 0.002 * n + 0.003 * s + 0.001 * tree
+
+    shapes = [*map(RoundShape.chain, (3, 0, 2, 1)), RoundShape(TOP_K, 3, 2, 5)]
+    for _ in range(40):
+        _measured(policy, cost, shapes, greedy=True)
+        policy._time(wide, wide.scored_tokens, 1.3 * _cost(cost, wide))
+    assert policy.round_seconds(shapes[0]) == pytest.approx(_cost(cost, shapes[0]), rel=0.05)
+    assert policy.round_seconds(wide) == pytest.approx(1.3 * _cost(cost, wide), rel=0.05)
