@@ -1,9 +1,12 @@
-"""Atomic writes: a JSON file or a whole folder appears complete or not at all.
+"""Atomic writes: a file or a whole folder appears complete or not at all.
 
 The one place for both patterns (checkpoints, exported drafters, the demo target, evaluation
-reports all use them). A file or folder is written under a temporary sibling name and renamed
-into place with ``os.replace``, which is atomic on one filesystem: a process killed at any
-moment leaves the previous version or the new one, never half of one.
+reports and the offline target cache all use them). It lives in ``data/``, the bottom layer,
+because it needs nothing but the standard library and every layer writes files: ``data/``
+imports no other package, and ``train/`` and ``decode/`` import this module from here. A file
+or folder is written under a temporary sibling name and renamed into place with
+``os.replace``, which is atomic on one filesystem: a process killed at any moment leaves the
+previous version or the new one, never half of one.
 
 Temporary siblings carry the writer's process id (``.<name>.tmp-<pid>``). A writer killed
 mid-way cannot remove its own; the next writer of the same target removes those whose process
@@ -28,15 +31,26 @@ def write_json_atomic(path: str | Path, data: Any, *, indent: int | None = 2) ->
 
 def write_text_atomic(path: str | Path, text: str) -> Path:
     """Write ``text`` (UTF-8) to ``path`` through a temporary sibling renamed into place."""
+    with atomic_file(path) as temp:
+        temp.write_text(text, encoding="utf-8")
+    return Path(path)
+
+
+@contextmanager
+def atomic_file(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary sibling of ``path`` to write; on success it is renamed to ``path``.
+
+    For writers that take a file name (``safetensors.torch.save_file``, for example). On an
+    exception the temporary file is removed and ``path`` is left as it was.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     temp = path.parent / f".{path.name}.tmp-{os.getpid()}"
     try:
-        temp.write_text(text, encoding="utf-8")
+        yield temp
         os.replace(temp, path)
     finally:
         temp.unlink(missing_ok=True)
-    return path
 
 
 def replace_folder(temp: str | Path, folder: str | Path) -> Path:

@@ -17,15 +17,14 @@ files plus ``cache.json``, written last, so a folder without ``cache.json`` is a
 write. Each shard concatenates its sequences along the token axis: ``input_ids`` [N] int64,
 ``topk_ids`` [N, k] int32, ``topk_logprobs`` [N, k] float16, ``rest_logmass`` [N] float32,
 optionally ``hidden_states`` [L, N, H] float16, and ``offsets`` [S + 1] int64 (sequence s is
-tokens ``offsets[s]:offsets[s + 1]``). Shards are written to a temporary name and renamed, so a
-shard on disk is always complete.
+tokens ``offsets[s]:offsets[s + 1]``). Shards and ``cache.json`` are written to a temporary
+sibling and renamed (``data.atomic_io``), so a shard on disk is always complete.
 """
 
 from __future__ import annotations
 
 import bisect
 import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
@@ -34,6 +33,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from data.atomic_io import atomic_file, write_json_atomic
 
 CACHE_FILE = "cache.json"
 FORMAT_VERSION = 1
@@ -262,9 +263,8 @@ class TargetCacheWriter:
             ).contiguous()
         tensors["offsets"] = offsets
         name = _SHARD_NAME.format(len(self._shards))
-        temporary = self.folder / f".{name}.tmp"
-        save_file(tensors, str(temporary), metadata={"format": "pt"})
-        os.replace(temporary, self.folder / name)
+        with atomic_file(self.folder / name) as temporary:
+            save_file(tensors, str(temporary), metadata={"format": "pt"})
         self._shards.append(
             {"file": name, "num_sequences": len(lengths), "num_tokens": int(offsets[-1])}
         )
@@ -292,9 +292,7 @@ class TargetCacheWriter:
             "num_hidden_layers": None if self._hidden_shape is None else self._hidden_shape[0],
             "shards": self._shards,
         }
-        temporary = self.folder / f".{CACHE_FILE}.tmp"
-        temporary.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-        os.replace(temporary, self.folder / CACHE_FILE)
+        write_json_atomic(self.folder / CACHE_FILE, meta)
         self._closed = True
 
 

@@ -504,7 +504,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     }
     print(format_table(report))
     if args.json:
-        from decode.atomic_io import write_json_atomic
+        from data.atomic_io import write_json_atomic
 
         write_json_atomic(args.json, report)
     return report

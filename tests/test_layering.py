@@ -50,8 +50,9 @@ ARROWS: tuple[Arrow, ...] = (
     Arrow(
         "decode",
         "data",
-        "evaluation prompts: the demo set is cut from the corpus, prompt files are records",
-        only=frozenset({"decode/prompts.py"}),
+        "evaluation prompts (the demo set is cut from the corpus, prompt files are records) and "
+        "the atomic write of evaluate's JSON report (data.atomic_io, the one atomic writer)",
+        only=frozenset({"decode/prompts.py", "decode/evaluate.py"}),
     ),
 )
 
@@ -281,8 +282,9 @@ def test_no_module_shadows_an_installed_package(package: str) -> None:
 
 
 def test_the_decoder_loads_nothing_of_data() -> None:
-    """Only ``decode/prompts.py`` draws ``decode/ -> data/``, and nothing the decoder, the
-    evaluation loop or the server need at import time imports it."""
+    """Only ``decode/prompts.py`` and ``decode/evaluate.py``'s report writer draw
+    ``decode/ -> data/``, and nothing the decoder, the evaluation loop or the server need at
+    import time imports ``data/``."""
     import subprocess
 
     code = (

@@ -475,7 +475,7 @@ def save_results(
 ) -> None:
     """Recompute the per-cell summary and write everything atomically (a crash mid-write
     leaves the previous file)."""
-    from decode.atomic_io import write_json_atomic
+    from data.atomic_io import write_json_atomic
 
     results["cells"] = compare_with_baselines(summarize(results["runs"]), baselines)
     results["baselines"] = baselines

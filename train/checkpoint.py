@@ -42,7 +42,7 @@ from accelerate import Accelerator
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from decode.atomic_io import replace_folder, write_json_atomic
+from data.atomic_io import replace_folder, write_json_atomic
 from train.provenance import PROVENANCE_FILE, build_provenance
 
 STATE_FILE = "trainer_state.json"

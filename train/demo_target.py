@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from decode.atomic_io import atomic_folder
+from data.atomic_io import atomic_folder
 from train.batches import ShardedBatches
 from train.loop import LoopConfig, evaluate, make_accelerator, run_training
 from train.objectives.causal_lm import CausalLMObjective

@@ -259,7 +259,7 @@ def _finish(
     config: DistillConfig, plan: _Plan, run: _Run, tracker: Any, result: Any
 ) -> dict[str, Any]:
     """Report the parallel layout, export the drafter, write the summary, measure, push."""
-    from decode.atomic_io import write_json_atomic
+    from data.atomic_io import write_json_atomic
     from train.distributed import format_report, parallel_report
     from train.export import export_drafter, push_to_hub
 

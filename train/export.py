@@ -4,7 +4,7 @@ Layout (docs/interfaces.md, "The drafter folder"): the kind-specific files writt
 objective (for ``draft_lm`` a normal Hugging Face causal-LM folder with its tokenizer, LoRA
 merged) and ``drafter.json``, plus ``README.md`` (target, data, loss, held-out acceptance per
 position) and ``provenance.json`` (resolved config, git revision, package versions). The folder
-is assembled under a temporary name and renamed into place (``decode.atomic_io.atomic_folder``:
+is assembled under a temporary name and renamed into place (``data.atomic_io.atomic_folder``:
 the temporary folder of an export that was killed is removed by the next export). Weights that
 are NaN or infinite are never exported (``NonFiniteWeightsError``).
 
@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from decode.atomic_io import atomic_folder
+from data.atomic_io import atomic_folder
 from train.provenance import PROVENANCE_FILE, build_provenance
 
 

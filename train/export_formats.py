@@ -57,7 +57,7 @@ from typing import Any, Literal
 import torch
 from safetensors.torch import load_file, save_file
 
-from decode.atomic_io import atomic_folder
+from data.atomic_io import atomic_folder
 from decode.drafters.eagle import EAGLE3_ARCHITECTURE, Eagle3Config, Eagle3Head
 from decode.drafters.medusa import MEDUSA_ARCHITECTURE, MedusaHeads
 

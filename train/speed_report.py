@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from decode.atomic_io import write_json_atomic
+from data.atomic_io import write_json_atomic
 from decode.defaults import NUM_DRAFT_TOKENS
 
 

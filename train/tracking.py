@@ -22,7 +22,7 @@ from typing import Any
 
 from accelerate import Accelerator
 
-from decode.atomic_io import write_text_atomic
+from data.atomic_io import write_text_atomic
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from decode.atomic_io import atomic_folder, remove_stale_siblings, write_json_atomic
+from data.atomic_io import atomic_folder, remove_stale_siblings, write_json_atomic
 from train.export import NonFiniteWeightsError, export_drafter
 
 
