@@ -6,6 +6,15 @@ import json
 
 import pytest
 import torch
+from head_helpers import (
+    PROMPTS,
+    check_from_pretrained_names_the_problem,
+    extend_committed,
+    padded_prefill,
+    path_verification,
+    scratch_pass,
+    tree_pass,
+)
 from tiny_models import tiny_llama
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
@@ -19,14 +28,8 @@ from decode.drafters.eagle import (
     positions_from_mask,
 )
 from decode.drafters.eagle_drafter import Eagle3Drafter, load_runtime_drafter
-from decode.kv_cache import CachedSequence
 from decode.sampling import SamplingConfig, logits_to_probs
-from decode.tree import (
-    TreeVerification,
-    tree_attention_mask,
-    tree_positions,
-    verify_tree_greedy,
-)
+from decode.tree import verify_tree_greedy
 
 
 def _head(target: torch.nn.Module, seed: int = 0, **overrides) -> Eagle3Head:
@@ -225,31 +228,16 @@ def test_native_folder_round_trip(tmp_path) -> None:
 
 
 def test_from_pretrained_names_the_problem(tmp_path) -> None:
-    with pytest.raises(FileNotFoundError, match=r"config\.json"):
-        Eagle3Head.from_pretrained(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
-    with pytest.raises(ValueError, match="LlamaForCausalLMEagle3"):
-        Eagle3Head.from_pretrained(tmp_path)
-    (tmp_path / "drafter.json").write_text(json.dumps({"kind": "medusa"}))
-    with pytest.raises(ValueError, match="not 'eagle3'"):
-        Eagle3Head.from_pretrained(tmp_path)
-
-
-# -- runtime drafter ---------------------------------------------------------------------------
-def _scratch_pass(target: torch.nn.Module, sequences: list[list[int]], width: int) -> TargetPass:
-    """The target's logits and hidden states over the last ``width`` tokens of each row."""
-    logits, hidden = [], []
-    with torch.no_grad():
-        for sequence in sequences:
-            out = target(torch.tensor([sequence]), output_hidden_states=True)
-            logits.append(out.logits[0, -width:])
-            hidden.append([h[0, -width:] for h in out.hidden_states])
-    layers = range(len(hidden[0]))
-    return TargetPass(
-        torch.stack(logits), tuple(torch.stack([h[i] for h in hidden]) for i in layers)
+    check_from_pretrained_names_the_problem(
+        Eagle3Head,
+        tmp_path,
+        architecture="LlamaForCausalLMEagle3",
+        kind="eagle3",
+        other_kind="medusa",
     )
 
 
+# -- runtime drafter ---------------------------------------------------------------------------
 def _scratch_draft_logits(
     head: Eagle3Head, target: torch.nn.Module, committed: list[int], drafts: list[int]
 ) -> torch.Tensor:  # [len(drafts), V]
@@ -276,23 +264,10 @@ def _scratch_draft_logits(
     return torch.cat(logits, 1)[0]
 
 
-PROMPTS = [[5, 17, 9, 33, 2, 40], [7, 21, 8]]
-
-
 def _prefill(drafter, target: torch.nn.Module, pending: list[int]) -> list[list[int]]:
     """Prefill the left-padded PROMPTS batch; returns each row's committed tokens (+ pending)."""
-    width = max(map(len, PROMPTS))
-    input_ids = torch.tensor([[0] * (width - len(p)) + p for p in PROMPTS])
-    attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in PROMPTS])
-    hidden: tuple[torch.Tensor, ...] = ()
-    for row, prompt in enumerate(PROMPTS):
-        row_states = _scratch_pass(target, [prompt], len(prompt)).hidden_states
-        if not hidden:  # padding columns hold zeros, as junk the drafter must ignore
-            hidden = tuple(torch.zeros(2, width, h.shape[-1], dtype=h.dtype) for h in row_states)
-        for h, full in zip(hidden, row_states, strict=True):
-            h[row, width - len(prompt) :] = full[0]
-    logits = torch.zeros(2, 1, 64, dtype=torch.float64)
-    drafter.prefill(input_ids, attention, TargetPass(logits, hidden), torch.tensor(pending))
+    input_ids, attention, target_pass = padded_prefill(target)
+    drafter.prefill(input_ids, attention, target_pass, torch.tensor(pending))
     return [[*p, t] for p, t in zip(PROMPTS, pending, strict=True)]
 
 
@@ -323,38 +298,15 @@ def test_drafter_matches_recomputation_round_after_round(draft_vocab_size: int) 
         num_accepted = torch.tensor(accepted)
         next_tokens = torch.randint(3, 64, (2,), generator=generator)
         rows = [committed[r] + proposal.tokens[r].tolist() for r in range(2)]
-        drafter.commit(num_accepted, next_tokens, _scratch_pass(target, rows, num_drafts + 1))
+        drafter.commit(num_accepted, next_tokens, scratch_pass(target, rows, num_drafts + 1))
         appended += num_drafts + 1
-        for row in range(2):
-            n = int(num_accepted[row])
-            committed[row] += [*proposal.tokens[row, :n].tolist(), int(next_tokens[row])]
+        extend_committed(committed, proposal.tokens, num_accepted, next_tokens)
     assert drafter._state.valid.shape[1] < appended  # holes were compacted away
     greedy = drafter.propose(2, SamplingConfig(), None)
     assert greedy.probs is None
     for row in range(2):
         expected = _scratch_draft_logits(head, target, committed[row], greedy.tokens[row].tolist())
         assert greedy.tokens[row].tolist() == expected.argmax(-1).tolist()
-
-
-def _tree_pass(target: torch.nn.Module, committed: list[list[int]], tree) -> TargetPass:
-    """The target over [pending, tree nodes] after each row's cached prefix (one row at a time)."""
-    logits, hidden = [], []
-    with torch.no_grad():
-        for row, sequence in enumerate(committed):
-            cached = CachedSequence(target, batch_size=1, device=torch.device("cpu"))
-            cached.extend(torch.tensor([sequence[:-1]]))
-            out = cached.extend(
-                torch.cat((torch.tensor([sequence[-1]]), tree.tokens[row]))[None],
-                tree_mask=tree_attention_mask(tree.parents[row]),
-                positions=tree_positions(tree.depths[row], cached.lengths),
-                output_hidden_states=True,
-            )
-            logits.append(out.logits[0])
-            hidden.append([h[0] for h in out.hidden_states])
-    layers = range(len(hidden[0]))
-    return TargetPass(
-        torch.stack(logits), tuple(torch.stack([h[i] for h in hidden]) for i in layers)
-    )
 
 
 def test_dynamic_tree_decoding_is_greedy_exact_and_keeps_state_in_step() -> None:
@@ -367,13 +319,11 @@ def test_dynamic_tree_decoding_is_greedy_exact_and_keeps_state_in_step() -> None
     for _ in range(4):
         tree = drafter.propose_tree(TreeSpec(top_k=3, total_tokens=8), depth=3)
         assert tree.tokens.shape == (2, 8) and tree.draft_probs is None
-        verify = _tree_pass(target, committed, tree)
+        verify = tree_pass(target, committed, tree)
         result = verify_tree_greedy(tree, verify.logits)
         drafter.commit_tree(result, verify)
+        extend_committed(committed, result.accepted_tokens, result.num_accepted, result.next_tokens)
         for row in range(2):
-            n = int(result.num_accepted[row])
-            emitted = [*result.accepted_tokens[row, :n].tolist(), int(result.next_tokens[row])]
-            committed[row] += emitted
             expected = _scratch_draft_logits(head, target, committed[row], [0])[0]
             torch.testing.assert_close(drafter._state.logits[row], expected)
     with torch.no_grad():
@@ -423,28 +373,13 @@ def test_commit_tree_of_any_accepted_path_keeps_state_in_step() -> None:
     generator = torch.Generator().manual_seed(5)
     for round_ in range(4):
         tree = drafter.propose_tree(TreeSpec(top_k=2, total_tokens=6), depth=3)
-        verify = _tree_pass(target, committed, tree)
+        verify = tree_pass(target, committed, tree)
         ends = [tree.num_nodes - 1 - round_ % 2, round_ % tree.num_nodes]  # deep and shallow
-        nodes = torch.full((2, int(tree.depths.max())), -1)
-        for row, end in enumerate(ends):
-            path, walk = [], end
-            while walk >= 0:
-                path.insert(0, walk)
-                walk = int(tree.parents[row, walk])
-            nodes[row, : len(path)] = torch.tensor(path)
-        tokens = torch.where(nodes >= 0, tree.tokens.gather(1, nodes.clamp(min=0)), 0)
-        result = TreeVerification(
-            accepted_nodes=nodes,
-            num_accepted=(nodes >= 0).sum(1),
-            accepted_tokens=tokens,
-            next_tokens=torch.randint(3, 64, (2,), generator=generator),
-        )
+        result = path_verification(tree, ends, torch.randint(3, 64, (2,), generator=generator))
         assert result.num_accepted.min() >= 1
         drafter.commit_tree(result, verify)
+        extend_committed(committed, result.accepted_tokens, result.num_accepted, result.next_tokens)
         for row in range(2):
-            n = int(result.num_accepted[row])
-            emitted = [*tokens[row, :n].tolist(), int(result.next_tokens[row])]
-            committed[row] += emitted
             expected = _scratch_draft_logits(head, target, committed[row], [0])[0]
             torch.testing.assert_close(drafter._state.logits[row], expected)
     chain = drafter.propose(3, SamplingConfig(temperature=1.0), generator)

@@ -6,6 +6,15 @@ import json
 
 import pytest
 import torch
+from head_helpers import (
+    PROMPTS,
+    check_from_pretrained_names_the_problem,
+    extend_committed,
+    padded_prefill,
+    path_verification,
+    scratch_pass,
+    tree_pass,
+)
 from tiny_models import tiny_llama
 
 from decode.drafters.base import TargetPass, TreeSpec
@@ -15,9 +24,7 @@ from decode.drafters.medusa import (
     MedusaHeads,
     load_runtime_drafter,
 )
-from decode.kv_cache import CachedSequence
 from decode.sampling import SamplingConfig, logits_to_probs
-from decode.tree import TreeVerification, tree_attention_mask, tree_positions
 
 
 def _trained_like(heads: MedusaHeads, seed: int = 0) -> MedusaHeads:
@@ -73,43 +80,22 @@ def test_native_folder_round_trip(tmp_path) -> None:
 
 
 def test_from_pretrained_names_the_problem(tmp_path) -> None:
-    with pytest.raises(FileNotFoundError, match=r"config\.json"):
-        MedusaHeads.from_pretrained(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
-    with pytest.raises(ValueError, match="MedusaModel"):
-        MedusaHeads.from_pretrained(tmp_path)
-    (tmp_path / "drafter.json").write_text(json.dumps({"kind": "eagle3"}))
-    with pytest.raises(ValueError, match="not 'medusa'"):
-        MedusaHeads.from_pretrained(tmp_path)
+    check_from_pretrained_names_the_problem(
+        MedusaHeads, tmp_path, architecture="MedusaModel", kind="medusa", other_kind="eagle3"
+    )
 
 
 # -- runtime drafter ---------------------------------------------------------------------------
-PROMPTS = [[5, 17, 9, 33, 2, 40], [7, 21, 8]]
-
-
 def _scratch_pass(target: torch.nn.Module, sequences: list[list[int]], width: int) -> TargetPass:
-    logits, hidden = [], []
-    with torch.no_grad():
-        for sequence in sequences:
-            out = target(torch.tensor([sequence]), output_hidden_states=True)
-            logits.append(out.logits[0, -width:])
-            hidden.append(out.hidden_states[-1][0, -width:])
-    return TargetPass(torch.stack(logits), (torch.stack(hidden),))
+    """The target's logits and last hidden state over the last ``width`` tokens of each row."""
+    return scratch_pass(target, sequences, width, last_layer_only=True)
 
 
 def _prefill(drafter: MedusaDrafter, target: torch.nn.Module) -> list[list[int]]:
     """Prefill the left-padded PROMPTS with the target's greedy first token as pending."""
-    width = max(map(len, PROMPTS))
-    input_ids = torch.tensor([[0] * (width - len(p)) + p for p in PROMPTS])
-    attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in PROMPTS])
-    hidden = torch.zeros(2, width, 32, dtype=torch.float64)
-    logits = torch.zeros(2, width, 64, dtype=torch.float64)
-    for row, prompt in enumerate(PROMPTS):
-        row_pass = _scratch_pass(target, [prompt], len(prompt))
-        hidden[row, width - len(prompt) :] = row_pass.hidden_states[-1][0]
-        logits[row, width - len(prompt) :] = row_pass.logits[0]
-    pending = logits[:, -1].argmax(-1)
-    drafter.prefill(input_ids, attention, TargetPass(logits, (hidden,)), pending)
+    input_ids, attention, target_pass = padded_prefill(target, last_layer_only=True)
+    pending = target_pass.logits[:, -1].argmax(-1)
+    drafter.prefill(input_ids, attention, target_pass, pending)
     return [[*p, int(t)] for p, t in zip(PROMPTS, pending, strict=True)]
 
 
@@ -129,9 +115,7 @@ def test_identity_heads_propose_the_targets_own_next_token_after_each_commit() -
         num_accepted = torch.tensor(accepted)
         next_tokens = verify.logits[torch.arange(2), num_accepted].argmax(-1)  # greedy
         drafter.commit(num_accepted, next_tokens, verify)
-        for row in range(2):
-            n = accepted[row]
-            committed[row] += [*proposal.tokens[row, :n].tolist(), int(next_tokens[row])]
+        extend_committed(committed, proposal.tokens, num_accepted, next_tokens)
 
 
 def test_sampled_chain_draws_each_token_from_its_heads_law() -> None:
@@ -152,9 +136,7 @@ def test_sampled_chain_draws_each_token_from_its_heads_law() -> None:
         rows = [committed[r] + proposal.tokens[r].tolist() for r in range(2)]
         next_tokens = torch.tensor([3, 4])
         drafter.commit(torch.tensor(accepted), next_tokens, _scratch_pass(target, rows, 4))
-        for row in range(2):
-            n = accepted[row]
-            committed[row] += [*proposal.tokens[row, :n].tolist(), int(next_tokens[row])]
+        extend_committed(committed, proposal.tokens, accepted, next_tokens)
     with pytest.raises(ValueError, match=r"at most one token per head"):
         drafter.propose(5, sampling, generator)
 
@@ -168,32 +150,12 @@ def test_static_tree_round_keeps_the_accepted_paths_hidden_state() -> None:
     for end_nodes in ([5, 1], [4, 2]):  # accept root-to-node paths of different lengths
         tree = drafter.propose_tree(spec, depth=3)
         assert tree.tokens.shape == (2, 6)
-        logits, hidden = [], []
-        with torch.no_grad():
-            for row in range(2):
-                cached = CachedSequence(target, batch_size=1, device=torch.device("cpu"))
-                cached.extend(torch.tensor([committed[row][:-1]]))
-                out = cached.extend(
-                    torch.cat((torch.tensor(committed[row][-1:]), tree.tokens[row]))[None],
-                    tree_mask=tree_attention_mask(tree.parents[row]),
-                    positions=tree_positions(tree.depths[row], cached.lengths),
-                    output_hidden_states=True,
-                )
-                logits.append(out.logits[0])
-                hidden.append(out.hidden_states[-1][0])
-        nodes = torch.full((2, 3), -1)
-        for row, end in enumerate(end_nodes):
-            path, walk = [], end
-            while walk >= 0:
-                path.insert(0, walk)
-                walk = int(tree.parents[row, walk])
-            nodes[row, : len(path)] = torch.tensor(path)
-        tokens = torch.where(nodes >= 0, tree.tokens.gather(1, nodes.clamp(min=0)), 0)
-        result = TreeVerification(nodes, (nodes >= 0).sum(1), tokens, torch.tensor([6, 7]))
-        drafter.commit_tree(result, TargetPass(torch.stack(logits), (torch.stack(hidden),)))
+        assert int(tree.depths.max()) == 3
+        verify = tree_pass(target, committed, tree, last_layer_only=True)
+        result = path_verification(tree, end_nodes, torch.tensor([6, 7]))
+        drafter.commit_tree(result, verify)
+        extend_committed(committed, result.accepted_tokens, result.num_accepted, result.next_tokens)
         for row in range(2):
-            n = int(result.num_accepted[row])
-            committed[row] += [*tokens[row, :n].tolist(), int(result.next_tokens[row])]
             with torch.no_grad():
                 state = target(torch.tensor([committed[row][:-1]]), output_hidden_states=True)
             torch.testing.assert_close(drafter._hidden[row], state.hidden_states[-1][0, -1])
