@@ -16,6 +16,7 @@ import torch
 
 from decode.drafters.base import TargetPass
 from decode.kv_cache import CachedSequence
+from decode.sampling import SamplingConfig
 from decode.tree import TreeVerification, tree_attention_mask, tree_positions
 
 PROMPTS = [[5, 17, 9, 33, 2, 40], [7, 21, 8]]
@@ -136,3 +137,17 @@ def check_from_pretrained_names_the_problem(
     (folder / "drafter.json").write_text(json.dumps({"kind": other_kind}))
     with pytest.raises(ValueError, match=f"not '{kind}'"):
         cls.from_pretrained(folder)
+
+
+def check_needs_prefill_and_hidden_states(drafter, vocab_size: int = 64) -> None:
+    """A head drafter refuses to propose before its prefill and to prefill from a target pass
+    without hidden states, naming the fix (``output_hidden_states=True``)."""
+    with pytest.raises(RuntimeError, match="prefill"):
+        drafter.propose(1, SamplingConfig(), None)
+    with pytest.raises(ValueError, match="output_hidden_states=True"):
+        drafter.prefill(
+            torch.ones(1, 3, dtype=torch.long),
+            torch.ones(1, 3),
+            TargetPass(torch.zeros(1, 3, vocab_size)),
+            torch.ones(1, dtype=torch.long),
+        )

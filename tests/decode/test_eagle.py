@@ -9,6 +9,7 @@ import torch
 from head_helpers import (
     PROMPTS,
     check_from_pretrained_names_the_problem,
+    check_needs_prefill_and_hidden_states,
     extend_committed,
     padded_prefill,
     path_verification,
@@ -18,7 +19,7 @@ from head_helpers import (
 from tiny_models import tiny_llama
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from decode.drafters.base import TargetPass, TreeSpec
+from decode.drafters.base import TreeSpec
 from decode.drafters.eagle import (
     Eagle3Config,
     Eagle3Head,
@@ -339,15 +340,7 @@ def test_drafter_rejects_a_mismatched_target_and_missing_states() -> None:
     with pytest.raises(ValueError, match="4-layer target, this target has 2"):
         Eagle3Drafter(head, tiny_llama(num_layers=2))
     drafter = Eagle3Drafter(head, tiny_llama(num_layers=4))
-    with pytest.raises(RuntimeError, match="prefill"):
-        drafter.propose(2, SamplingConfig(), None)
-    with pytest.raises(ValueError, match="output_hidden_states=True"):
-        drafter.prefill(
-            torch.ones(1, 3, dtype=torch.long),
-            torch.ones(1, 3),
-            TargetPass(torch.zeros(1, 3, 64)),
-            torch.ones(1, dtype=torch.long),
-        )
+    check_needs_prefill_and_hidden_states(drafter)
 
 
 def test_drafter_loads_from_a_folder(tmp_path) -> None:

@@ -9,6 +9,7 @@ import torch
 from head_helpers import (
     PROMPTS,
     check_from_pretrained_names_the_problem,
+    check_needs_prefill_and_hidden_states,
     extend_committed,
     padded_prefill,
     path_verification,
@@ -165,15 +166,7 @@ def test_drafter_checks_its_inputs() -> None:
     target = tiny_llama()
     drafter = MedusaDrafter(MedusaHeads.from_target(target, num_heads=2), target)
     assert drafter.kind == "medusa" and drafter.needs_hidden_states and drafter.vocab_size == 64
-    with pytest.raises(RuntimeError, match="prefill"):
-        drafter.propose(1, SamplingConfig(), None)
-    with pytest.raises(ValueError, match="output_hidden_states=True"):
-        drafter.prefill(
-            torch.ones(1, 2, dtype=torch.long),
-            torch.ones(1, 2),
-            TargetPass(torch.zeros(1, 2, 64)),
-            torch.ones(1, dtype=torch.long),
-        )
+    check_needs_prefill_and_hidden_states(drafter)
     with pytest.raises(ValueError, match="one target"):
         MedusaDrafter(MedusaHeads(MedusaConfig(hidden_size=16, vocab_size=64)), target)
 
