@@ -54,7 +54,12 @@ import torch
 from decode.drafters.eagle import Eagle3Config, Eagle3Head, build_vocab_maps
 from train.losses import Loss
 from train.objectives import Batch
-from train.objectives.heads import HeadObjective, parse_export_formats, position_weights
+from train.objectives.heads import (
+    HeadObjective,
+    position_weights,
+    recipe_head_settings,
+    recipe_position_weights,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -168,16 +173,10 @@ class Eagle3Objective(HeadObjective):
             target,
             loss,
             unroll_steps=config.loss.unroll_steps,
-            step_weights=position_weights(
-                config.loss.unroll_steps,
-                config.loss.position_weights,
-                config.loss.position_weight_decay,
-            ),
-            loss_temperature=config.loss.loss_temperature,
-            eval_temperature=config.loss.eval_temperature,
-            export_formats=parse_export_formats(config.output.export_format),
+            step_weights=recipe_position_weights(config, config.loss.unroll_steps),
             init_from_target=drafter.drafter_init != "random",
             freeze_lm_head=drafter.freeze_embeddings,
+            **recipe_head_settings(config),
         )
 
     @property

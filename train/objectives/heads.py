@@ -42,6 +42,8 @@ from train.objectives import Batch, MetricSums, Objective
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from train.config import DistillConfig
+
 EXPORT_FORMATS = ("vllm", "sglang", "speculators")  # train.export_formats.ENGINE_FORMATS
 
 Aligned = tuple[float, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -76,6 +78,24 @@ def position_weights(
             f"--position_weights must be finite, >= 0 and not all 0, got {list(values)}"
         )
     return values
+
+
+def recipe_position_weights(config: DistillConfig, num_positions: int) -> tuple[float, ...]:
+    """:func:`position_weights` of ``num_positions`` draft positions from the recipe's loss
+    section (``position_weights``, else ``position_weight_decay``)."""
+    return position_weights(
+        num_positions, config.loss.position_weights, config.loss.position_weight_decay
+    )
+
+
+def recipe_head_settings(config: DistillConfig) -> dict[str, Any]:
+    """The recipe's settings every :class:`HeadObjective` takes as keywords: the loss and
+    evaluation temperatures and the export formats."""
+    return {
+        "loss_temperature": config.loss.loss_temperature,
+        "eval_temperature": config.loss.eval_temperature,
+        "export_formats": parse_export_formats(config.output.export_format),
+    }
 
 
 def future_mask(batch: Batch, ahead: int) -> torch.Tensor:  # [B, T - ahead] bool
@@ -409,4 +429,6 @@ __all__ = [
     "overlap_at",
     "parse_export_formats",
     "position_weights",
+    "recipe_head_settings",
+    "recipe_position_weights",
 ]

@@ -37,7 +37,13 @@ import torch
 from decode.drafters.medusa import MedusaHeads
 from train.losses import Loss
 from train.objectives import Batch
-from train.objectives.heads import HeadObjective, parse_export_formats, position_weights
+from train.objectives.heads import (
+    HeadObjective,
+    parse_export_formats,
+    position_weights,
+    recipe_head_settings,
+    recipe_position_weights,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -126,12 +132,8 @@ class MedusaObjective(HeadObjective):
             heads,
             target,
             loss,
-            head_weights=position_weights(
-                num_heads, config.loss.position_weights, config.loss.position_weight_decay
-            ),
-            loss_temperature=config.loss.loss_temperature,
-            eval_temperature=config.loss.eval_temperature,
-            export_formats=parse_export_formats(config.output.export_format),
+            head_weights=recipe_position_weights(config, num_heads),
+            **recipe_head_settings(config),
         )
 
     @property
