@@ -151,3 +151,16 @@ def check_needs_prefill_and_hidden_states(drafter, vocab_size: int = 64) -> None
             TargetPass(torch.zeros(1, 3, vocab_size)),
             torch.ones(1, dtype=torch.long),
         )
+
+
+def saved_and_loaded(module: torch.nn.Module, folder: Path, kind: str) -> torch.nn.Module:
+    """``module`` saved to ``folder`` and read back by its class's ``from_pretrained``, after
+    checking ``drafter.json`` names ``kind`` and that config, tensors and dtypes come back equal."""
+    module.save_pretrained(folder)
+    assert json.loads((folder / "drafter.json").read_text())["kind"] == kind
+    loaded = type(module).from_pretrained(folder)
+    assert loaded.config == module.config
+    for name, tensor in module.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+        assert loaded.state_dict()[name].dtype == tensor.dtype, name
+    return loaded

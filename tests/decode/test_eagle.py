@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from head_helpers import (
@@ -13,6 +11,7 @@ from head_helpers import (
     extend_committed,
     padded_prefill,
     path_verification,
+    saved_and_loaded,
     scratch_pass,
     tree_pass,
 )
@@ -213,12 +212,7 @@ def test_native_folder_round_trip(tmp_path) -> None:
     head = _head(target, draft_vocab_size=20, aux_hidden_state_layer_ids=(1, 2, 3))
     d2t, t2d = build_vocab_maps(torch.rand(64, generator=torch.Generator().manual_seed(0)), 20)
     head.set_vocab_maps(d2t, t2d)
-    head.save_pretrained(tmp_path / "eagle")
-    assert json.loads((tmp_path / "eagle" / "drafter.json").read_text())["kind"] == "eagle3"
-    loaded = Eagle3Head.from_pretrained(tmp_path / "eagle")
-    assert loaded.config == head.config
-    for name, tensor in head.state_dict().items():
-        assert torch.equal(loaded.state_dict()[name], tensor), name
+    loaded = saved_and_loaded(head, tmp_path / "eagle", "eagle3")
     aux = torch.randn(1, 5, 96, dtype=torch.float64)
     embeds = torch.randn(1, 5, 32, dtype=torch.float64)
     with torch.no_grad():
