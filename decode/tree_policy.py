@@ -46,8 +46,9 @@ machine is shared: a stall says nothing about the shape). One model for all shap
 them under the same recent load, where per-shape averages would compare a shape timed during
 a stall with one timed in a quiet moment. What the plane misses about one shape (a top-k
 tree's wider draft steps, a longer commit after longer accepted paths) is kept as that
-shape's smoothed ratio of measured to predicted time, which the load does not change. The
-policy picks
+shape's ratio of measured to predicted time (a decayed mean over its own rounds with a prior
+of one round at 1), which the load does not change, so a shape run rarely keeps what its
+runs taught. The policy picks
 
     s* = argmax_s E(s) / T(s)
 
@@ -193,7 +194,8 @@ class TreeSizePolicy:
         self._side = _Rates(max_depth)  # gamma_j of the chains under later siblings
         self._top_k: dict[tuple[RoundShape, bool], _Rates] = {}
         self.cost = RoundCost(decay)
-        self._ratio: dict[RoundShape, float] = {}  # measured time / the plane's, smoothed
+        self._ratio: dict[RoundShape, float] = {}  # measured time / the plane's, decayed mean
+        self._ratio_sums: dict[RoundShape, tuple[float, float]] = {}
         self._scored: dict[RoundShape, int] = {}  # scored tokens where a shape has run
         self._last_run: dict[RoundShape, int] = {}
         self._current: RoundShape | None = None
@@ -333,8 +335,10 @@ class TreeSizePolicy:
         predicted = self.cost.pinned(features)
         if predicted is not None:  # what the plane misses about this shape, load aside
             ratio = min(max(seconds / predicted, 1 / self.cost.clip), self.cost.clip)
-            previous = self._ratio.get(shape, 1.0)
-            self._ratio[shape] = previous + 0.1 * (ratio - previous)
+            total, count = self._ratio_sums.get(shape, (1.0, 1.0))  # prior: on the plane
+            total, count = self.decay * total + ratio, self.decay * count + 1.0
+            self._ratio_sums[shape] = (total, count)
+            self._ratio[shape] = total / count
         self.cost.add(features, seconds)
 
 
