@@ -5,6 +5,8 @@ token; the target scores ``[pending, d_1 .. d_N]`` in **one** forward pass over 
 verification keeps the accepted prefix and emits one recovered or bonus token; both caches drop
 what was rejected (no re-prefill). Each round emits between 1 and N + 1 tokens per row, and
 the output is distributed exactly as the target's (greedy: equal to its greedy output).
+Rounds run in a ``DecodeSession``, whose rows may join (``add_rows``) and leave (``retire``)
+between rounds (continuous batching, as the server runs it); ``generate`` is one session.
 
 "The target's" means its forward on the cache (``CachedSequence``) with each call's positions.
 Two rope types make a forward depend on how tokens are grouped into calls, in Hugging Face's
