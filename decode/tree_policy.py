@@ -132,8 +132,8 @@ def shape_menu(spec: TreeSpec, max_depth: int, *, sampled: bool, vary: bool) -> 
     """The fixed menu: a plain step, chains 1..``max_depth``, then trees.
 
     ``sampled``: sampled trees with 2..min(top_k, 4) root children, every depth up to
-    ``max_depth`` and every node count from one node per extra child up to full chains,
-    capped at ``spec.total_tokens``. Otherwise top-k trees ``max_depth`` deep: with ``vary``
+    ``max_depth`` and three node counts: one node under each later child, full chains
+    (capped at ``spec.total_tokens``) and halfway. Otherwise top-k trees ``max_depth`` deep: with ``vary``
     (a drafter that builds its tree from top_k and total_tokens, EAGLE-2's) top_k in {2,
     spec.top_k} and totals in {N + 2, 2N, spec.total_tokens} (at most what the tree holds),
     else the user's tree alone.
@@ -142,9 +142,11 @@ def shape_menu(spec: TreeSpec, max_depth: int, *, sampled: bool, vary: bool) -> 
     if sampled:
         for children in range(2, min(spec.top_k, MAX_SAMPLED_CHILDREN) + 1):
             for depth in range(1, max_depth + 1):
-                most = min(spec.total_tokens, children * depth)
-                for nodes in range(depth + children - 1, most + 1):
-                    menu.append(RoundShape(SAMPLED, depth, children, nodes))
+                fewest = depth + children - 1  # one node under each later child
+                most = min(spec.total_tokens, children * depth)  # full chains
+                for nodes in sorted({fewest, (fewest + most) // 2, most}):
+                    if nodes <= most:
+                        menu.append(RoundShape(SAMPLED, depth, children, nodes))
         return menu
     if not vary:
         return [*menu, RoundShape(TOP_K, max_depth, spec.top_k, spec.total_tokens)]
@@ -195,6 +197,7 @@ class TreeSizePolicy:
         self._top_k: dict[tuple[RoundShape, bool], _Rates] = {}
         self.cost = RoundCost(decay)
         self._ratio: dict[RoundShape, float] = {}  # measured time / the plane's, decayed mean
+        self._lengths_cache: dict[RoundShape, list[int]] = {}
         self._ratio_sums: dict[RoundShape, tuple[float, float]] = {}
         self._scored: dict[RoundShape, int] = {}  # scored tokens where a shape has run
         self._last_run: dict[RoundShape, int] = {}
@@ -205,24 +208,48 @@ class TreeSizePolicy:
     # -- the expected tokens ------------------------------------------------------------------
     def expected_tokens(self, shape: RoundShape, greedy: bool) -> float:
         """``E(s)``: tokens a round of ``shape`` emits on average (see the module docstring)."""
+        return self._expected(shape, greedy, self._tables(greedy))
+
+    def _tables(self, greedy: bool) -> tuple[list[float], list[float], list[float]]:
+        """Path sums of the first chain and of the later chains by length, and ``beta_i``."""
+        alpha, side = self._chain[greedy], self._side
+        first = [
+            _path_sum([alpha[j] for j in range(1, length)])
+            for length in range(1, 1 + self.max_depth)
+        ]
+        later = [
+            _path_sum([side[j] for j in range(1, length)])
+            for length in range(1, 1 + self.max_depth)
+        ]
+        betas = [alpha[0]] + [self._siblings[i] for i in range(1, len(self._siblings.reached))]
+        return first, later, betas
+
+    def _expected(self, shape: RoundShape, greedy: bool, tables) -> float:
         if shape.kind == TOP_K:
             rates = self._top_k.get((shape, greedy)) or _Rates(shape.depth)
             return _path_sum([rates[j] for j in range(shape.depth)])
-        alpha = self._chain[greedy]
+        first, later, betas = tables
         total, reach = 1.0, 1.0
-        for rank, length in enumerate(shape.chain_lengths()):
-            beta = alpha[0] if rank == 0 else self._siblings[rank]
-            below = [(alpha if rank == 0 else self._side)[j] for j in range(1, length)]
-            total += reach * beta * _path_sum(below)
-            reach *= 1.0 - beta
+        for rank, length in enumerate(self._lengths(shape)):
+            below = first if rank == 0 else later
+            total += reach * betas[rank] * below[length - 1]
+            reach *= 1.0 - betas[rank]
         return total
+
+    def _lengths(self, shape: RoundShape) -> list[int]:
+        lengths = self._lengths_cache.get(shape)
+        if lengths is None:
+            lengths = self._lengths_cache[shape] = shape.chain_lengths()
+        return lengths
 
     # -- the cost -----------------------------------------------------------------------------
     def round_seconds(self, shape: RoundShape) -> float | None:
         """``T(s)``: the fitted cost model times the shape's own measured ratio to it (None
         before any round)."""
-        predicted = self.cost.predict(self._features(shape))
-        return None if predicted is None else predicted * self._ratio.get(shape, 1.0)
+        coef = self.cost.coefficients()
+        if coef is None:
+            return None
+        return _dot(coef, self._features(shape)) * self._ratio.get(shape, 1.0)
 
     def _features(self, shape: RoundShape) -> tuple[float, ...]:
         scored = self._scored.get(shape, shape.scored_tokens)  # a top-k tree's real size
@@ -245,7 +272,8 @@ class TreeSizePolicy:
         for shape in self._first_measured(full):
             if shape not in self._scored and shape.depth <= limit:
                 return self._ran(shape)
-        rates = {s: self.expected_tokens(s, greedy) / self.round_seconds(s) for s in menu}
+        tables = self._tables(greedy)
+        rates = {s: self._expected(s, greedy, tables) / self.round_seconds(s) for s in menu}
         ranked = sorted(menu, key=rates.__getitem__, reverse=True)
         best, current = ranked[0], self._current
         if current in rates and rates[best] < rates[current] * (1 + self.switch_margin):
@@ -364,15 +392,16 @@ class RoundCost:
     A round is clipped at ``clip`` times its prediction only where its leverage
     ``x^T G^-1 x`` is below 1/2, i.e. where earlier rounds already determine that prediction.
     Directions no round has explored yet (a tree term before any tree ran) get a tiny ridge
-    and so a coefficient near 0.
+    and so a coefficient near 0. Plain floats: a 4 x 4 system per round costs microseconds,
+    where tensor calls would cost a visible share of a small target's round.
     """
 
     def __init__(self, decay: float = 0.99, clip: float = 1.5) -> None:
         size = len(_features(0, 0, False))
         self.decay = decay
         self.clip = clip
-        self._gram = torch.zeros(size, size, dtype=torch.float64)
-        self._moment = torch.zeros(size, dtype=torch.float64)
+        self._gram = [[0.0] * size for _ in range(size)]
+        self._moment = [0.0] * size
         self._coef: list[float] | None = None
         self._rounds = 0
 
@@ -381,49 +410,69 @@ class RoundCost:
         predicted = self.pinned(x)
         if predicted is not None:
             seconds = min(seconds, self.clip * predicted)
-        row = torch.tensor(x, dtype=torch.float64)
-        self._gram = self.decay * self._gram + torch.outer(row, row)
-        self._moment = self.decay * self._moment + row * seconds
+        decay = self.decay
+        for i, row in enumerate(self._gram):
+            for j in range(len(row)):
+                row[j] = decay * row[j] + x[i] * x[j]
+            self._moment[i] = decay * self._moment[i] + x[i] * seconds
         self._coef = None
         self._rounds += 1
 
-    def predict(self, x: tuple[float, ...]) -> float | None:
-        """Seconds of a round with features ``x`` (None before any round)."""
+    def coefficients(self) -> list[float] | None:
+        """``[a, b, c, e]`` (None before any round)."""
         if not self._rounds:
             return None
         if self._coef is None:
             self._coef = self._fit()
-        return max(sum(c * v for c, v in zip(self._coef, x, strict=True)), 1e-9)
+        return self._coef
+
+    def predict(self, x: tuple[float, ...]) -> float | None:
+        """Seconds of a round with features ``x`` (None before any round)."""
+        coef = self.coefficients()
+        return None if coef is None else _dot(coef, x)
 
     def pinned(self, x: tuple[float, ...]) -> float | None:
         """The prediction at ``x`` where past rounds determine it (leverage < 1/2), else None."""
         if not self._rounds:
             return None
-        row = torch.tensor(x, dtype=torch.float64)
-        return self.predict(x) if self._leverage(row) < 0.5 else None
-
-    def _leverage(self, row: torch.Tensor) -> float:
-        """``x^T G^-1 x``: small where the recent rounds determine the prediction at x."""
-        gram = self._gram + self._ridge() * torch.eye(row.numel(), dtype=row.dtype)
-        return float(row @ torch.linalg.solve(gram, row))
+        free = list(range(len(x)))
+        leverage = _dot(x, _solve(self._gram, list(x), free, self._ridge()))
+        return self.predict(x) if leverage < 0.5 else None
 
     def _ridge(self) -> float:
-        return 1e-9 * float(self._gram.diagonal().sum()) + 1e-30
+        return 1e-9 * sum(self._gram[i][i] for i in range(len(self._gram))) + 1e-30
 
     def _fit(self) -> list[float]:
-        size = self._moment.numel()
-        free = list(range(size))
+        free = list(range(len(self._moment)))
         while True:
-            gram = self._gram[free][:, free]
-            ridge = self._ridge()
-            coef = torch.linalg.solve(
-                gram + ridge * torch.eye(len(free), dtype=gram.dtype), self._moment[free]
-            )
-            slopes = [(float(c), i) for c, i in zip(coef, free, strict=True) if i > 0]
-            worst = min(slopes, default=(0.0, -1))
-            if worst[0] >= 0:
-                full = [0.0] * size
-                for c, i in zip(coef.tolist(), free, strict=True):
-                    full[i] = c
-                return full
-            free.remove(worst[1])
+            coef = _solve(self._gram, self._moment, free, self._ridge())
+            worst = min(free[1:], key=lambda i: coef[i], default=None)
+            if worst is None or coef[worst] >= 0:
+                return coef
+            free.remove(worst)  # a negative slope: hold it at 0, refit the rest
+
+
+def _dot(a: list[float] | tuple[float, ...], b: list[float] | tuple[float, ...]) -> float:
+    return max(sum(u * v for u, v in zip(a, b, strict=True)), 1e-9)
+
+
+def _solve(gram: list[list[float]], rhs: list[float], free: list[int], ridge: float) -> list[float]:
+    """``(G + ridge I) w = rhs`` restricted to the indices ``free`` (the others 0), by Gaussian
+    elimination with partial pivoting."""
+    size = len(free)
+    rows = [[gram[i][j] + (ridge if i == j else 0.0) for j in free] + [rhs[i]] for i in free]
+    for col in range(size):
+        pivot = max(range(col, size), key=lambda r: abs(rows[r][col]))
+        rows[col], rows[pivot] = rows[pivot], rows[col]
+        for r in range(col + 1, size):
+            factor = rows[r][col] / rows[col][col]
+            for c in range(col, size + 1):
+                rows[r][c] -= factor * rows[col][c]
+    solution = [0.0] * size
+    for r in reversed(range(size)):
+        tail = sum(rows[r][c] * solution[c] for c in range(r + 1, size))
+        solution[r] = (rows[r][size] - tail) / rows[r][r]
+    full = [0.0] * len(rhs)
+    for value, i in zip(solution, free, strict=True):
+        full[i] = value
+    return full
