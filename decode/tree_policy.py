@@ -133,10 +133,10 @@ def shape_menu(spec: TreeSpec, max_depth: int, *, sampled: bool, vary: bool) -> 
 
     ``sampled``: sampled trees with 2..min(top_k, 4) root children, every depth up to
     ``max_depth`` and three node counts: one node under each later child, full chains
-    (capped at ``spec.total_tokens``) and halfway. Otherwise top-k trees ``max_depth`` deep: with ``vary``
-    (a drafter that builds its tree from top_k and total_tokens, EAGLE-2's) top_k in {2,
-    spec.top_k} and totals in {N + 2, 2N, spec.total_tokens} (at most what the tree holds),
-    else the user's tree alone.
+    (capped at ``spec.total_tokens``) and halfway. Otherwise top-k trees ``max_depth`` deep:
+    with ``vary`` (a drafter that builds its tree from top_k and total_tokens, EAGLE-2's)
+    top_k in {2, spec.top_k} and totals in {N + 2, 2N, spec.total_tokens} (at most what the
+    tree holds), else the user's tree alone.
     """
     menu = [RoundShape.chain(w) for w in range(max_depth + 1)]
     if sampled:
@@ -224,7 +224,7 @@ class TreeSizePolicy:
         betas = [alpha[0]] + [self._siblings[i] for i in range(1, len(self._siblings.reached))]
         return first, later, betas
 
-    def _expected(self, shape: RoundShape, greedy: bool, tables) -> float:
+    def _expected(self, shape: RoundShape, greedy: bool, tables: tuple[list[float], ...]) -> float:
         if shape.kind == TOP_K:
             rates = self._top_k.get((shape, greedy)) or _Rates(shape.depth)
             return _path_sum([rates[j] for j in range(shape.depth)])
