@@ -25,10 +25,23 @@ from __future__ import annotations
 import torch
 
 # Pseudo-counts of the acceptance prior: one accepted draft out of two reached.
-_PRIOR_REACHED, _PRIOR_ACCEPTED = 2.0, 1.0
+PRIOR_REACHED, PRIOR_ACCEPTED = 2.0, 1.0
 
 
-class AdaptiveDraftLength:
+class RoundPolicy:
+    """What the chain-length and tree-size policies share: estimates that decay by ``decay``
+    per round, a probe every ``probe_every`` rounds (0: never), and a switch only for ``switch_margin``
+    more expected tokens per second."""
+
+    def __init__(self, decay: float, probe_every: int, switch_margin: float) -> None:
+        if not 0.0 < decay < 1.0:
+            raise ValueError(f"decay must lie in (0, 1), got {decay}")
+        self.decay = decay
+        self.probe_every = probe_every
+        self.switch_margin = switch_margin
+
+
+class AdaptiveDraftLength(RoundPolicy):
     """Picks w in ``0 .. max_tokens`` per round; fed each round's acceptance and duration."""
 
     def __init__(
@@ -40,15 +53,11 @@ class AdaptiveDraftLength:
     ) -> None:
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        if not 0.0 < decay < 1.0:
-            raise ValueError(f"decay must lie in (0, 1), got {decay}")
+        super().__init__(decay, probe_every, switch_margin)
         self.max_tokens = max_tokens
-        self.decay = decay
-        self.probe_every = probe_every
-        self.switch_margin = switch_margin
         self._current: int | None = None  # the length kept between probes
-        self._reached = [_PRIOR_REACHED] * max_tokens  # decayed drafts verified at position j
-        self._accepted = [_PRIOR_ACCEPTED] * max_tokens  # decayed drafts accepted at position j
+        self._reached = [PRIOR_REACHED] * max_tokens  # decayed drafts verified at position j
+        self._accepted = [PRIOR_ACCEPTED] * max_tokens  # decayed drafts accepted at position j
         self._seconds: dict[int, float] = {}  # w -> round duration, smoothed (weight 0.1)
         self._rounds = 0
 

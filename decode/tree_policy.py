@@ -68,11 +68,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from decode.draft_length import PRIOR_ACCEPTED, PRIOR_REACHED, RoundPolicy
 from decode.drafters.base import TreeSpec
 from decode.tree import sampled_tree_chain_lengths
 
-# Pseudo-counts of the acceptance prior: one accepted draft out of two reached.
-_PRIOR_REACHED, _PRIOR_ACCEPTED = 2.0, 1.0
 # Sampled trees on the menu have at most this many root children: each further sibling is
 # tried only after all earlier ones failed, and the menu stays small.
 MAX_SAMPLED_CHILDREN = 4
@@ -116,8 +115,8 @@ class _Rates:
     """Decayed Bernoulli counts per index (acceptance given reached), prior 1 in 2."""
 
     def __init__(self, size: int) -> None:
-        self.reached = [_PRIOR_REACHED] * size
-        self.accepted = [_PRIOR_ACCEPTED] * size
+        self.reached = [PRIOR_REACHED] * size
+        self.accepted = [PRIOR_ACCEPTED] * size
 
     def __getitem__(self, index: int) -> float:
         return self.accepted[index] / self.reached[index]
@@ -158,7 +157,7 @@ def shape_menu(spec: TreeSpec, max_depth: int, *, sampled: bool, vary: bool) -> 
     return menu
 
 
-class TreeSizePolicy:
+class TreeSizePolicy(RoundPolicy):
     """Picks each round's :class:`RoundShape`; fed each round's acceptance and duration.
 
     The engine asks :meth:`choose_shape` inside its tree round, where the sampling mode is
@@ -179,13 +178,9 @@ class TreeSizePolicy:
     ) -> None:
         if max_depth < 1:
             raise ValueError(f"max_depth must be >= 1, got {max_depth}")
-        if not 0.0 < decay < 1.0:
-            raise ValueError(f"decay must lie in (0, 1), got {decay}")
+        super().__init__(decay, probe_every, switch_margin)
         self.spec = spec
         self.max_depth = max_depth
-        self.decay = decay
-        self.probe_every = probe_every
-        self.switch_margin = switch_margin
         self.menus = {
             mode: shape_menu(spec, max_depth, sampled=mode == SAMPLED, vary=vary_top_k)
             for mode in (SAMPLED, TOP_K)
