@@ -31,7 +31,6 @@ import importlib.util
 import json
 import os
 import random
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -96,28 +95,12 @@ def _vllm_release(llm: Any) -> None:
         pass
 
 
-def _memory_fraction() -> float:
-    """The share of the node's memory vLLM may take, called once vLLM is imported.
-
-    On CPU vLLM sizes its KV cache as ``share * total - used`` (``used``: all the node's memory
-    not free, other processes' included) and refuses to start when ``share * total`` exceeds
-    the free memory, so its default share, 0.92, fails on any machine that runs something
-    else. The exports checked here are small: what is used now plus ``KV_CACHE_BYTES``, at most
-    0.9 (0.5 where the node's figures cannot be read). It starts wherever more than half of the
-    memory is free.
-    """
-    try:
-        text = Path("/sys/devices/system/node/node0/meminfo").read_text()
-    except OSError:
-        return 0.5
-    kib = {name: int(value) for name, value in re.findall(r"(\w+):\s+(\d+) kB", text)}
-    total, free = kib.get("MemTotal", 0) * 1024, kib.get("MemFree", 0) * 1024
-    if not total:
-        return 0.5
-    return max(0.05, min(0.9, (total - free + KV_CACHE_BYTES) / total))
-
-
-KV_CACHE_BYTES = 2 * 2**30
+# vLLM on CPU sizes its KV cache as (gpu_memory_utilization x the node's memory) minus its own
+# process by default, and refuses to start unless that share is free: its default share, 0.92,
+# fails on any machine that runs something else. The exports checked here are small, so the KV
+# cache is given explicitly and the share only has to pass the start-up check.
+KV_CACHE_BYTES = 2**30
+STARTUP_MEMORY_SHARE = 0.05
 
 
 def vllm_decode(
@@ -146,7 +129,8 @@ def vllm_decode(
         skip_tokenizer_init=True,
         disable_log_stats=False,
         max_num_seqs=max(1, len(prompts)),
-        gpu_memory_utilization=_memory_fraction(),
+        gpu_memory_utilization=STARTUP_MEMORY_SHARE,
+        kv_cache_memory_bytes=KV_CACHE_BYTES,
         seed=0,
     )
     tokens = [list(out.outputs[0].token_ids) for out in llm.generate(prompts, params)]
