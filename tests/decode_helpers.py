@@ -106,3 +106,18 @@ def tiny_medusa_drafter(target: torch.nn.Module, num_heads: int = 3):
         for param in heads.blocks.parameters():
             param.copy_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * 0.3)
     return MedusaDrafter(heads, target)
+
+
+def ragged_greedy_batch(
+    target: torch.nn.Module, max_new_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Three left-padded prompts (row 1 padded by 4) and the target's own greedy continuation
+    of them: ``(ids [3, 9], mask [3, 9], reference [3, 9 + max_new_tokens])``."""
+    ids = torch.randint(3, 64, (3, 9), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    reference = target.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False
+    )
+    return ids, mask, reference

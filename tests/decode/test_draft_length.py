@@ -7,6 +7,7 @@ import torch
 from decode_helpers import (
     AdversarialDrafter,
     noisy_copy,
+    ragged_greedy_batch,
     tiny_eagle_drafter,
     tiny_medusa_drafter,
 )
@@ -92,13 +93,7 @@ def test_adaptive_rounds_keep_greedy_output_exact(name: str) -> None:
         "eagle": lambda: tiny_eagle_drafter(target),
         "medusa": lambda: tiny_medusa_drafter(target),
     }
-    ids = torch.randint(3, 64, (3, 9), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones_like(ids)
-    mask[1, :4] = 0
-    ids = ids.masked_fill(mask == 0, 0)
-    reference = target.generate(
-        input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False
-    )
+    ids, mask, reference = ragged_greedy_batch(target, 24)
     decoder = SpeculativeDecoder(target, drafters[name](), 3, adaptive=True)
     decoder.draft_length.probe_every = 2  # visit many lengths in a short run
     widths = []

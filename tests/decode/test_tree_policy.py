@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from decode_helpers import tiny_eagle_drafter, tiny_medusa_drafter
+from decode_helpers import ragged_greedy_batch, tiny_eagle_drafter, tiny_medusa_drafter
 from tiny_models import tiny_llama
 from tree_helpers import PROMPT, SETTINGS, assert_follows, three_token_law
 
@@ -301,13 +301,7 @@ def _recording(decoder: SpeculativeDecoder, first: RoundShape | None = None) -> 
 @pytest.mark.parametrize("name", list(DRAFTERS))
 def test_adaptive_tree_keeps_greedy_output_exact(target, name: str) -> None:
     make, spec = DRAFTERS[name]
-    ids = torch.randint(3, 64, (3, 9), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones_like(ids)
-    mask[1, :4] = 0
-    ids = ids.masked_fill(mask == 0, 0)
-    reference = target.generate(
-        input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False
-    )
+    ids, mask, reference = ragged_greedy_batch(target, 24)
     decoder = SpeculativeDecoder(target, make(target), 3, tree=spec, adaptive=True)
     decoder.tree_policy.probe_every = 2  # visit many shapes in a short run
     shapes = _recording(decoder)
