@@ -111,13 +111,27 @@ class GridSettings:
         """What makes runs comparable; a resumed grid must have the same (JSON types)."""
         out = dataclasses.asdict(self)
         del out["output"]
-        out["recipes"] = {kind: str(path) for kind, path in sorted(self.recipes.items())}
+        # Recipes by content, and the grid's own data by its place in the output folder: a
+        # grid resumes from another clone or after its folder moved, not after a recipe changed.
+        out["recipes"] = {kind: recipe_digest(path) for kind, path in sorted(self.recipes.items())}
         out["temperatures"] = [float(t) for t in self.temperatures]
-        out["regenerated"] = str(self.regenerated_file)
+        out["regenerated"] = (
+            "<output>/data/regenerated.jsonl"
+            if self.regenerated is None
+            else str(self.regenerated_file)
+        )
         if self.regenerated is not None:  # a given file: how it was made is not ours
             for name in ("regen_prompts", "regen_prompt_tokens", "regen_new_tokens"):
                 del out[name]
         return out
+
+
+def recipe_digest(path: Path) -> str:
+    """A short SHA-256 of the resolved recipe (inheritance applied), or ``missing: <path>``."""
+    if not path.is_file():
+        return f"missing: {path}"
+    text = json.dumps(read_recipe(path), sort_keys=True, default=str)
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def default(name: str) -> Any:
