@@ -240,3 +240,21 @@ def test_grid_of_two_cells_and_two_seeds_resumes_after_an_interruption(
 
     with pytest.raises(ValueError, match=r"other settings \(max_steps\)"):
         ablate.main([*argv, "--max-steps", "3"])
+
+
+def test_settings_fingerprint_follows_recipe_content_not_places(tmp_path: Path) -> None:
+    """A copied repository or a moved grid folder resumes; an edited recipe does not."""
+    import shutil
+
+    recipes = ablation.recipes_for("tiny")
+    clone = tmp_path / "clone" / "configs"
+    shutil.copytree(ablation.REPO / "configs", clone)
+    copies = {kind: clone / path.name for kind, path in recipes.items()}
+    here = ablation.GridSettings(output=tmp_path / "a", recipes=recipes)
+    there = ablation.GridSettings(output=tmp_path / "b", recipes=copies)
+    assert here.fingerprint() == there.fingerprint()
+    recipe = copies["draft_lm"]
+    recipe.write_text(recipe.read_text().replace("loss: tv", "loss: lk"))
+    changed = there.fingerprint()
+    assert changed["recipes"]["draft_lm"] != here.fingerprint()["recipes"]["draft_lm"]
+    assert changed["recipes"]["eagle3"] == here.fingerprint()["recipes"]["eagle3"]
