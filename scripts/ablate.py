@@ -43,6 +43,10 @@ same command skips the runs it already holds and continues an interrupted grid
 (``--max-runs N`` stops on purpose after N new runs). Runs that fail are reported and retried
 by the next invocation; a changed setting (recipe, time box, tau settings) refuses to mix
 with the earlier runs instead of silently comparing unlike runs.
+
+``--merge A/ablation.json B/ablation.json --output C`` runs nothing: it folds grids of the same
+settings that ran side by side (one per machine, or one per axis) into ``C/ablation.json``
+and plots the union, so their cells compare with one another's baselines.
 """
 
 from __future__ import annotations
@@ -57,10 +61,12 @@ from typing import Any
 
 from train.ablation import (
     RECIPES,
+    RESULTS_FILE,
     GridSettings,
     cells_of,
     default,
     grid_target,
+    merge_results,
     needs_regenerated,
     parse_grid,
     parse_pairs,
@@ -127,6 +133,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--output", type=Path, default=Path("outputs/ablation"))
     parser.add_argument("--max-runs", type=int, default=None, help="stop after N new runs")
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        type=Path,
+        default=None,
+        metavar="ABLATION_JSON",
+        help="run nothing: fold these grids' results (same settings) into --output, then plot",
+    )
     return parser.parse_args(argv)
 
 
@@ -282,6 +296,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     grid = parse_grid(args.grid)
     settings = settings_from(args)
     baselines = None if args.baseline is None else parse_pairs(args.baseline, "--baseline")
+    if args.merge:
+        results = merge_results(settings.output / RESULTS_FILE, args.merge, baselines)
+        print(f"[ablate] merged {len(results['added'])} runs into {results['path']}")
+        report(results, settings.output)
+        return results
     cells = cells_of(grid)
     if needs_regenerated(cells):
         kinds = sorted({cell.get("kind", "draft_lm") for cell in cells})
@@ -295,21 +314,26 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         args.max_runs,
         log=lambda line: print(line, flush=True),
     )
-    plots = plot_results(results["cells"], settings.output)
+    if results["stopped"]:
+        print(
+            f"[ablate] stopped after {results['new_runs']} new runs (--max-runs); rerun to continue"
+        )
+    report(results, settings.output)
+    return results
+
+
+def report(results: dict[str, Any], output: Path) -> None:
+    """Plot the cells and print their table, the skipped and failed cells and the files."""
+    plots = plot_results(results["cells"], output)
     print(format_table(results["cells"]))
     for key, reason in results["skipped"].items():
         print(f"[ablate] skipped {key}: {reason}")
     for key, error in results["failed"].items():
         print(f"[ablate] FAILED {key}: {error} (rerun to retry)")
-    if results["stopped"]:
-        print(
-            f"[ablate] stopped after {results['new_runs']} new runs (--max-runs); rerun to continue"
-        )
     print(
         f"[ablate] {len(results['runs'])} runs in {results['path']}; plots: "
         + ", ".join(str(p) for p in plots)
     )
-    return results
 
 
 if __name__ == "__main__":
@@ -320,4 +344,4 @@ if __name__ == "__main__":
     except (ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
-    sys.exit(1 if outcome["failed"] else 0)
+    sys.exit(1 if outcome.get("failed") else 0)

@@ -498,6 +498,48 @@ def save_results(
     write_json_atomic(path, results)
 
 
+def merge_results(
+    path: Path, sources: Sequence[Path], baselines: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Fold the runs of other grids' results files into ``path`` (grids of one settings run
+    side by side, e.g. one per machine), re-keyed to the axis order of the runs already there.
+
+    Refuses files made with other settings or other axes; a run both files hold keeps the one
+    in ``path``. Returns the merged results with ``added`` (keys of the runs taken over).
+    """
+    results = json.loads(path.read_text()) if path.is_file() else None
+    runs: dict[str, dict[str, Any]] = {} if results is None else results["runs"]
+    axes = next((list(record["cell"]) for record in runs.values()), None)
+    added: list[str] = []
+    for source in sources:
+        if not source.is_file():
+            raise FileNotFoundError(f"--merge {source}: no such file; pass a grid's {RESULTS_FILE}")
+        if results is None:
+            results = json.loads(source.read_text())
+            results["runs"], runs = {}, {}
+        other = load_results(source, results["settings"])
+        for record in other["runs"].values():
+            cell = record["cell"]
+            axes = list(cell) if axes is None else axes
+            if set(cell) != set(axes):
+                raise ValueError(
+                    f"--merge {source}: its runs vary {', '.join(cell)} and the merged runs "
+                    f"{', '.join(axes)}; merge grids over the same axes"
+                )
+            ordered = {axis: cell[axis] for axis in axes}
+            key = run_key(ordered, record["seed"])
+            if key not in runs:
+                runs[key] = {**record, "key": key, "cell": ordered}
+                added.append(key)
+    if results is None:
+        raise ValueError("--merge: no results to merge")
+    results["runs"] = runs
+    grid = {axis: sorted({r["cell"][axis] for r in runs.values()}) for axis in axes or []}
+    baselines = default_baselines(grid) if baselines is None else baselines
+    save_results(path, results, baselines, results.get("skipped", {}), results.get("failed", {}))
+    return {**results, "path": str(path), "added": added}
+
+
 # --------------------------------------------------------------------------- the grid runner
 
 

@@ -258,3 +258,51 @@ def test_settings_fingerprint_follows_recipe_content_not_places(tmp_path: Path) 
     changed = there.fingerprint()
     assert changed["recipes"]["draft_lm"] != here.fingerprint()["recipes"]["draft_lm"]
     assert changed["recipes"]["eagle3"] == here.fingerprint()["recipes"]["eagle3"]
+
+
+def test_merge_folds_grids_of_one_settings_and_refuses_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two grids run side by side (axes in another order) merge into one file whose cells
+    compare with the other grid's baselines; other settings or other axes are refused."""
+
+    def fake(argv: list[str], *_: object) -> dict:
+        loss, data = argv[argv.index("--loss") + 1], "--dataset" in argv
+        tau = {"ce": 2.0, "lk": 2.4}[loss] * (1.5 if data else 1.0)
+        return {"overlap": [0.5], "greedy_match": [0.4], "tau": {"0": tau, "1": tau}}
+
+    monkeypatch.setattr(ablation, "train_and_measure", fake)
+
+    def settings(folder: str, **changes) -> ablation.GridSettings:
+        regenerated = tmp_path / folder / "data" / "regenerated.jsonl"
+        regenerated.parent.mkdir(parents=True)
+        regenerated.write_text("")
+        recipes = ablation.recipes_for("tiny")
+        return ablation.GridSettings(output=tmp_path / folder, recipes=recipes, **changes)
+
+    quiet = {"log": lambda _: None}
+    ablation.run_grid({"loss": ["ce", "lk"], "data": ["corpus"]}, [0], settings("a"), **quiet)
+    ablation.run_grid({"data": ["regenerated"], "loss": ["ce"]}, [0], settings("b"), **quiet)
+    merged = ablation.merge_results(
+        tmp_path / "a" / "ablation.json", [tmp_path / "b" / "ablation.json"]
+    )
+    assert merged["added"] == ["loss=ce,data=regenerated,seed=0"]
+    cells = {c["key"]: c for c in merged["cells"]}
+    assert set(cells) == {"loss=ce,data=corpus", "loss=lk,data=corpus", "loss=ce,data=regenerated"}
+    assert cells["loss=ce,data=regenerated"]["gain"]["data=corpus"]["tau"]["1"] == pytest.approx(
+        0.5
+    )
+    assert cells["loss=lk,data=corpus"]["gain"]["loss=ce"]["tau"]["1"] == pytest.approx(0.2)
+    again = ablation.merge_results(
+        tmp_path / "a" / "ablation.json", [tmp_path / "b" / "ablation.json"]
+    )
+    assert again["added"] == [] and len(again["runs"]) == 3  # idempotent
+
+    ablation.run_grid({"loss": ["ce"]}, [0], settings("c", max_steps=9), **quiet)
+    with pytest.raises(ValueError, match=r"other settings.*max_steps"):
+        ablation.merge_results(tmp_path / "a" / "ablation.json", [tmp_path / "c" / "ablation.json"])
+    ablation.run_grid({"loss": ["ce"]}, [1], settings("d"), **quiet)
+    with pytest.raises(ValueError, match="same axes"):
+        ablation.merge_results(tmp_path / "a" / "ablation.json", [tmp_path / "d" / "ablation.json"])
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        ablation.merge_results(tmp_path / "a" / "ablation.json", [tmp_path / "none.json"])
