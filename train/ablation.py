@@ -462,11 +462,39 @@ def default_baselines(grid: dict[str, list[str]]) -> dict[str, str]:
 # --------------------------------------------------------------------------- results file
 
 
+def read_results(path: Path) -> dict[str, Any]:
+    """A results file, checked to be one this tool wrote (a clear error otherwise)."""
+    try:
+        results = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        message = f"{path} is not a results file ({error}); pass a grid's {RESULTS_FILE}"
+        raise ValueError(message) from None
+
+    def bad(problem: str) -> ValueError:
+        return ValueError(f"{path} is not a results file of this tool: {problem}")
+
+    if not isinstance(results, dict):
+        raise bad("its top level is not an object")
+    if results.get("format_version") != FORMAT_VERSION:
+        raise bad(f"format_version {results.get('format_version')!r}, expected {FORMAT_VERSION}")
+    if not isinstance(results.get("settings"), dict) or not isinstance(results.get("runs"), dict):
+        raise bad('it lacks the "settings" and "runs" objects')
+    for key, record in results["runs"].items():
+        fields = {"cell": dict, "seed": int, "tau": dict, "overlap": list, "greedy_match": list}
+        if not isinstance(record, dict) or any(
+            not isinstance(record.get(name), kind) for name, kind in fields.items()
+        ):
+            raise bad(f"run {key!r} lacks one of {', '.join(fields)}")
+        if not all(isinstance(v, str) for v in record["cell"].values()):
+            raise bad(f"run {key!r}: a cell maps axes to string values")
+    return results
+
+
 def load_results(path: Path, settings: dict[str, Any]) -> dict[str, Any]:
     """The results written so far (empty for a new grid); refuses other settings."""
     if not path.is_file():
         return {"format_version": FORMAT_VERSION, "settings": settings, "runs": {}}
-    results = json.loads(path.read_text())
+    results = read_results(path)
     if results.get("settings") != settings:
         changed = sorted(
             k
@@ -507,7 +535,7 @@ def merge_results(
     Refuses files made with other settings or other axes; a run both files hold keeps the one
     in ``path``. Returns the merged results with ``added`` (keys of the runs taken over).
     """
-    results = json.loads(path.read_text()) if path.is_file() else None
+    results = read_results(path) if path.is_file() else None
     runs: dict[str, dict[str, Any]] = {} if results is None else results["runs"]
     axes = next((list(record["cell"]) for record in runs.values()), None)
     added: list[str] = []
@@ -515,8 +543,8 @@ def merge_results(
         if not source.is_file():
             raise FileNotFoundError(f"--merge {source}: no such file; pass a grid's {RESULTS_FILE}")
         if results is None:
-            results = json.loads(source.read_text())
-            results["runs"], runs = {}, {}
+            results = {**read_results(source), "runs": {}}
+            runs = results["runs"]
         other = load_results(source, results["settings"])
         for record in other["runs"].values():
             cell = record["cell"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 from types import ModuleType
 
@@ -306,3 +307,24 @@ def test_merge_folds_grids_of_one_settings_and_refuses_others(
         ablation.merge_results(tmp_path / "a" / "ablation.json", [tmp_path / "d" / "ablation.json"])
     with pytest.raises(FileNotFoundError, match="no such file"):
         ablation.merge_results(tmp_path / "a" / "ablation.json", [tmp_path / "none.json"])
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("{not json", "not a results file"),
+        ("[1, 2]", "top level is not an object"),
+        ('{"format_version": 99, "settings": {}, "runs": {}}', "format_version 99"),
+        ('{"format_version": 1, "settings": {}}', '"runs"'),
+        ('{"format_version": 1, "settings": {}, "runs": {"k": {"cell": {}}}}', "run 'k' lacks"),
+    ],
+)
+def test_a_file_that_is_not_a_results_file_is_refused_by_name(
+    tmp_path: Path, text: str, problem: str
+) -> None:
+    path = tmp_path / "ablation.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        ablation.merge_results(tmp_path / "merged.json", [path])
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        ablation.load_results(path, {})
