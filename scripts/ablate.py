@@ -1,7 +1,7 @@
 """Ablate distillation recipes: a grid of overrides x seeds, each run trained, then measured.
 
     python scripts/ablate.py --grid loss=ce,fkl,rkl,jsd:0.5,tv,lk,nla \\
-        data=corpus,regenerated,onpolicy kind=draft_lm,eagle3 \\
+        data=corpus,regenerated,samples,onpolicy kind=draft_lm,eagle3 \\
         --seeds 0 1 2 --max-minutes 10 --output outputs/ablation
     python scripts/ablate.py --preset tiny --grid loss=tv,lk --seeds 0 1 --max-steps 5 \\
         --output outputs/ablation-tiny                 # a smoke run in about a minute
@@ -18,7 +18,9 @@ KIND=PATH`` replaces one). Axes:
   ``corpus`` (the recipe's dataset, the embedded corpus), ``regenerated`` (the target's own
   responses to corpus prompts, written once per grid by ``scripts/regenerate_data.py`` into
   ``<output>/data/regenerated.jsonl``, or the file given by ``--regenerated``; the run gets
-  ``--dataset <file>``), ``onpolicy`` (``--on_policy_fraction``, default 0.5: that share of
+  ``--dataset <file>``), ``samples`` (``--train_source target_samples``: corpus prompts
+  continued by the target at the recipe's ``--train_temperatures``, greedy and sampled, as the
+  main job trains; regenerated at the start of each run), ``onpolicy`` (``--on_policy_fraction``, default 0.5: that share of
   batches is continued by the drafter itself and scored by the target; only the ``draft_lm``
   objective samples on-policy, and only a loss with a target term learns from it, so other
   kinds and a plain ``ce`` skip these cells and the JSON says why);
@@ -86,7 +88,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         nargs="+",
         default=["loss=ce,tv"],
         metavar="AXIS=V1,V2",
-        help="axes of the grid: loss=..., data=corpus,regenerated,onpolicy, "
+        help="axes of the grid: loss=..., data=corpus,regenerated,samples,onpolicy, "
         "kind=draft_lm,eagle3,medusa, or any recipe field",
     )
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])

@@ -2,7 +2,7 @@
 
 A grid is the product of axes of recipe overrides (:func:`parse_grid`): ``loss`` (a spec of
 ``train.losses``), ``kind`` (the drafter kind, which picks its recipe), ``data`` (``corpus``,
-``regenerated``, ``onpolicy``, joined with ``+``) and any other recipe field. Every cell runs
+``regenerated``, ``samples``, ``onpolicy``, joined with ``+``) and any other recipe field. Every cell runs
 once per seed through ``train.distill.main`` (:func:`run_argv` gives its flags, the
 ``data`` sources mapped to the recipe keys ``--dataset`` and ``--on_policy_fraction``), and the
 run's own summary gives what the grid compares (:func:`train_and_measure`): the held-out
@@ -53,12 +53,15 @@ RECIPES: dict[str, dict[str, str]] = {
     }
     for preset in ("demo", "bench", "tiny")
 }
-DATA_SOURCES = ("corpus", "regenerated", "onpolicy")
+DATA_SOURCES = ("corpus", "regenerated", "samples", "onpolicy")
+# Sources that name the training text; at most one per cell (on-policy mixes into any).
+TEXT_SOURCES = ("corpus", "regenerated", "samples")
 ON_POLICY_KINDS = ("draft_lm",)  # objectives that sample their own continuations
 # Fields the tool sets itself; the grid names them through its own axes.
 RESERVED = {
     "drafter_kind": "kind",
     "dataset": "data=regenerated (or --recipe)",
+    "train_source": "data=samples (the target's own text) or data=corpus",
     "on_policy_fraction": "data=onpolicy and --on-policy-fraction",
     "seed": "--seeds",
     "output_dir": "--output",
@@ -178,11 +181,17 @@ def parse_grid(items: Sequence[str]) -> dict[str, list[str]]:
             raise ValueError(f"--grid {item!r} repeats a value")
         if axis == "data":
             for value in parsed:
-                bad = [part for part in value.split("+") if part not in DATA_SOURCES]
+                parts = value.split("+")
+                bad = [part for part in parts if part not in DATA_SOURCES]
                 if bad:
                     raise ValueError(
                         f"--grid data={value}: unknown source(s) {bad}; use "
                         f"{', '.join(DATA_SOURCES)}, or several joined with '+'"
+                    )
+                if sum(part in TEXT_SOURCES for part in parts) > 1:
+                    raise ValueError(
+                        f"--grid data={value}: {', '.join(TEXT_SOURCES)} each name the training "
+                        "text; join at most one of them with onpolicy"
                     )
         grid[axis] = parsed
     return grid
@@ -252,7 +261,9 @@ def run_argv(
     sources = cell.get("data", "corpus").split("+")
     # The data axis names the training text: a recipe's own train_source (e.g. the main job's
     # target samples) would otherwise replace the corpus and the regenerated file alike.
-    argv += ["--train_source", "data"]
+    # ``samples``: the corpus prompts continued by the target at the recipe's
+    # --train_temperatures (greedy and sampled), regenerated at the start of each run.
+    argv += ["--train_source", "target_samples" if "samples" in sources else "data"]
     if "regenerated" in sources:
         argv += ["--dataset", str(settings.regenerated_file)]
     if "onpolicy" in sources:

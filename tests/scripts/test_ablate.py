@@ -56,6 +56,9 @@ def test_grid_axes_map_to_real_recipe_flags(tmp_path: Path) -> None:
         assert config.data.dataset == (str(regen) if regenerated else "stdlib")
         assert config.data.on_policy_fraction == (0.5 if "onpolicy" in cell["data"] else 0.0)
     assert len({ablation.run_folder(tmp_path, ablation.run_key(c, 0)) for c in cells}) == 8
+    samples = ablation.run_argv({"kind": "eagle3", "data": "samples"}, 0, settings, tmp_path)
+    assert parse_config(samples).data.train_source == "target_samples"
+    assert parse_config(samples).data.dataset == "stdlib"
     hard_labels = {"kind": "draft_lm", "data": "onpolicy", "loss": "ce"}
     with pytest.raises(ablation.Skip, match="own guesses"):
         ablation.run_argv(hard_labels, 0, settings, tmp_path / "ce")
@@ -64,6 +67,8 @@ def test_grid_axes_map_to_real_recipe_flags(tmp_path: Path) -> None:
     for bad, message in [
         (["loss"], "write AXIS=V1,V2"),
         (["data=corpus,web"], r"unknown source\(s\) \['web'\]"),
+        (["data=corpus+samples"], "join at most one of them with onpolicy"),
+        (["train_source=data"], "set through data=samples"),
         (["seed=1,2"], "set through --seeds"),
         (["dataset=a,b"], "set through data=regenerated"),
         (["flavour=1,2"], "unknown axis"),
