@@ -46,6 +46,10 @@ same command skips the runs it already holds and continues an interrupted grid
 by the next invocation; a changed setting (recipe, time box, tau settings) refuses to mix
 with the earlier runs instead of silently comparing unlike runs.
 
+``--remeasure-tau 32 --output C`` runs no training: it decodes each finished run's drafter
+again on 32 held-out prompts and keeps that tau beside the grid's (``tau_check``, with its
+spread and gains), a steadier figure than the few prompts a grid affords per run.
+
 ``--merge A/ablation.json B/ablation.json --output C`` runs nothing: it folds grids of the same
 settings that ran side by side (one per machine, or one per axis) into ``C/ablation.json``
 and plots the union, so their cells compare with one another's baselines.
@@ -73,6 +77,7 @@ from train.ablation import (
     parse_grid,
     parse_pairs,
     recipes_for,
+    remeasure_tau,
     run_grid,
 )
 
@@ -135,6 +140,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--output", type=Path, default=Path("outputs/ablation"))
     parser.add_argument("--max-runs", type=int, default=None, help="stop after N new runs")
+    parser.add_argument(
+        "--remeasure-tau",
+        type=int,
+        default=None,
+        metavar="PROMPTS",
+        help="run nothing: measure tau of the runs in --output again with this many prompts "
+        "(kept beside the grid's own as tau_check)",
+    )
     parser.add_argument(
         "--merge",
         nargs="+",
@@ -276,8 +289,14 @@ def format_table(cells: list[dict[str, Any]]) -> str:
         for t in temperatures:
             if t in entry["tau"]:
                 parts.append(f"tau(T={t}) {_fmt(entry['tau'][t])}")
+        check = entry.get("tau_check")
+        for t, stats in (check["tau"] if check else {}).items():
+            parts.append(f"tau(T={t}, {check['prompts']} prompts) {_fmt(stats)}")
         for name, gain in entry.get("gain", {}).items():
             text = " ".join(f"T={t} {g:+.1%}" for t, g in gain["tau"].items())
+            if "tau_check" in gain:
+                text += " | more prompts: "
+                text += " ".join(f"T={t} {g:+.1%}" for t, g in gain["tau_check"].items())
             parts.append(f"vs {name}: {text}")
         lines.append("  ".join(parts))
     return "\n".join(lines)
@@ -303,6 +322,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print(f"[ablate] merged {len(results['added'])} runs into {results['path']}")
         report(results, settings.output)
         return results
+    if args.remeasure_tau is not None:
+        results = remeasure_tau(settings.output / RESULTS_FILE, args.remeasure_tau, _log)
+        report(results, settings.output)
+        return results
     cells = cells_of(grid)
     if needs_regenerated(cells):
         kinds = sorted({cell.get("kind", "draft_lm") for cell in cells})
@@ -314,7 +337,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         settings,
         baselines,
         args.max_runs,
-        log=lambda line: print(line, flush=True),
+        log=_log,
     )
     if results["stopped"]:
         print(
@@ -322,6 +345,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         )
     report(results, settings.output)
     return results
+
+
+def _log(line: str) -> None:
+    print(line, flush=True)
 
 
 def report(results: dict[str, Any], output: Path) -> None:

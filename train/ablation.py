@@ -431,6 +431,15 @@ def summarize(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         entry["tau"] = {
             t: spread([r["tau"][t] for r in records]) for t in sorted(temperatures, key=float)
         }
+        checks = [r.get("tau_check") for r in records]
+        if all(checks) and len({c["prompts"] for c in checks}) == 1:
+            shared = set.intersection(*(set(c["tau"]) for c in checks))
+            entry["tau_check"] = {
+                "prompts": checks[0]["prompts"],
+                "tau": {
+                    t: spread([c["tau"][t] for c in checks]) for t in sorted(shared, key=float)
+                },
+            }
         cells.append(entry)
     return cells
 
@@ -455,6 +464,13 @@ def compare_with_baselines(
             for t, stats in entry["tau"].items():
                 if t in base["tau"] and base["tau"][t]["mean"] > 0:
                     gain["tau"][t] = stats["mean"] / base["tau"][t]["mean"] - 1.0
+            if "tau_check" in entry and "tau_check" in base:
+                mine, theirs = entry["tau_check"]["tau"], base["tau_check"]["tau"]
+                gain["tau_check"] = {
+                    t: stats["mean"] / theirs[t]["mean"] - 1.0
+                    for t, stats in mine.items()
+                    if t in theirs and theirs[t]["mean"] > 0
+                }
             if entry["overlap"] and base["overlap"] and base["overlap"][0]["mean"] > 0:
                 gain["overlap@1"] = entry["overlap"][0]["mean"] / base["overlap"][0]["mean"] - 1
             gains[f"{axis}={value}"] = gain
@@ -577,6 +593,57 @@ def merge_results(
     baselines = default_baselines(grid) if baselines is None else baselines
     save_results(path, results, baselines, results.get("skipped", {}), results.get("failed", {}))
     return {**results, "path": str(path), "added": added}
+
+
+def remeasure_tau(path: Path, prompts: int, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Measure tau again for every run in ``path`` with ``prompts`` held-out prompts, kept
+    beside the grid's own as ``tau_check`` (same tokens per prompt, temperatures and chains).
+
+    The grid's tau comes from few prompts to keep runs short, and every run decodes the same
+    ones, so a prompt that suits one loss biases all its seeds alike; more prompts after the
+    fact show whether a difference is the drafter's. Resumes: runs already measured with
+    ``prompts`` are skipped, and the file is rewritten after each run.
+    """
+    if prompts < 1:
+        raise ValueError(f"--remeasure-tau must be >= 1, got {prompts}")
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file; run the grid first (or pass its --output)")
+    results = read_results(path)
+    grid = results["settings"]
+    settings = GridSettings(
+        output=path.parent,
+        recipes={},
+        tau_prompts=prompts,
+        tau_new_tokens=grid["tau_new_tokens"],
+        temperatures=tuple(grid["temperatures"]),
+        num_draft_tokens=grid["num_draft_tokens"],
+    )
+    for key, record in results["runs"].items():
+        if record.get("tau_check", {}).get("prompts") == prompts:
+            continue
+        run_dir = Path(record["run_dir"])
+        summary_file = run_dir / "summary.json"
+        if not summary_file.is_file() or not (run_dir / "drafter").is_dir():
+            raise FileNotFoundError(
+                f"run {key}: {run_dir} lacks summary.json or drafter/ (moved or deleted?)"
+            )
+        summary = json.loads(summary_file.read_text())
+        recipe = Path(record["argv"][record["argv"].index("--config") + 1])
+        source = read_recipe(recipe).get("speed_eval_prompt_source", "demo")
+        log(f"[ablate] tau with {prompts} prompts: {key}")
+        measured = measure_tau(summary["target_path"], run_dir / "drafter", source, settings)
+        record["tau_check"] = {
+            "prompts": prompts,
+            "tau": {t: r["tau"] for t, r in measured.items()},
+        }
+        save_results(
+            path,
+            results,
+            results.get("baselines", {}),
+            results.get("skipped", {}),
+            results.get("failed", {}),
+        )
+    return {**results, "path": str(path)}
 
 
 # --------------------------------------------------------------------------- the grid runner

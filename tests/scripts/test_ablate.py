@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import shutil
 from pathlib import Path
 from types import ModuleType
 
@@ -250,8 +251,6 @@ def test_grid_of_two_cells_and_two_seeds_resumes_after_an_interruption(
 
 def test_settings_fingerprint_follows_recipe_content_not_places(tmp_path: Path) -> None:
     """A copied repository or a moved grid folder resumes; an edited recipe does not."""
-    import shutil
-
     recipes = ablation.recipes_for("tiny")
     clone = tmp_path / "clone" / "configs"
     shutil.copytree(ablation.REPO / "configs", clone)
@@ -333,3 +332,43 @@ def test_a_file_that_is_not_a_results_file_is_refused_by_name(
         ablation.merge_results(tmp_path / "merged.json", [path])
     with pytest.raises(ValueError, match=re.escape(problem)):
         ablation.load_results(path, {})
+
+
+def test_remeasure_tau_keeps_a_second_tau_beside_the_grid_and_resumes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def fake(argv: list[str], *_: object) -> dict:
+        tau = {"ce": 2.0, "lk": 2.5}[argv[argv.index("--loss") + 1]]
+        return {"overlap": [0.5], "greedy_match": [0.4], "tau": {"0": tau, "1": tau}}
+
+    monkeypatch.setattr(ablation, "train_and_measure", fake)
+    settings = ablation.GridSettings(output=tmp_path, recipes=ablation.recipes_for("tiny"))
+    results = ablation.run_grid({"loss": ["ce", "lk"]}, [0, 1], settings, log=lambda _: None)
+    for record in results["runs"].values():
+        run_dir = Path(record["run_dir"])
+        (run_dir / "drafter").mkdir(parents=True)
+        (run_dir / "summary.json").write_text(json.dumps({"target_path": "tiny"}))
+    calls: list[tuple] = []
+
+    def measure(target, drafter_dir, source, measure_settings):
+        calls.append((target, drafter_dir.parent.name, source, measure_settings.tau_prompts))
+        tau = 3.0 if "lk" in drafter_dir.parent.name else 2.0
+        return {"0": {"tau": tau, "predicted_tau": tau}, "1": {"tau": tau, "predicted_tau": tau}}
+
+    monkeypatch.setattr(ablation, "measure_tau", measure)
+    path = tmp_path / "ablation.json"
+    out = ablation.remeasure_tau(path, 32, log=lambda _: None)
+    assert len(calls) == 4 and {c[3] for c in calls} == {32} and calls[0][0] == "tiny"
+    cells = {c["key"]: c for c in out["cells"]}
+    assert cells["loss=lk"]["tau_check"]["prompts"] == 32
+    assert cells["loss=lk"]["tau_check"]["tau"]["1"]["mean"] == 3.0
+    assert cells["loss=lk"]["gain"]["loss=ce"]["tau_check"]["1"] == pytest.approx(0.5)
+    assert cells["loss=lk"]["gain"]["loss=ce"]["tau"]["1"] == pytest.approx(0.25)  # kept
+    ablation.remeasure_tau(path, 32, log=lambda _: None)
+    assert len(calls) == 4  # resumed: nothing left to measure
+    record = next(iter(results["runs"].values()))
+    shutil.rmtree(record["run_dir"])
+    with pytest.raises(FileNotFoundError, match="lacks summary"):
+        ablation.remeasure_tau(path, 16, log=lambda _: None)
+    with pytest.raises(ValueError, match="must be >= 1"):
+        ablation.remeasure_tau(path, 0)
