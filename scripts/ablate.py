@@ -216,33 +216,43 @@ def prepare_regenerated(settings: GridSettings, target: str, max_files: int | No
 
 def plot_results(cells: list[dict[str, Any]], output: Path) -> list[Path]:
     """``overlap.png`` (per draft position, one panel per kind) and ``tau.png`` (per
-    temperature): means with min-max bars over seeds, seeds as dots."""
+    temperature, cells grouped by kind): means with min-max bars over seeds.
+
+    In the overlap panels a cell's colour follows its first varying axis besides ``kind`` (the
+    loss, say) and its marker the second (the data), so one loss reads alike across data and
+    kinds. Where cells were measured again with more prompts (``tau_check``), ``tau.png`` draws
+    that measurement as the bar and the grid's few-prompt tau as a hollow marker beside it.
+    """
     from decode.plots import _pyplot, _save
 
     if not cells:
         return []
     plt = _pyplot()
     kinds = sorted({c["cell"].get("kind", "") for c in cells})
+    style = _cell_styles(cells)
     figure, axes = plt.subplots(
-        1, len(kinds), figsize=(5.5 * len(kinds), 4.2), squeeze=False, sharey=True
+        1, len(kinds), figsize=(5.5 * len(kinds), 4.6), squeeze=False, sharey=True
     )
     for ax, kind in zip(axes[0], kinds, strict=True):
         chosen = [c for c in cells if c["cell"].get("kind", "") == kind]
         for offset, entry in enumerate(chosen):
             stats = entry["overlap"]
-            x = [j + 1 + 0.04 * (offset - len(chosen) / 2) for j in range(len(stats))]
+            x = [j + 1 + 0.03 * (offset - len(chosen) / 2) for j in range(len(stats))]
             mean = [s["mean"] for s in stats]
             low = [s["mean"] - s["min"] for s in stats]
             high = [s["max"] - s["mean"] for s in stats]
+            color, marker = style[entry["key"]]
             label = _label(entry["cell"], drop=("kind",))
-            ax.errorbar(x, mean, yerr=[low, high], marker="o", capsize=3, label=label)
+            ax.errorbar(
+                x, mean, yerr=[low, high], marker=marker, color=color, capsize=3, label=label
+            )
         positions = max((len(c["overlap"]) for c in chosen), default=1)
         ax.set_xticks(range(1, positions + 1))
         ax.set_xlim(0.5, positions + 0.5)
         ax.set_xlabel("draft position j")
         ax.set_title(kind or "held-out overlap")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=6, ncol=2 if len(chosen) > 8 else 1)
     axes[0][0].set_ylabel("held-out overlap (mean, min-max over seeds)")
     paths = [_save(figure, output / "overlap.png")]
 
@@ -251,24 +261,68 @@ def plot_results(cells: list[dict[str, Any]], output: Path) -> list[Path]:
         figure, axes = plt.subplots(
             1,
             len(temperatures),
-            figsize=(5.5 * len(temperatures), 0.42 * len(cells) + 1.6),
+            figsize=(5.5 * len(temperatures), 0.32 * len(cells) + 1.8),
             squeeze=False,
             sharey=True,
         )
-        names = [_label(c["cell"]) for c in cells]
+        kinds_first = sorted(cells, key=lambda c: kinds.index(c["cell"].get("kind", "")))
+        names = [_label(c["cell"]) for c in kinds_first]
+        checked = {c["tau_check"]["prompts"] for c in cells if "tau_check" in c}
         for ax, t in zip(axes[0], temperatures, strict=True):
-            rows = [(i, c["tau"][t]) for i, c in enumerate(cells) if t in c["tau"]]
-            ys = [i for i, _ in rows]
-            means = [s["mean"] for _, s in rows]
-            err = [[s["mean"] - s["min"] for _, s in rows], [s["max"] - s["mean"] for _, s in rows]]
-            ax.barh(ys, means, xerr=err, capsize=3, color="#4472c4", alpha=0.85)
+            for i, entry in enumerate(kinds_first):
+                grid_stats = entry["tau"].get(t)
+                check = entry.get("tau_check", {}).get("tau", {}).get(t)
+                bar = check or grid_stats
+                if bar is None:
+                    continue
+                err = [[bar["mean"] - bar["min"]], [bar["max"] - bar["mean"]]]
+                color = "#4472c4" if check else "#a5b8e0"
+                ax.barh(i, bar["mean"], xerr=err, capsize=3, color=color, alpha=0.9)
+                if check and grid_stats:
+                    ax.plot(grid_stats["mean"], i, marker="o", mfc="none", color="black", ms=5)
             ax.set_yticks(range(len(cells)), names, fontsize=7)
             ax.axvline(1.0, color="black", linewidth=0.8)
-            ax.set_xlabel(f"tau at T={t} (mean, min-max over seeds)")
+            what = f"{'/'.join(map(str, sorted(checked)))} prompts" if checked else "grid prompts"
+            ax.set_xlabel(f"tau at T={t}, {what} (mean, min-max over seeds)")
             ax.grid(alpha=0.3, axis="x")
+        if checked:
+            figure.suptitle(
+                "dark bars: measured again with more prompts (circles: the grid's few-prompt "
+                "tau of the same runs); pale bars: the grid's tau only",
+                fontsize=8,
+            )
         axes[0][0].invert_yaxis()
         paths.append(_save(figure, output / "tau.png"))
     return paths
+
+
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+
+
+def _cell_styles(cells: list[dict[str, Any]]) -> dict[str, tuple[Any, str]]:
+    """A colour per value of the first varying axis besides ``kind``, a marker per value of
+    the second; keyed by cell key."""
+    from decode.plots import _pyplot
+
+    varying = [
+        axis
+        for axis in cells[0]["cell"]
+        if axis != "kind" and len({c["cell"].get(axis) for c in cells}) > 1
+    ]
+
+    def values(axis: str | None) -> list[str]:
+        return [] if axis is None else list(dict.fromkeys(c["cell"].get(axis) for c in cells))
+
+    colour_axis = varying[0] if varying else None
+    marker_axis = varying[1] if len(varying) > 1 else None
+    colours, markers = values(colour_axis), values(marker_axis)
+    palette = _pyplot().get_cmap("tab10" if len(colours or cells) <= 10 else "tab20")
+    styles = {}
+    for index, entry in enumerate(cells):
+        colour = colours.index(entry["cell"].get(colour_axis)) if colour_axis else index
+        marker = markers.index(entry["cell"].get(marker_axis)) if marker_axis else 0
+        styles[entry["key"]] = (palette(colour % palette.N), MARKERS[marker % len(MARKERS)])
+    return styles
 
 
 def _label(cell: dict[str, str], drop: Sequence[str] = ()) -> str:

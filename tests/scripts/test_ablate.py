@@ -372,3 +372,22 @@ def test_remeasure_tau_keeps_a_second_tau_beside_the_grid_and_resumes(
         ablation.remeasure_tau(path, 16, log=lambda _: None)
     with pytest.raises(ValueError, match="must be >= 1"):
         ablation.remeasure_tau(path, 0)
+
+
+def test_plot_styles_follow_the_axes_so_one_loss_reads_alike_across_data_and_kinds() -> None:
+    ablate = _script()
+    grid = ablation.parse_grid(
+        ["loss=ce,lk,nla", "data=corpus,regenerated", "kind=draft_lm,eagle3"]
+    )
+    cells = [{"key": ablation.cell_key(cell), "cell": cell} for cell in ablation.cells_of(grid)]
+    styles = ablate._cell_styles(cells)
+    by_loss: dict[str, set] = {}
+    by_data: dict[str, set] = {}
+    for entry in cells:
+        colour, marker = styles[entry["key"]]
+        by_loss.setdefault(entry["cell"]["loss"], set()).add(colour)
+        by_data.setdefault(entry["cell"]["data"], set()).add(marker)
+    assert all(len(colours) == 1 for colours in by_loss.values())
+    assert len({next(iter(c)) for c in by_loss.values()}) == 3
+    assert all(len(markers) == 1 for markers in by_data.values())
+    assert by_data["corpus"] != by_data["regenerated"]
