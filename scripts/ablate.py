@@ -40,7 +40,8 @@ and measures tau (tokens per target pass) at each ``--temperatures`` (chains of
 Output (``--output``): ``ablation.json`` with every run, the per-cell mean, sample std, min
 and max over seeds, and the gain of each cell over its baseline cell (``--baseline loss=ce``
 by default when the grid has ``ce``; also ``data=corpus``), plus ``overlap.png`` and ``tau.png``
-(means with min-max bars). The JSON is rewritten atomically after every run; rerunning the
+(means with min-max bars) and ``ablation.md``, the same summary as Markdown tables (one per
+drafter kind, data sources as column groups, the gains in brackets). The JSON is rewritten atomically after every run; rerunning the
 same command skips the runs it already holds and continues an interrupted grid
 (``--max-runs N`` stops on purpose after N new runs). Runs that fail are reported and retried
 by the next invocation; a changed setting (recipe, time box, tau settings) refuses to mix
@@ -65,6 +66,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from data.atomic_io import write_text_atomic
 from train.ablation import (
     RECIPES,
     RESULTS_FILE,
@@ -80,6 +82,7 @@ from train.ablation import (
     remeasure_tau,
     run_grid,
 )
+from train.ablation_report import MARKDOWN_FILE, format_markdown, format_table
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -329,37 +332,6 @@ def _label(cell: dict[str, str], drop: Sequence[str] = ()) -> str:
     return ", ".join(f"{k}={v}" for k, v in cell.items() if k not in drop) or "recipe"
 
 
-# --------------------------------------------------------------------------- report
-
-
-def format_table(cells: list[dict[str, Any]]) -> str:
-    """One line per cell: overlap@1 and tau per temperature, mean +- std [min, max]."""
-    temperatures = sorted({t for c in cells for t in c["tau"]}, key=float)
-    lines = []
-    for entry in cells:
-        parts = [f"{entry['key']:<44} n={len(entry['seeds'])}"]
-        if entry["overlap"]:
-            parts.append(f"overlap@1 {_fmt(entry['overlap'][0])}")
-        for t in temperatures:
-            if t in entry["tau"]:
-                parts.append(f"tau(T={t}) {_fmt(entry['tau'][t])}")
-        check = entry.get("tau_check")
-        for t, stats in (check["tau"] if check else {}).items():
-            parts.append(f"tau(T={t}, {check['prompts']} prompts) {_fmt(stats)}")
-        for name, gain in entry.get("gain", {}).items():
-            text = " ".join(f"T={t} {g:+.1%}" for t, g in gain["tau"].items())
-            if "tau_check" in gain:
-                text += " | more prompts: "
-                text += " ".join(f"T={t} {g:+.1%}" for t, g in gain["tau_check"].items())
-            parts.append(f"vs {name}: {text}")
-        lines.append("  ".join(parts))
-    return "\n".join(lines)
-
-
-def _fmt(stats: dict[str, float]) -> str:
-    return f"{stats['mean']:.3f}+-{stats['std']:.3f} [{stats['min']:.3f}, {stats['max']:.3f}]"
-
-
 # --------------------------------------------------------------------------- main
 
 
@@ -409,6 +381,8 @@ def report(results: dict[str, Any], output: Path) -> None:
     """Plot the cells and print their table, the skipped and failed cells and the files."""
     plots = plot_results(results["cells"], output)
     print(format_table(results["cells"]))
+    tables = output / MARKDOWN_FILE
+    write_text_atomic(tables, format_markdown(results))
     for key, reason in results["skipped"].items():
         print(f"[ablate] skipped {key}: {reason}")
     for key, error in results["failed"].items():
@@ -416,6 +390,7 @@ def report(results: dict[str, Any], output: Path) -> None:
     print(
         f"[ablate] {len(results['runs'])} runs in {results['path']}; plots: "
         + ", ".join(str(p) for p in plots)
+        + f"; Markdown tables: {tables}"
     )
 
 

@@ -244,6 +244,7 @@ def test_grid_of_two_cells_and_two_seeds_resumes_after_an_interruption(
     )
     assert "loss=ce" in out and "vs loss=ce" in out  # the printed table
     assert (output / "overlap.png").stat().st_size > 0 and (output / "tau.png").stat().st_size > 0
+    assert "| loss=lk | " in (output / "ablation.md").read_text()  # the Markdown tables
 
     with pytest.raises(ValueError, match=r"other settings \(max_steps\)"):
         ablate.main([*argv, "--max-steps", "3"])
