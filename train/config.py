@@ -172,6 +172,11 @@ class LossConfig:
         metadata={"help": "eagle3/medusa: loss weight per draft position (default decay^(j-1))"},
     )
     position_weight_decay: float = _f(0.8, "eagle3/medusa: geometric per-position weight")
+    align_topk: int = _f(
+        0,
+        "eagle3/medusa: train draft position j>1 only where the drafter's top-K held the chain's "
+        "token at every earlier position (GRIFFIN's loss masking; 0: off)",
+    )
 
 
 @dataclass
@@ -384,6 +389,14 @@ class DistillConfig:
             raise ValueError(f"--loss_temperature must be > 0, got {self.loss.loss_temperature}")
         if self.loss.eval_temperature < 0:
             raise ValueError(f"--eval_temperature must be >= 0, got {self.loss.eval_temperature}")
+        if self.loss.align_topk < 0:
+            raise ValueError(f"--align_topk must be >= 0 (0: off), got {self.loss.align_topk}")
+        if self.loss.align_topk and self.drafter.drafter_kind not in ("eagle3", "medusa"):
+            raise ValueError(
+                f"--align_topk masks the draft positions of head drafters (eagle3, medusa); "
+                f"--drafter_kind {self.drafter.drafter_kind} trains one position per token, "
+                "so leave it at 0"
+            )
         if self.drafter.lora_rank < 0:
             raise ValueError(
                 f"--lora_rank must be >= 0 (0 disables LoRA), got {self.drafter.lora_rank}"

@@ -12,6 +12,7 @@ import torch
 from objective_helpers import CONFIGS, bind, sampled_batch
 from tiny_models import tiny_llama
 
+from decode.drafters.medusa import MedusaHeads
 from decode.drafters.registry import DRAFTER_LOADERS, load_drafter
 from train.config import parse_config, read_recipe
 from train.losses import build_loss
@@ -19,6 +20,7 @@ from train.objectives import OBJECTIVES, Objective, get_objective_class
 from train.objectives.heads import (
     cached_target_logprobs,
     future_mask,
+    in_top_k,
     parse_export_formats,
     position_weights,
 )
@@ -78,6 +80,83 @@ def test_each_objective_trains_one_step_with_lk_and_nla(
     assert "overlap@1" in held_out and held_out["loss"][1] > 0
     objective.save_drafter(tmp_path / "drafter")
     assert load_drafter(tmp_path / "drafter", target).kind == kind
+
+
+# -- GRIFFIN's chain masking (align_topk) ------------------------------------------------------
+HEAD_KINDS = ("eagle3", "medusa")
+
+
+def _head_objective(kind: str, *flags: str):
+    config = parse_config(["--config", str(TINY_RECIPES[kind]), "--loss", "fkl", *flags])
+    torch.manual_seed(0)
+    target = tiny_llama(num_layers=2, dtype=torch.float32)
+    cls = get_objective_class(kind)
+    return bind(cls.from_config(config, target, None, build_loss(config.loss.loss)))
+
+
+def test_in_top_k_counts_ties_and_never_an_undraftable_token() -> None:
+    logits = torch.tensor([[[3.0, 1.0, 1.0, -float("inf")], [0.0, 2.0, 5.0, 4.0]]])  # [1, 2, 4]
+    assert in_top_k(logits, torch.tensor([[0, 3]]), 1).tolist() == [[True, False]]
+    assert in_top_k(logits, torch.tensor([[2, 3]]), 2).tolist() == [[True, True]]  # a tie at 1.0
+    assert in_top_k(logits, torch.tensor([[1, 0]]), 2).tolist() == [[True, False]]
+    assert in_top_k(logits, torch.tensor([[3, 0]]), 10).tolist() == [[False, True]]  # -inf
+
+
+@pytest.mark.parametrize("kind", HEAD_KINDS)
+def test_align_topk_trains_each_position_only_where_the_chain_reaches_it(kind: str) -> None:
+    """Output k's loss is the loss over the positions whose earlier outputs all held the
+    chain's token in their top K, computed here independently from the drafts and labels."""
+    aligned = _head_objective(kind, "--align_topk", "2")
+    plain = _head_objective(kind)
+    assert aligned.align_topk == 2 and plain.align_topk == 0
+    assert aligned.describe()["align_topk"] == 2
+    batch = sampled_batch(aligned.target, rows=4, length=20, seed=3)
+    value, metrics = aligned.compute_loss(batch)
+    assert torch.isfinite(value)
+    with torch.no_grad():
+        features, target = aligned._target_outputs(batch)
+        drafts = aligned._draft_logits(batch, features)
+        outputs = list(aligned._aligned(batch, drafts, target))
+        reached = None
+        expected_total = expected_weight = 0.0
+        for k, (weight, draft, target_k, mask, labels) in enumerate(outputs):
+            if reached is not None:
+                reached = reached[:, : mask.shape[1]]
+                assert metrics[f"reached@{k + 1}"] == pytest.approx(float(reached.float().mean()))
+                mask = mask & reached
+            top2 = draft.topk(2, dim=-1).indices  # full vocabulary in the tiny recipes
+            hit = (top2 == labels.unsqueeze(-1)).any(-1)
+            reached = hit if reached is None else reached & hit
+            if not mask.any():
+                continue
+            loss = float(aligned.loss(draft, target_k, mask, aligned.loss_temperature))
+            assert metrics[f"loss@{k + 1}"] == pytest.approx(loss, rel=1e-5)
+            expected_total += weight * loss
+            expected_weight += weight
+        assert float(value) == pytest.approx(expected_total / expected_weight, rel=1e-5)
+        assert metrics["reached@2"] < 1.0  # an untrained drafter misses: the mask bites
+        # the first output is never masked, and K = V keeps every position (the plain loss)
+        _, plain_metrics = plain.compute_loss(batch)
+        assert metrics["loss@1"] == pytest.approx(plain_metrics["loss@1"])
+        vocab = aligned.target_vocab_size
+        aligned.align_topk = vocab
+        everything, everything_metrics = aligned.compute_loss(batch)
+        assert float(everything) == pytest.approx(float(plain.compute_loss(batch)[0]), rel=1e-6)
+        assert everything_metrics["reached@2"] == 1.0
+        # the held-out metrics stay unmasked, comparable with and without the masking
+        assert aligned.evaluate(batch) == plain.evaluate(batch)
+
+
+def test_align_topk_is_refused_where_it_means_nothing() -> None:
+    with pytest.raises(ValueError, match="--align_topk must be >= 0"):
+        parse_config(["--config", str(TINY_RECIPES["eagle3"]), "--align_topk", "-1"])
+    with pytest.raises(ValueError, match="--drafter_kind draft_lm trains one position per token"):
+        parse_config(["--config", str(TINY_RECIPES["draft_lm"]), "--align_topk", "3"])
+    target = tiny_llama(num_layers=2, dtype=torch.float32)
+    heads = MedusaHeads.from_target(target, 2, 1)
+    for bad in (True, -1, 1.5):
+        with pytest.raises(ValueError, match="--align_topk must be an integer >= 0"):
+            get_objective_class("medusa")(heads, target, build_loss("tv"), align_topk=bad)
 
 
 # -- shared head helpers ------------------------------------------------------------------------

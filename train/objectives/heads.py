@@ -9,7 +9,12 @@ divergence D (``train.losses``) and per-position weights ``w_k`` (``0.8^k`` in b
     L = sum_k w_k * D_k / sum_k w_k,   D_k = mean over kept t of D(p(. | x_<=t+1+k), q_k(. | t))
 
 A position t counts for output k when ``x_t`` and ``x_{t+2+k}`` are real tokens and
-``loss_mask[t+2+k]`` is set (:func:`future_mask`). Everything but the module itself is shared
+``loss_mask[t+2+k]`` is set (:func:`future_mask`). With ``align_topk = K > 0`` (GRIFFIN's
+token-alignable training, Hu et al. 2025) it counts only where the chain from t would reach
+output k: at every earlier output i < k, the token the chain continues with, ``x_{t+2+i}``,
+lies in the drafter's top K (:func:`in_top_k`). Positions whose earlier drafts were already
+rejected at decoding never ask output k for a token, so they no longer pull it towards contexts
+it is never used in. The held-out metrics stay unmasked, comparable with and without it. Everything but the module itself is shared
 and lives here: where the target's features and distributions come from (online, or the
 offline cache of ``data.cache``), the alignment of output k with the target at ``t+1+k``, the
 loss and evaluation loops, saving, engine export and the model-card facts. A kind supplies
@@ -23,7 +28,8 @@ the decoding temperature in the *target* vocabulary, the expected acceptance rat
 position j given the earlier ones accepted (Leviathan et al. 2023; the ``alpha_j`` of
 docs/theory.md §5); ``greedy_match@j``, the same at temperature 0; ``loss@j`` and ``loss``.
 
-References: Li et al., EAGLE-3, 2025; Cai et al., Medusa, 2024.
+References: Li et al., EAGLE-3, 2025; Cai et al., Medusa, 2024; Hu et al., GRIFFIN: Effective
+Token Alignment for Faster Speculative Decoding, 2025 (arXiv 2502.11018).
 """
 
 from __future__ import annotations
@@ -88,10 +94,23 @@ def recipe_position_weights(config: DistillConfig, num_positions: int) -> tuple[
     )
 
 
+def in_top_k(
+    logits: torch.Tensor,  # [B, S, V] draft logits in the target vocabulary (-inf: not draftable)
+    tokens: torch.Tensor,  # [B, S] target ids
+    k: int,
+) -> torch.Tensor:  # [B, S] bool
+    """Whether ``tokens`` lies among the ``k`` largest ``logits`` (ties count; a token with
+    logit -inf, outside a pruned draft vocabulary, never does)."""
+    kth = logits.topk(min(k, logits.shape[-1]), dim=-1).values[..., -1]  # [B, S]
+    chosen = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [B, S]
+    return (chosen >= kth) & torch.isfinite(chosen)
+
+
 def recipe_head_settings(config: DistillConfig) -> dict[str, Any]:
     """The recipe's settings every :class:`HeadObjective` takes as keywords: the loss and
-    evaluation temperatures and the export formats."""
+    evaluation temperatures, the chain masking and the export formats."""
     return {
+        "align_topk": config.loss.align_topk,
         "loss_temperature": config.loss.loss_temperature,
         "eval_temperature": config.loss.eval_temperature,
         "export_formats": parse_export_formats(config.output.export_format),
@@ -194,14 +213,18 @@ class HeadObjective(Objective):
         loss: Loss,
         weights: Sequence[float],
         *,
+        align_topk: int = 0,
         loss_temperature: float = 1.0,
         eval_temperature: float = 1.0,
         export_formats: Sequence[str] | str | None = (),
     ) -> None:
         super().__init__()
+        if isinstance(align_topk, bool) or not isinstance(align_topk, int) or align_topk < 0:
+            raise ValueError(f"--align_topk must be an integer >= 0 (0: off), got {align_topk!r}")
         self.target = target.eval().requires_grad_(False)
         self.loss = loss
         self.weights = tuple(weights)
+        self.align_topk = align_topk
         self.loss_temperature = loss_temperature
         self.eval_temperature = eval_temperature
         self.export_formats = parse_export_formats(export_formats)
@@ -261,9 +284,18 @@ class HeadObjective(Objective):
         total: torch.Tensor | None = None
         used = 0.0
         metrics: dict[str, float] = {}
+        reached: torch.Tensor | None = None  # [B, S_k] bool: the chain from t reaches output k
         for k, (weight, draft, target_k, mask, labels) in enumerate(
             self._aligned(batch, drafts, target)
         ):
+            if self.align_topk:
+                if reached is not None:
+                    reached = reached[:, : mask.shape[1]]
+                    mask = mask & reached
+                    metrics[f"reached@{k + 1}"] = float(reached.float().mean())
+                with torch.no_grad():
+                    hit = in_top_k(self._to_target_logits(draft), labels, self.align_topk)
+                reached = hit if reached is None else reached & hit
             labels, mask = self._draft_labels(labels, mask)
             if not bool(mask.any()):
                 continue
@@ -347,6 +379,7 @@ class HeadObjective(Objective):
             "parameters": sum(p.numel() for p in drafter.parameters()),
             "trainable_parameters": sum(p.numel() for p in drafter.parameters() if p.requires_grad),
             "exports": list(self.export_formats),
+            "align_topk": self.align_topk,
         }
 
     # ------------------------------------------------------------------ shared internals
@@ -426,6 +459,7 @@ __all__ = [
     "HeadObjective",
     "cached_target_logprobs",
     "future_mask",
+    "in_top_k",
     "overlap_at",
     "parse_export_formats",
     "position_weights",
