@@ -14,10 +14,12 @@ token-alignable training, Hu et al. 2025) it counts only where the chain from t 
 output k: at every earlier output i < k, the token the chain continues with, ``x_{t+2+i}``,
 lies in the drafter's top K (:func:`in_top_k`). Positions whose earlier drafts were already
 rejected at decoding never ask output k for a token, so they no longer pull it towards contexts
-it is never used in. The held-out metrics stay unmasked, comparable with and without it. Everything but the module itself is shared
-and lives here: where the target's features and distributions come from (online, or the
-offline cache of ``data.cache``), the alignment of output k with the target at ``t+1+k``, the
-loss and evaluation loops, saving, engine export and the model-card facts. A kind supplies
+it is never used in. The held-out metrics stay unmasked, comparable with and without it.
+
+Everything but the module itself is shared and lives here: where the target's features and
+distributions come from (online, or the offline cache of ``data.cache``), the alignment of
+output k with the target at ``t+1+k``, the loss and evaluation loops, saving, engine export and
+the model-card facts. A kind supplies
 only what is truly its own (:class:`HeadObjective`'s abstract methods): which hidden states it
 reads and how it fuses them, how it produces its N outputs (EAGLE-3 unrolls itself,
 "training-time test"; Medusa runs independent heads), and, for EAGLE-3, the map between its
