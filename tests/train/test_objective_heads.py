@@ -104,8 +104,9 @@ def test_in_top_k_counts_ties_and_never_an_undraftable_token() -> None:
 
 @pytest.mark.parametrize("kind", HEAD_KINDS)
 def test_align_topk_trains_each_position_only_where_the_chain_reaches_it(kind: str) -> None:
-    """Output k's loss is the loss over the positions whose earlier outputs all held the
-    chain's token in their top K, computed here independently from the drafts and labels."""
+    """Output k's term sums the loss over the positions whose earlier outputs all held the
+    chain's token in their top K and divides by all its positions; computed here independently
+    from the drafts and labels."""
     aligned = _head_objective(kind, "--align_topk", "2")
     plain = _head_objective(kind)
     assert aligned.align_topk == 2 and plain.align_topk == 0
@@ -119,20 +120,22 @@ def test_align_topk_trains_each_position_only_where_the_chain_reaches_it(kind: s
         outputs = list(aligned._aligned(batch, drafts, target))
         reached = None
         expected_total = expected_weight = 0.0
-        for k, (weight, draft, target_k, mask, labels) in enumerate(outputs):
+        for k, (weight, draft, target_k, valid, labels) in enumerate(outputs):
+            mask = valid if reached is None else valid & reached[:, : valid.shape[1]]
             if reached is not None:
-                reached = reached[:, : mask.shape[1]]
-                assert metrics[f"reached@{k + 1}"] == pytest.approx(float(reached.float().mean()))
-                mask = mask & reached
+                share = float(mask.sum()) / float(valid.sum())
+                assert metrics[f"reached@{k + 1}"] == pytest.approx(share)
             top2 = draft.topk(2, dim=-1).indices  # full vocabulary in the tiny recipes
             hit = (top2 == labels.unsqueeze(-1)).any(-1)
-            reached = hit if reached is None else reached & hit
+            reached = hit if reached is None else reached[:, : hit.shape[1]] & hit
+            expected_weight += weight
             if not mask.any():
                 continue
-            loss = float(aligned.loss(draft, target_k, mask, aligned.loss_temperature))
-            assert metrics[f"loss@{k + 1}"] == pytest.approx(loss, rel=1e-5)
-            expected_total += weight * loss
-            expected_weight += weight
+            # the sum over the reached positions over all of output k's positions
+            summed = aligned.loss(draft, target_k, mask, aligned.loss_temperature, reduction="sum")
+            expected_total += weight * float(summed) / float(valid.sum())
+            mean = float(aligned.loss(draft, target_k, mask, aligned.loss_temperature))
+            assert metrics[f"loss@{k + 1}"] == pytest.approx(mean, rel=1e-5)
         assert float(value) == pytest.approx(expected_total / expected_weight, rel=1e-5)
         assert metrics["reached@2"] < 1.0  # an untrained drafter misses: the mask bites
         # the first output is never masked, and K = V keeps every position (the plain loss)

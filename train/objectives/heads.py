@@ -14,7 +14,14 @@ token-alignable training, Hu et al. 2025) it counts only where the chain from t 
 output k: at every earlier output i < k, the token the chain continues with, ``x_{t+2+i}``,
 lies in the drafter's top K (:func:`in_top_k`). Positions whose earlier drafts were already
 rejected at decoding never ask output k for a token, so they no longer pull it towards contexts
-it is never used in. The held-out metrics stay unmasked, comparable with and without it.
+it is never used in. ``D_k`` then sums over the reached positions and divides by all of output
+k's positions: each position weighs ``1[chain from t reaches k]``, the indicator form of the
+factor ``prod_{i<k} alpha_i(t)`` that the expected accepted length ``sum_k prod_{i<=k}
+alpha_i`` (docs/theory.md §5) puts on ``alpha_k(t)``, so a term grows with the share of chains
+that reach it. (GRIFFIN's own normalization, a mean over the reached positions alone, gives a
+term over a handful of positions the full weight ``w_k`` while a drafter trains from scratch,
+and lost tau on the demo target: README, "Which loss and which data?".) The held-out metrics
+stay unmasked, comparable with and without it.
 
 Everything but the module itself is shared and lives here: where the target's features and
 distributions come from (online, or the offline cache of ``data.cache``), the alignment of
@@ -290,21 +297,29 @@ class HeadObjective(Objective):
         for k, (weight, draft, target_k, mask, labels) in enumerate(
             self._aligned(batch, drafts, target)
         ):
+            chain_tokens = labels  # [B, S_k] target ids the chain continues with
+            labels, mask = self._draft_labels(labels, mask)
+            share = 1.0  # the share of output k's positions whose chain reaches it
             if self.align_topk:
+                counted = float(mask.sum())
                 if reached is not None:
                     reached = reached[:, : mask.shape[1]]
                     mask = mask & reached
-                    metrics[f"reached@{k + 1}"] = float(reached.float().mean())
+                    share = float(mask.sum()) / counted if counted else 0.0
+                    metrics[f"reached@{k + 1}"] = share
                 with torch.no_grad():
-                    hit = in_top_k(self._to_target_logits(draft), labels, self.align_topk)
+                    hit = in_top_k(self._to_target_logits(draft), chain_tokens, self.align_topk)
                 reached = hit if reached is None else reached & hit
-            labels, mask = self._draft_labels(labels, mask)
+                if counted and not bool(mask.any()):  # no chain reaches k: its term is 0
+                    used += weight
+                    continue
             if not bool(mask.any()):
                 continue
             target_draft = self._to_draft_vocab(target_k) if self.loss.needs_target else None
             parts = self.loss.parts(draft, target_draft, mask, self.loss_temperature, labels=labels)
             value = self.loss.combine(parts)
-            total = weight * value if total is None else total + weight * value
+            term = weight * share * value  # share * mean over reached = sum over reached / all
+            total = term if total is None else total + term
             used += weight
             metrics[f"loss@{k + 1}"] = float(value.detach())
             if "tv" in parts:  # the overlap is free with a TV term (a full pass over V is not)
