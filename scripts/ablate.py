@@ -41,8 +41,9 @@ Output (``--output``): ``ablation.json`` with every run, the per-cell mean, samp
 and max over seeds, and the gain of each cell over its baseline cell (``--baseline loss=ce``
 by default when the grid has ``ce``; also ``data=corpus``), plus ``overlap.png`` and ``tau.png``
 (means with min-max bars) and ``ablation.md``, the same summary as Markdown tables (one per
-drafter kind, data sources as column groups, the gains in brackets). The JSON is rewritten atomically after every run; rerunning the
-same command skips the runs it already holds and continues an interrupted grid
+drafter kind, data sources as column groups, the gains in brackets). The JSON is rewritten
+atomically after every run; rerunning the same command skips the runs it already holds and
+continues an interrupted grid
 (``--max-runs N`` stops on purpose after N new runs). Runs that fail are reported and retried
 by the next invocation; a changed setting (recipe, time box, tau settings) refuses to mix
 with the earlier runs instead of silently comparing unlike runs.

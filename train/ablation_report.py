@@ -110,16 +110,25 @@ def _row_label(cell: dict[str, str]) -> str:
     return ", ".join(kept) or "recipe"
 
 
+def _column_of(entry: dict[str, Any]) -> str:
+    return entry["cell"].get(COLUMN_AXIS, "")
+
+
+def _columns(members: list[dict[str, Any]]) -> list[str]:
+    """The column axis's values in the order the cells first show them."""
+    return list(dict.fromkeys(_column_of(c) for c in members))
+
+
 def _cell_table(
     members: list[dict[str, Any]],
     baselines: dict[str, str],
     source: str,
     temperatures: Sequence[str],
 ) -> list[str]:
-    columns = list(dict.fromkeys(c["cell"].get(COLUMN_AXIS, "") for c in members))
+    columns = _columns(members)
     rows: dict[str, dict[str, dict[str, Any]]] = {}
     for entry in members:
-        rows.setdefault(_row_label(entry["cell"]), {})[entry["cell"].get(COLUMN_AXIS, "")] = entry
+        rows.setdefault(_row_label(entry["cell"]), {})[_column_of(entry)] = entry
     row_gains = [f"{a}={v}" for a, v in baselines.items() if a != COLUMN_AXIS]
     most = max(len(c["seeds"]) for c in members)  # fewer seeds in a cell are marked
     heads = []
@@ -151,15 +160,14 @@ def _cell_table(
 
 def _column_gain_table(members: list[dict[str, Any]], baseline: str, source: str) -> list[str]:
     """Gain of each data source over the baseline source, same row, per temperature."""
-    columns = list(dict.fromkeys(c["cell"].get(COLUMN_AXIS, "") for c in members))
+    columns = _columns(members)
     rows = []
-    for entry in sorted(members, key=lambda c: columns.index(c["cell"].get(COLUMN_AXIS, ""))):
+    for entry in sorted(members, key=lambda c: columns.index(_column_of(c))):
         gain = entry.get("gain", {}).get(baseline)
         if not gain or not gain.get(source):
             continue
         by_t = " / ".join(f"T={t} {g:+.0%}" for t, g in gain[source].items())
-        column = entry["cell"].get(COLUMN_AXIS, "")
-        rows.append(f"| {_row_label(entry['cell'])} | {column} | {by_t} |")
+        rows.append(f"| {_row_label(entry['cell'])} | {_column_of(entry)} | {by_t} |")
     if not rows:
         return []
     return [f"| cell | {COLUMN_AXIS} | tau gain over {baseline} |", "|---|---|---|", *rows, ""]

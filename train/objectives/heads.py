@@ -26,11 +26,10 @@ stay unmasked, comparable with and without it.
 Everything but the module itself is shared and lives here: where the target's features and
 distributions come from (online, or the offline cache of ``data.cache``), the alignment of
 output k with the target at ``t+1+k``, the loss and evaluation loops, saving, engine export and
-the model-card facts. A kind supplies
-only what is truly its own (:class:`HeadObjective`'s abstract methods): which hidden states it
-reads and how it fuses them, how it produces its N outputs (EAGLE-3 unrolls itself,
-"training-time test"; Medusa runs independent heads), and, for EAGLE-3, the map between its
-pruned draft vocabulary and the target's.
+the model-card facts. A kind supplies only what is truly its own (:class:`HeadObjective`'s
+abstract methods): which hidden states it reads and how it fuses them, how it produces its N
+outputs (EAGLE-3 unrolls itself, "training-time test"; Medusa runs independent heads), and, for
+EAGLE-3, the map between its pruned draft vocabulary and the target's.
 
 Held-out metrics per draft position j: ``overlap@j``, the mean of ``sum_x min(p(x), q(x))`` at
 the decoding temperature in the *target* vocabulary, the expected acceptance rate of draft
