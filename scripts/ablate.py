@@ -218,9 +218,12 @@ def prepare_regenerated(settings: GridSettings, target: str, max_files: int | No
 # --------------------------------------------------------------------------- plots
 
 
-def plot_results(cells: list[dict[str, Any]], output: Path) -> list[Path]:
+def plot_results(
+    cells: list[dict[str, Any]], output: Path, tau_prompts: int | None = None
+) -> list[Path]:
     """``overlap.png`` (per draft position, one panel per kind) and ``tau.png`` (per
-    temperature, cells grouped by kind): means with min-max bars over seeds.
+    temperature, cells grouped by kind): means with min-max bars over seeds; ``tau_prompts``,
+    the grid's held-out prompts per run, labels the tau axis.
 
     In the overlap panels a cell's colour follows its first varying axis besides ``kind`` (the
     loss, say) and its marker the second (the data), so one loss reads alike across data and
@@ -280,13 +283,14 @@ def plot_results(cells: list[dict[str, Any]], output: Path) -> list[Path]:
                 if bar is None:
                     continue
                 err = [[bar["mean"] - bar["min"]], [bar["max"] - bar["mean"]]]
-                color = "#4472c4" if check else "#a5b8e0"
+                color = "#a5b8e0" if checked and not check else "#4472c4"
                 ax.barh(i, bar["mean"], xerr=err, capsize=3, color=color, alpha=0.9)
                 if check and grid_stats:
                     ax.plot(grid_stats["mean"], i, marker="o", mfc="none", color="black", ms=5)
             ax.set_yticks(range(len(cells)), names, fontsize=7)
             ax.axvline(1.0, color="black", linewidth=0.8)
-            what = f"{'/'.join(map(str, sorted(checked)))} prompts" if checked else "grid prompts"
+            counts = sorted(checked) if checked else [tau_prompts] if tau_prompts else []
+            what = f"{'/'.join(map(str, counts))} prompts" if counts else "the grid's prompts"
             ax.set_xlabel(f"tau at T={t}, {what} (mean, min-max over seeds)")
             ax.grid(alpha=0.3, axis="x")
         if checked:
@@ -380,7 +384,7 @@ def _log(line: str) -> None:
 
 def report(results: dict[str, Any], output: Path) -> None:
     """Plot the cells and print their table, the skipped and failed cells and the files."""
-    plots = plot_results(results["cells"], output)
+    plots = plot_results(results["cells"], output, results["settings"].get("tau_prompts"))
     print(format_table(results["cells"]))
     tables = output / MARKDOWN_FILE
     write_text_atomic(tables, format_markdown(results))
