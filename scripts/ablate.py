@@ -70,12 +70,10 @@ from typing import Any
 from data.atomic_io import write_text_atomic
 from train.ablation import (
     RECIPES,
-    RESULTS_FILE,
     GridSettings,
     cells_of,
     default,
     grid_target,
-    merge_results,
     needs_regenerated,
     parse_grid,
     parse_pairs,
@@ -84,6 +82,7 @@ from train.ablation import (
     run_grid,
 )
 from train.ablation_report import MARKDOWN_FILE, format_markdown, format_table
+from train.ablation_results import RESULTS_FILE, merge_results
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -14,7 +14,7 @@ from types import ModuleType
 import pytest
 from script_helpers import load_script
 
-from train import ablation
+from train import ablation, ablation_results
 from train.config import parse_config
 
 
@@ -37,7 +37,7 @@ def test_grid_axes_map_to_real_recipe_flags(tmp_path: Path) -> None:
     args.regenerated = regen
     settings = ablate.settings_from(args)
     for cell in cells:
-        run_dir = ablation.run_folder(tmp_path, ablation.run_key(cell, 1))
+        run_dir = ablation.run_folder(tmp_path, ablation_results.run_key(cell, 1))
         try:
             argv = ablation.run_argv(cell, 1, settings, run_dir)
         except ablation.Skip as reason:  # only EAGLE-3 with on-policy data
@@ -56,7 +56,7 @@ def test_grid_axes_map_to_real_recipe_flags(tmp_path: Path) -> None:
         assert (config.data.dataset == str(regen)) == regenerated
         assert config.data.dataset == (str(regen) if regenerated else "stdlib")
         assert config.data.on_policy_fraction == (0.5 if "onpolicy" in cell["data"] else 0.0)
-    assert len({ablation.run_folder(tmp_path, ablation.run_key(c, 0)) for c in cells}) == 8
+    assert len({ablation.run_folder(tmp_path, ablation_results.run_key(c, 0)) for c in cells}) == 8
     samples = ablation.run_argv({"kind": "eagle3", "data": "samples"}, 0, settings, tmp_path)
     assert parse_config(samples).data.train_source == "target_samples"
     assert parse_config(samples).data.dataset == "stdlib"
@@ -289,7 +289,7 @@ def test_merge_folds_grids_of_one_settings_and_refuses_others(
     quiet = {"log": lambda _: None}
     ablation.run_grid({"loss": ["ce", "lk"], "data": ["corpus"]}, [0], settings("a"), **quiet)
     ablation.run_grid({"data": ["regenerated"], "loss": ["ce"]}, [0], settings("b"), **quiet)
-    merged = ablation.merge_results(
+    merged = ablation_results.merge_results(
         tmp_path / "a" / "ablation.json", [tmp_path / "b" / "ablation.json"]
     )
     assert merged["added"] == ["loss=ce,data=regenerated,seed=0"]
@@ -299,19 +299,23 @@ def test_merge_folds_grids_of_one_settings_and_refuses_others(
         0.5
     )
     assert cells["loss=lk,data=corpus"]["gain"]["loss=ce"]["tau"]["1"] == pytest.approx(0.2)
-    again = ablation.merge_results(
+    again = ablation_results.merge_results(
         tmp_path / "a" / "ablation.json", [tmp_path / "b" / "ablation.json"]
     )
     assert again["added"] == [] and len(again["runs"]) == 3  # idempotent
 
     ablation.run_grid({"loss": ["ce"]}, [0], settings("c", max_steps=9), **quiet)
     with pytest.raises(ValueError, match=r"other settings.*max_steps"):
-        ablation.merge_results(tmp_path / "a" / "ablation.json", [tmp_path / "c" / "ablation.json"])
+        ablation_results.merge_results(
+            tmp_path / "a" / "ablation.json", [tmp_path / "c" / "ablation.json"]
+        )
     ablation.run_grid({"loss": ["ce"]}, [1], settings("d"), **quiet)
     with pytest.raises(ValueError, match="same axes"):
-        ablation.merge_results(tmp_path / "a" / "ablation.json", [tmp_path / "d" / "ablation.json"])
+        ablation_results.merge_results(
+            tmp_path / "a" / "ablation.json", [tmp_path / "d" / "ablation.json"]
+        )
     with pytest.raises(FileNotFoundError, match="no such file"):
-        ablation.merge_results(tmp_path / "a" / "ablation.json", [tmp_path / "none.json"])
+        ablation_results.merge_results(tmp_path / "a" / "ablation.json", [tmp_path / "none.json"])
 
 
 @pytest.mark.parametrize(
@@ -330,9 +334,9 @@ def test_a_file_that_is_not_a_results_file_is_refused_by_name(
     path = tmp_path / "ablation.json"
     path.write_text(text)
     with pytest.raises(ValueError, match=re.escape(problem)):
-        ablation.merge_results(tmp_path / "merged.json", [path])
+        ablation_results.merge_results(tmp_path / "merged.json", [path])
     with pytest.raises(ValueError, match=re.escape(problem)):
-        ablation.load_results(path, {})
+        ablation_results.load_results(path, {})
 
 
 def test_remeasure_tau_keeps_a_second_tau_beside_the_grid_and_resumes(
@@ -380,7 +384,9 @@ def test_plot_styles_follow_the_axes_so_one_loss_reads_alike_across_data_and_kin
     grid = ablation.parse_grid(
         ["loss=ce,lk,nla", "data=corpus,regenerated", "kind=draft_lm,eagle3"]
     )
-    cells = [{"key": ablation.cell_key(cell), "cell": cell} for cell in ablation.cells_of(grid)]
+    cells = [
+        {"key": ablation_results.cell_key(cell), "cell": cell} for cell in ablation.cells_of(grid)
+    ]
     styles = ablate._cell_styles(cells)
     by_loss: dict[str, set] = {}
     by_data: dict[str, set] = {}

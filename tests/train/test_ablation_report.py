@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from train import ablation
+from train import ablation_results
 from train.ablation_report import format_markdown, format_table, tau_source
 
 
@@ -28,9 +28,9 @@ def _results(check: bool = True) -> dict[str, Any]:
                     }
                     if check:
                         record["tau_check"] = {"prompts": 32, "tau": {"0": tau, "1": 2 * tau}}
-                    runs[ablation.run_key(cell, seed)] = record
+                    runs[ablation_results.run_key(cell, seed)] = record
     baselines = {"loss": "ce", "data": "corpus"}
-    cells = ablation.compare_with_baselines(ablation.summarize(runs), baselines)
+    cells = ablation_results.compare_with_baselines(ablation_results.summarize(runs), baselines)
     settings = {"max_steps": 150, "tau_new_tokens": 64, "num_draft_tokens": 4, "tau_prompts": 4}
     return {"cells": cells, "baselines": baselines, "settings": settings, "runs": runs}
 
@@ -71,13 +71,15 @@ def test_markdown_uses_the_grids_own_tau_unless_every_cell_was_remeasured() -> N
 def test_markdown_of_an_empty_grid_and_a_grid_without_kind_or_data_axes() -> None:
     assert format_markdown({"cells": [], "baselines": {}}) == "No finished runs.\n"
     runs = {
-        ablation.run_key({"loss": loss}, 0): {
+        ablation_results.run_key({"loss": loss}, 0): {
             "cell": {"loss": loss}, "seed": 0, "overlap": [0.5], "greedy_match": [0.4],
             "tau": {"0": tau},
         }
         for loss, tau in (("ce", 2.0), ("lk", 3.0))
     }  # fmt: skip
-    cells = ablation.compare_with_baselines(ablation.summarize(runs), {"loss": "ce"})
+    cells = ablation_results.compare_with_baselines(
+        ablation_results.summarize(runs), {"loss": "ce"}
+    )
     text = format_markdown({"cells": cells, "baselines": {"loss": "ce"}, "settings": {}})
     assert "**kind=" not in text and "tau gain over" not in text
     assert "| cell | overlap@1 | tau T=0 |" in text
