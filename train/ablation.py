@@ -95,7 +95,10 @@ class GridSettings:
     regenerated: Path | None = None  # data=regenerated: this JSONL (else written per grid)
     regen_prompts: int = 1000
     regen_prompt_tokens: int = 32
-    regen_new_tokens: int = 192
+    # A prompt/response record is one training row (never packed with another), so prompt +
+    # response fills the demo and bench recipes' 256-token block: fewer would leave each step with
+    # fewer supervised tokens than a step of packed corpus text.
+    regen_new_tokens: int = 224
 
     def __post_init__(self) -> None:
         for name in ("tau_prompts", "tau_new_tokens", "num_draft_tokens", "regen_prompts"):
