@@ -10,6 +10,8 @@ The one module of ``decode/`` that imports ``data/`` (docs/architecture.md, the 
 from __future__ import annotations
 
 import importlib.util
+import itertools
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from data.corpus import load_stdlib_corpus
@@ -22,20 +24,23 @@ DEMO_PROMPT_CHARS = 400
 OOD_PACKAGES = ("transformers", "torch", "accelerate", "safetensors", "huggingface_hub")
 
 
-def _prompts_from_texts(texts, num_prompts: int, per_file: int) -> list[str]:
-    """The code just before ``def``/``class`` lines (``DEMO_PROMPT_CHARS`` characters up to and
-    including the line), at most ``per_file`` per text, until ``num_prompts`` are found."""
+def definition_prompts(text: str, chars: int = DEMO_PROMPT_CHARS) -> Iterator[str]:
+    """The code just before each ``def``/``class`` line of ``text``: the ``chars`` characters up
+    to and including the line (lines closer than ``chars`` to the start give none)."""
+    offset = 0
+    for line in text.splitlines(keepends=True):
+        offset += len(line)
+        if line.lstrip().startswith(("def ", "class ")) and offset > chars:
+            yield text[offset - chars : offset]
+
+
+def _prompts_from_texts(texts: Iterable[str], num_prompts: int, per_file: int) -> list[str]:
+    """At most ``per_file`` :func:`definition_prompts` per text, until ``num_prompts``."""
     prompts: list[str] = []
     for text in texts:
-        offset, taken = 0, 0
-        for line in text.splitlines(keepends=True):
-            offset += len(line)
-            stripped = line.lstrip()
-            if stripped.startswith(("def ", "class ")) and offset > DEMO_PROMPT_CHARS:
-                prompts.append(text[offset - DEMO_PROMPT_CHARS : offset])
-                taken += 1
-                if taken == per_file or len(prompts) >= num_prompts:
-                    break
+        prompts += itertools.islice(
+            definition_prompts(text), min(per_file, num_prompts - len(prompts))
+        )
         if len(prompts) >= num_prompts:
             break
     return prompts

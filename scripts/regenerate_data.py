@@ -6,9 +6,10 @@
         --prompts prompts.jsonl --output data/qwen-regenerated.jsonl
 
 ``--prompts`` is a .jsonl/.json file or a datasets name with a ``prompt`` (text) or
-``messages`` (chat) field, or ``stdlib``: the first ``--prompt-tokens`` tokens of the embedded
-corpus's training blocks. Train on the output with
-``python train/distill.py --dataset <output>``.
+``messages`` (chat) field; ``stdlib``: the first ``--prompt-tokens`` tokens of the embedded
+corpus's training blocks; or ``stdlib-defs``: the ``--prompt-chars`` characters of code up to a
+``def``/``class`` line of its training files, the form of the demo's evaluation prompts. Train
+on the output with ``python train/distill.py --dataset <output>``.
 
 With ``--endpoint`` the target is not loaded here: any OpenAI-compatible server answers
 (vLLM, SGLang, ``decode/serve.py``), chat prompts through /v1/chat/completions (the server
@@ -28,6 +29,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -36,11 +38,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--target-dtype", default="float32", choices=["float32", "bfloat16", "float16"]
     )
-    parser.add_argument("--prompts", required=True, help="prompts file, datasets name, or stdlib")
+    parser.add_argument(
+        "--prompts", required=True, help="prompts file, datasets name, stdlib or stdlib-defs"
+    )
     parser.add_argument("--prompt-field", default="prompt")
     parser.add_argument("--messages-field", default="messages")
     parser.add_argument("--num-prompts", type=int, default=None, help="cap on prompts")
     parser.add_argument("--prompt-tokens", type=int, default=32, help="stdlib prompts: length")
+    parser.add_argument(
+        "--prompt-chars", type=int, default=None, help="stdlib-defs prompts: characters (400)"
+    )
     parser.add_argument("--max-files", type=int, default=None, help="stdlib prompts: file cap")
     parser.add_argument("--output", type=Path, required=True, help="JSONL file to write")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -72,20 +79,13 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     from decode.sampling import SamplingConfig
-    from train.regenerate import corpus_prompts, regenerate
+    from train.regenerate import regenerate
     from train.target_model import load_target, resolve_target
 
     target, tokenizer, name = load_target(resolve_target(args.target), args.target_dtype)
     if torch.cuda.is_available():
         target.to("cuda")
-    if args.prompts == "stdlib":
-        count = args.num_prompts or 1000
-        prompts = corpus_prompts(tokenizer, args.prompt_tokens, count, args.max_files)
-    else:
-        from data.sources import load_prompts
-
-        prompts = load_prompts(args.prompts, args.prompt_field, args.messages_field)
-        prompts = prompts[: args.num_prompts] if args.num_prompts else prompts
+    prompts = _prompts(args, tokenizer)
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     result = regenerate(
         target,
@@ -102,6 +102,21 @@ def main(argv: list[str] | None = None) -> dict:
         f"written to {result['output']}"
     )
     return result
+
+
+def _prompts(args: argparse.Namespace, tokenizer: Any) -> list:
+    """The prompts ``--prompts`` names, at most ``--num-prompts`` (1000 from the corpus)."""
+    from train.regenerate import corpus_definition_prompts, corpus_prompts
+
+    count = args.num_prompts or 1000
+    if args.prompts == "stdlib":
+        return corpus_prompts(tokenizer, args.prompt_tokens, count, args.max_files)
+    if args.prompts == "stdlib-defs":
+        return corpus_definition_prompts(count, args.max_files, args.prompt_chars)
+    from data.sources import load_prompts
+
+    prompts = load_prompts(args.prompts, args.prompt_field, args.messages_field)
+    return prompts[: args.num_prompts] if args.num_prompts else prompts
 
 
 def _through_endpoint(args: argparse.Namespace) -> dict:
@@ -122,18 +137,12 @@ def _through_endpoint(args: argparse.Namespace) -> dict:
         max_retries=args.max_retries,
         timeout_s=args.timeout,
     )
+    tokenizer = None
     if args.prompts == "stdlib":
-        from train.regenerate import corpus_prompts
         from train.target_model import load_tokenizer, resolve_target, target_location
 
         tokenizer = load_tokenizer(target_location(resolve_target(args.target))[0])
-        count = args.num_prompts or 1000
-        prompts = corpus_prompts(tokenizer, args.prompt_tokens, count, args.max_files)
-    else:
-        from data.sources import load_prompts
-
-        prompts = load_prompts(args.prompts, args.prompt_field, args.messages_field)
-        prompts = prompts[: args.num_prompts] if args.num_prompts else prompts
+    prompts = _prompts(args, tokenizer)
     settings = GenerationSettings(
         max_tokens=args.max_new_tokens,
         temperature=args.temperature,

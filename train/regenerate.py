@@ -11,8 +11,10 @@ line, loadable with ``datasets.load_dataset("json", data_files=path)`` and by
 - chat prompts (``messages``): ``{"messages": [...prompt, {"role": "assistant", "content": r}]}``
   rendered with the tokenizer's chat template (assistant-only loss).
 
-Prompts come from a JSONL/JSON file or ``datasets`` name (``data.sources.load_prompts``), or,
-with ``stdlib``, from the first tokens of the embedded corpus's training blocks.
+Prompts come from a JSONL/JSON file or ``datasets`` name (``data.sources.load_prompts``), or
+from the embedded corpus's training files: the first tokens of its training blocks
+(:func:`corpus_prompts`), or the code before its ``def``/``class`` lines, the form of the demo's
+evaluation prompts (:func:`corpus_definition_prompts`).
 """
 
 from __future__ import annotations
@@ -45,6 +47,31 @@ def corpus_prompts(
     step = max(1, len(blocks) // count)  # spread the prompts over the whole corpus
     picked = [blocks[i]["input_ids"] for i in range(0, len(blocks), step)][:count]
     return [tokenizer.decode(ids) for ids in picked]
+
+
+def corpus_definition_prompts(
+    count: int, max_files: int | None, chars: int | None = None
+) -> list[str]:
+    """Text prompts in the form of the demo's evaluation prompts (``decode.prompts``: the
+    ``chars`` characters of code up to a ``def``/``class`` line, so the target writes a body),
+    cut from the corpus's *training* files, which the evaluation never reads. Taken in turn
+    from every file (the first definition of each file, then the second, ...) so that
+    ``count`` prompts spread over the whole corpus; ``chars`` defaults to the evaluation's."""
+    from data.corpus import load_stdlib_corpus
+    from decode.prompts import DEMO_PROMPT_CHARS, definition_prompts
+
+    chars = DEMO_PROMPT_CHARS if chars is None else chars
+    if isinstance(chars, bool) or not isinstance(chars, int) or chars < 1:
+        raise ValueError(f"--prompt-chars {chars!r}: pass a positive number of characters")
+    corpus = load_stdlib_corpus(max_files=max_files)
+    per_file = [list(definition_prompts(text, chars)) for text in corpus["train"]["text"]]
+    depth = max(map(len, per_file), default=0)
+    ordered = [prompts[i] for i in range(depth) for prompts in per_file if i < len(prompts)]
+    if not ordered:
+        raise ValueError(
+            f"the corpus has no def/class line past {chars} characters; lower the prompt length"
+        )
+    return ordered[:count]
 
 
 def regenerate(

@@ -73,6 +73,19 @@ def test_corpus_prompts(tmp_path: Path, target: Path) -> None:
     assert result["records"] == 4
 
 
+def test_corpus_definition_prompts_through_the_script(tmp_path: Path, target: Path) -> None:
+    out = tmp_path / "defs.jsonl"
+    result = _script().main(["--target", str(target), "--prompts", "stdlib-defs",
+                             "--num-prompts", "3", "--max-files", "20", "--prompt-chars", "120",
+                             "--output", str(out), "--max-new-tokens", "4"])  # fmt: skip
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert result["records"] == 3 and len(rows) == 3
+    for row in rows:
+        assert len(row["prompt"]) == 120
+        assert row["prompt"].splitlines()[-1].lstrip().startswith(("def ", "class "))
+        assert row["text"] == row["prompt"] + row["response"]
+
+
 # -- through a served engine (--endpoint) ---------------------------------------------------------
 
 

@@ -1,0 +1,66 @@
+"""Evaluation prompts and the corpus prompts cut in their form for regenerating data."""
+
+from __future__ import annotations
+
+import pytest
+
+from data.corpus import load_stdlib_corpus
+from decode.prompts import DEMO_PROMPT_CHARS, definition_prompts, demo_prompts
+from train.regenerate import corpus_definition_prompts
+
+CODE = (
+    "import os\n"
+    "\n"
+    "def first():\n"
+    "    return 1\n"
+    "\n"
+    "class Second:\n"
+    "    def method(self):\n"
+    "        return 2\n"
+)
+
+
+def _ends_with_definition(prompt: str) -> bool:
+    last = prompt.splitlines()[-1].lstrip()
+    return prompt.endswith("\n") and last.startswith(("def ", "class "))
+
+
+def test_definition_prompts_end_at_each_def_or_class_line_with_a_fixed_length() -> None:
+    prompts = list(definition_prompts(CODE, chars=20))
+    assert [p.splitlines()[-1].strip() for p in prompts] == [
+        "def first():",
+        "class Second:",
+        "def method(self):",
+    ]
+    assert all(len(p) == 20 and CODE.find(p) >= 0 for p in prompts)
+
+
+def test_definitions_too_close_to_the_start_give_no_prompt() -> None:
+    first_end = CODE.index("def first():\n") + len("def first():\n")
+    prompts = list(definition_prompts(CODE, chars=first_end))
+    assert [p.splitlines()[-1].strip() for p in prompts] == ["class Second:", "def method(self):"]
+
+
+def test_corpus_definition_prompts_have_the_demo_form_and_come_from_training_files() -> None:
+    prompts = corpus_definition_prompts(60, max_files=40)
+    assert len(prompts) == 60
+    assert all(len(p) == DEMO_PROMPT_CHARS and _ends_with_definition(p) for p in prompts)
+    assert all(_ends_with_definition(p) for p in demo_prompts(16))
+    training = load_stdlib_corpus(max_files=40)["train"]["text"]
+    assert all(any(p in text for text in training) for p in prompts)
+
+
+def test_corpus_definition_prompts_take_each_file_in_turn() -> None:
+    """The first definition of every file comes before any file's second, so a small count
+    still spreads over the corpus."""
+    few = corpus_definition_prompts(10, max_files=40)
+    many = corpus_definition_prompts(10_000, max_files=40)
+    assert few == many[:10]
+    assert len(set(few)) == 10
+    assert len(many) > 40  # files hold several definitions each
+
+
+@pytest.mark.parametrize("chars", [0, -5, 2.5, True])
+def test_corpus_definition_prompts_refuse_a_bad_length(chars: object) -> None:
+    with pytest.raises(ValueError, match="--prompt-chars"):
+        corpus_definition_prompts(4, max_files=5, chars=chars)  # type: ignore[arg-type]
