@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from data.corpus import load_stdlib_corpus
 from data.sources import load_prompts
+
+T = TypeVar("T")
 
 DEMO_PROMPT_CHARS = 400
 # Installed with draftsmith on every machine, and not the standard library the demo target
@@ -32,6 +35,12 @@ def definition_prompts(text: str, chars: int = DEMO_PROMPT_CHARS) -> Iterator[st
         offset += len(line)
         if line.lstrip().startswith(("def ", "class ")) and offset > chars:
             yield text[offset - chars : offset]
+
+
+def in_turn(lists: Sequence[Sequence[T]]) -> list[T]:
+    """The items of ``lists`` taken in turn: every list's first, then every list's second, ..."""
+    depth = max(map(len, lists), default=0)
+    return [items[i] for i in range(depth) for items in lists if i < len(items)]
 
 
 def _prompts_from_texts(texts: Iterable[str], num_prompts: int, per_file: int) -> list[str]:
@@ -60,12 +69,7 @@ def ood_prompts(num_prompts: int) -> list[str]:
         if files:
             stride = max(1, len(files) // max(num_prompts, 1))
             file_lists.append(files[::stride])
-    interleaved = [
-        files[i]
-        for i in range(max(map(len, file_lists), default=0))
-        for files in file_lists
-        if i < len(files)
-    ]
+    interleaved = in_turn(file_lists)
 
     def texts():
         for path in interleaved:

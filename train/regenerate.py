@@ -58,15 +58,13 @@ def corpus_definition_prompts(
     from every file (the first definition of each file, then the second, ...) so that
     ``count`` prompts spread over the whole corpus; ``chars`` defaults to the evaluation's."""
     from data.corpus import load_stdlib_corpus
-    from decode.prompts import DEMO_PROMPT_CHARS, definition_prompts
+    from decode.prompts import DEMO_PROMPT_CHARS, definition_prompts, in_turn
 
     chars = DEMO_PROMPT_CHARS if chars is None else chars
     if isinstance(chars, bool) or not isinstance(chars, int) or chars < 1:
         raise ValueError(f"--prompt-chars {chars!r}: pass a positive number of characters")
     corpus = load_stdlib_corpus(max_files=max_files)
-    per_file = [list(definition_prompts(text, chars)) for text in corpus["train"]["text"]]
-    depth = max(map(len, per_file), default=0)
-    ordered = [prompts[i] for i in range(depth) for prompts in per_file if i < len(prompts)]
+    ordered = in_turn([list(definition_prompts(t, chars)) for t in corpus["train"]["text"]])
     if not ordered:
         raise ValueError(
             f"the corpus has no def/class line past {chars} characters; lower the prompt length"
