@@ -5,6 +5,9 @@
 ``TREE_TOP_K`` and ``TREE_TOTAL_TOKENS`` shape a dynamic draft tree (docs/theory.md §4):
 children expanded per node and nodes kept per tree. They are the values the benchmark and the
 post-training speed report measure with (README, "Benchmark").
+``DEMO_PROMPT_CHARS`` is the length, in characters, of the code before a ``def``/``class`` line
+that makes one evaluation prompt (``decode.prompts``), and of the training prompts cut in
+that form (``train_prompts: definitions``, ``scripts/regenerate_data.py --prompts stdlib-defs``).
 """
 
 from __future__ import annotations
@@ -12,3 +15,4 @@ from __future__ import annotations
 NUM_DRAFT_TOKENS = 4
 TREE_TOP_K = 4
 TREE_TOTAL_TOKENS = 12
+DEMO_PROMPT_CHARS = 400

@@ -17,10 +17,10 @@ from typing import TypeVar
 
 from data.corpus import load_stdlib_corpus
 from data.sources import load_prompts
+from decode.defaults import DEMO_PROMPT_CHARS
 
 T = TypeVar("T")
 
-DEMO_PROMPT_CHARS = 400
 # Installed with draftsmith on every machine, and not the standard library the demo target
 # trained on: their source is real code of another style (type hints, long docstrings,
 # tensor code) for out-of-distribution prompts.

@@ -40,12 +40,13 @@ from typing import Any, NoReturn
 
 import yaml
 
-from decode.defaults import NUM_DRAFT_TOKENS, TREE_TOP_K
+from decode.defaults import DEMO_PROMPT_CHARS, NUM_DRAFT_TOKENS, TREE_TOP_K
 
 DEMO_TARGET_PRESETS = ("demo", "bench", "tiny")
 TARGET_OUTPUTS = ("online", "cache")
 DATA_FORMATS = ("auto", "text", "conversations", "prompt_response")
 EVAL_SOURCES = ("target_samples", "data")
+TRAIN_PROMPT_FORMS = ("blocks", "definitions")
 DRAFTER_INITS = ("random", "embeddings", "target_layers")
 REPORTERS = ("wandb", "tensorboard", "none")
 MIXED_PRECISION = ("no", "bf16", "fp16")
@@ -146,7 +147,19 @@ class DataConfig:
     train_sequences: int = _f(
         768, "target_samples: sequences regenerated (split over temperatures)"
     )
-    train_prompt_tokens: int = _f(32, "target_samples: prompt tokens kept from each sequence")
+    train_prompts: str = _f(
+        "blocks",
+        "target_samples: blocks (the first --train_prompt_tokens tokens of training sequences) "
+        "or definitions (the --train_prompt_chars characters of code up to a def/class line "
+        "in them, the form of the prompts evaluated and served)",
+    )
+    train_prompt_tokens: int = _f(32, "target_samples, blocks: prompt tokens kept")
+    train_prompt_chars: int = _f(
+        DEMO_PROMPT_CHARS, "target_samples, definitions: characters of code kept as the prompt"
+    )
+    train_prompt_loss: bool = _f(
+        False, "target_samples: train on the prompt's tokens too, not only the continuation"
+    )
     train_temperatures: list[float] = field(
         default_factory=lambda: [0.0, 1.0],
         metadata={"help": "target_samples: temperatures the target continues at (0: greedy)"},
@@ -305,6 +318,7 @@ class DistillConfig:
             (self.data.data_format, DATA_FORMATS, "data_format"),
             (self.data.target_outputs, TARGET_OUTPUTS, "target_outputs"),
             (self.data.eval_source, EVAL_SOURCES, "eval_source"),
+            (self.data.train_prompts, TRAIN_PROMPT_FORMS, "train_prompts"),
             (self.optim.mixed_precision, MIXED_PRECISION, "mixed_precision"),
         ]
         for value, allowed, name in checks:
@@ -384,6 +398,10 @@ class DistillConfig:
                 "at least one --train_temperatures value >= 0 and --train_sequences >= their "
                 f"count; got {self.data.train_prompt_tokens}, {self.data.train_temperatures}, "
                 f"{self.data.train_sequences}"
+            )
+        if self.data.train_prompt_chars < 1:
+            raise ValueError(
+                f"--train_prompt_chars must be >= 1, got {self.data.train_prompt_chars}"
             )
         if self.loss.loss_temperature <= 0:
             raise ValueError(f"--loss_temperature must be > 0, got {self.loss.loss_temperature}")

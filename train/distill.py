@@ -454,33 +454,41 @@ def _regenerated_rows(
     train: Any,
     accelerator: Accelerator,
 ) -> list[dict[str, Any]]:
-    """Training prompts continued by the target, an equal share at each temperature.
+    """Training prompts continued by the target to a full block, an equal share at each
+    temperature.
 
     Acceptance is measured on the target's own text, greedy and sampled (docs/theory.md §6):
     greedy continuations teach the drafter the target's argmax (temperature-0 acceptance),
-    sampled ones its distribution. Prompts are spread over the whole training split; every
-    process builds the same rows from the same seed.
+    sampled ones its distribution. Prompts are the first tokens of training sequences
+    (``train_prompts: blocks``) or the code up to a ``def``/``class`` line in them, the form of
+    the prompts served and evaluated (``definitions``); either way spread over the whole
+    training split, and every process builds the same rows from the same seed.
     """
-    from train.distill_data import target_continued_rows
+    from train.distill_data import block_prompts, continued_rows, definition_prompts_of_rows
 
     data = config.data
+    if data.train_prompts == "definitions":
+        prompts = definition_prompts_of_rows(
+            train, tokenizer, data.train_sequences, data.train_prompt_chars, data.block_size - 1
+        )
+    else:
+        stride = max(1, len(train) // data.train_sequences)
+        spread = [train[i] for i in range(0, len(train), stride)]
+        prompts = block_prompts(spread, data.train_prompt_tokens, len(spread))
     temperatures = data.train_temperatures
     share = data.train_sequences // len(temperatures)
-    stride = max(1, len(train) // data.train_sequences)
-    spread = [train[i] for i in range(0, len(train), stride)]
     rows: list[dict[str, Any]] = []
     for index, temperature in enumerate(temperatures):
-        rows += target_continued_rows(
+        rows += continued_rows(
             target,
-            spread[index * share : (index + 1) * share] or spread,
-            num_sequences=share,
-            prompt_tokens=data.train_prompt_tokens,
-            new_tokens=data.block_size - data.train_prompt_tokens,
+            prompts[index * share : (index + 1) * share] or prompts[:share],
+            length=data.block_size,
             temperature=temperature,
             seed=config.optim.seed + 777 + index,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
             device=accelerator.device,
+            train_prompt=data.train_prompt_loss,
         )
     return rows
 
@@ -492,17 +500,15 @@ def _eval_rows(
     held_out: Any,
     accelerator: Accelerator,
 ) -> list[dict[str, Any]]:
-    from train.distill_data import held_out_rows, target_continued_rows
+    from train.distill_data import block_prompts, continued_rows, held_out_rows
 
     data = config.data
     if data.eval_source == "data":
         return held_out_rows(held_out, data.eval_sequences)
-    return target_continued_rows(
+    return continued_rows(
         target,
-        held_out,
-        num_sequences=data.eval_sequences,
-        prompt_tokens=data.eval_prompt_tokens,
-        new_tokens=data.eval_new_tokens,
+        block_prompts(held_out, data.eval_prompt_tokens, data.eval_sequences),
+        length=data.eval_prompt_tokens + data.eval_new_tokens,
         temperature=config.loss.eval_temperature,
         seed=config.optim.seed + 12345,
         eos_token_id=tokenizer.eos_token_id,

@@ -17,7 +17,7 @@ import torch
 from data.sequences import Row, SequenceSets
 from data.sequences import load_sequences as load_source_sequences
 from decode.sampling import SamplingConfig
-from train.generation import sample_continuations
+from train.generation import left_pad, sample_continuations
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -43,55 +43,104 @@ def load_sequences(
     )
 
 
+def block_prompts(rows: Sequence[Row], prompt_tokens: int, count: int) -> list[list[int]]:
+    """The first ``prompt_tokens`` tokens of the first ``count`` rows that have that many."""
+    prompts = [
+        list(row["input_ids"][:prompt_tokens])
+        for row in rows
+        if len(row["input_ids"]) >= prompt_tokens
+    ][:count]
+    if not prompts:
+        raise ValueError(
+            f"no sequence has {prompt_tokens} tokens to use as a prompt: lower the prompt "
+            "tokens (--train_prompt_tokens / --eval_prompt_tokens) or add data"
+        )
+    return prompts
+
+
+def definition_prompts_of_rows(
+    rows: Sequence[Row],
+    tokenizer: PreTrainedTokenizerBase,
+    count: int,
+    chars: int,
+    max_tokens: int,
+) -> list[list[int]]:
+    """Prompts in the form of the demo's evaluation prompts, cut from token rows.
+
+    Each row is decoded to text and gives at most one prompt: the ``chars`` characters of code
+    up to and including its first ``def``/``class`` line past ``chars`` characters
+    (``decode.prompts.definition_prompts``), re-encoded, kept when it has at most ``max_tokens``
+    tokens. Rows are visited with a stride that spreads the ``count`` prompts over all of them
+    (rows 0, s, 2s, ..., then 1, s + 1, ...), so every process builds the same list.
+    """
+    from decode.prompts import definition_prompts
+
+    stride = max(1, len(rows) // max(count, 1))
+    prompts: list[list[int]] = []
+    for offset in range(stride):
+        for index in range(offset, len(rows), stride):
+            text = tokenizer.decode(rows[index]["input_ids"], skip_special_tokens=True)
+            prompt = next(definition_prompts(text, chars), None)
+            if prompt is None:
+                continue
+            ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            if 0 < len(ids) <= max_tokens:
+                prompts.append(list(ids))
+                if len(prompts) == count:
+                    return prompts
+    if not prompts:
+        raise ValueError(
+            f"no training sequence has a def/class line past {chars} characters within "
+            f"{max_tokens} prompt tokens: lower --train_prompt_chars, raise --block_size, or "
+            "use --train_prompts blocks (the only form for text that is not Python code)"
+        )
+    return prompts
+
+
 @torch.no_grad()
-def target_continued_rows(
+def continued_rows(
     target: torch.nn.Module,
-    held_out: Sequence[Row],
-    num_sequences: int,
-    prompt_tokens: int,
-    new_tokens: int,
+    prompts: Sequence[Sequence[int]],
+    length: int,
     temperature: float,
     seed: int,
     eos_token_id: int | None,
     pad_token_id: int,
     device: torch.device,
     batch_size: int = 16,
+    train_prompt: bool = False,
 ) -> list[Row]:
-    """Held-out prompts continued by the target: ``loss_mask`` marks the continuation.
+    """Prompts (token ids, any lengths below ``length``) continued by the target to ``length``
+    tokens in all, or to an eos.
 
-    Prompts are the first ``prompt_tokens`` tokens of held-out rows with at least that many
-    tokens; the target samples ``new_tokens`` tokens at ``temperature`` (greedy at 0) from a
-    generator seeded by ``seed``, so every process builds the same set.
+    The target samples at ``temperature`` (greedy at 0) from a generator seeded by ``seed``, so
+    every process builds the same set. ``loss_mask`` marks the continuation, and the prompt as
+    well when ``train_prompt`` (the prompt is the data's own text, worth learning too).
     """
-    prompts = [
-        list(row["input_ids"][:prompt_tokens])
-        for row in held_out
-        if len(row["input_ids"]) >= prompt_tokens
-    ][:num_sequences]
-    if not prompts:
-        raise ValueError(
-            f"no held-out sequence has {prompt_tokens} tokens to use as a prompt: lower "
-            "--eval_prompt_tokens or add held-out data"
-        )
+    if any(not 0 < len(prompt) < length for prompt in prompts):
+        raise ValueError(f"every prompt needs 1 to {length - 1} tokens to leave room to continue")
     generator = torch.Generator(device).manual_seed(seed)
     sampling = SamplingConfig(temperature=temperature)
     rows: list[Row] = []
     for start in range(0, len(prompts), batch_size):
-        chunk = torch.tensor(prompts[start : start + batch_size], device=device)
+        chunk = prompts[start : start + batch_size]
+        ids, mask = left_pad(chunk, pad_token_id)  # [B, P]
         out = sample_continuations(
             target,
-            chunk,
-            torch.ones_like(chunk),
-            new_tokens,
+            ids.to(device),
+            mask.to(device),
+            length - min(len(prompt) for prompt in chunk),
             sampling,
             generator,
             eos_token_id=eos_token_id,
             pad_token_id=pad_token_id,
         )
         for prompt, tokens, valid in zip(chunk, out.tokens, out.valid, strict=True):
-            kept = int(valid.sum())
-            ids = prompt.tolist() + tokens[:kept].tolist()
-            rows.append({"input_ids": ids, "loss_mask": [0] * len(prompt) + [1] * kept})
+            kept = min(int(valid.sum()), length - len(prompt))
+            ids_row = list(prompt) + tokens[:kept].tolist()
+            rows.append(
+                {"input_ids": ids_row, "loss_mask": [int(train_prompt)] * len(prompt) + [1] * kept}
+            )
     return rows
 
 

@@ -31,6 +31,19 @@ class Continuations:
     valid: torch.Tensor  # [B, N] bool
 
 
+def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists of any lengths as one left-padded batch: ids and attention mask, [B, P]."""
+    if not rows or not all(rows):
+        raise ValueError("left_pad needs at least one row and no empty row")
+    width = max(len(row) for row in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # [B, P]
+    mask = torch.zeros((len(rows), width), dtype=torch.long)  # [B, P]
+    for i, row in enumerate(rows):
+        ids[i, width - len(row) :] = torch.tensor(list(row), dtype=torch.long)
+        mask[i, width - len(row) :] = 1
+    return ids, mask
+
+
 @torch.no_grad()
 def sample_continuations(
     model: torch.nn.Module,

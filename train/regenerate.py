@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from decode.sampling import SamplingConfig
-from train.generation import sample_continuations
+from train.generation import left_pad, sample_continuations
 
 Prompt = str | list[dict[str, str]]
 
@@ -58,7 +58,8 @@ def corpus_definition_prompts(
     from every file (the first definition of each file, then the second, ...) so that
     ``count`` prompts spread over the whole corpus; ``chars`` defaults to the evaluation's."""
     from data.corpus import load_stdlib_corpus
-    from decode.prompts import DEMO_PROMPT_CHARS, definition_prompts, in_turn
+    from decode.defaults import DEMO_PROMPT_CHARS
+    from decode.prompts import definition_prompts, in_turn
 
     chars = DEMO_PROMPT_CHARS if chars is None else chars
     if isinstance(chars, bool) or not isinstance(chars, int) or chars < 1:
@@ -106,7 +107,7 @@ def regenerate(
             range(0, len(prompts), batch_size), disable=not progress, desc="regenerate"
         ):
             chunk = prompts[start : start + batch_size]
-            ids, mask = _left_pad([_encode(tokenizer, p) for p in chunk], tokenizer.pad_token_id)
+            ids, mask = left_pad([_encode(tokenizer, p) for p in chunk], tokenizer.pad_token_id)
             out = sample_continuations(
                 target,
                 ids.to(device),
@@ -138,16 +139,6 @@ def _encode(tokenizer: Any, prompt: Prompt) -> list[int]:
     if not ids:
         raise ValueError(f"prompt {str(prompt)[:80]!r} encodes to no token; remove it")
     return list(ids)
-
-
-def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(row) for row in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # [B, P]
-    mask = torch.zeros((len(rows), width), dtype=torch.long)  # [B, P]
-    for i, row in enumerate(rows):
-        ids[i, width - len(row) :] = torch.tensor(row)
-        mask[i, width - len(row) :] = 1
-    return ids, mask
 
 
 def _stop_ids(tokenizer: Any, chat: bool) -> list[int]:

@@ -114,6 +114,8 @@ def test_bad_flags_and_a_second_config_are_errors_not_exits(tmp_path: Path) -> N
         (["--learning_rate", "0"], "--learning_rate must be > 0"),
         (["--adam_beta2", "1.0"], r"--adam_beta2 must lie in \[0, 1\)"),
         (["--max_steps", "0"], "--max_steps must be >= 1"),
+        (["--train_prompts", "lines"], "--train_prompts 'lines' is not valid; choose one of"),
+        (["--train_prompt_chars", "0"], "--train_prompt_chars must be >= 1"),
     ],
 )
 def test_out_of_range_optimisation_values(argv: list[str], expected: str) -> None:

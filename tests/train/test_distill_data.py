@@ -1,0 +1,100 @@
+"""Prompts cut from training rows and continued by the target (``train_source:
+target_samples``): each row filled to its length, exact against the prompt decoded alone."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import tiny_llama, tiny_tokenizer
+
+from decode.sampling import SamplingConfig
+from train.distill_data import block_prompts, continued_rows, definition_prompts_of_rows
+from train.generation import sample_continuations
+
+CODE = (
+    "import os\n\nVALUE = 3\n\n\n"
+    "def add(a, b):\n    return a + b\n\n\n"
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n"
+)
+
+
+def _continue(prompts: list[list[int]], length: int, **kwargs: object) -> list[dict]:
+    return continued_rows(
+        tiny_llama(seed=7),
+        prompts,
+        length=length,
+        temperature=0.0,
+        seed=0,
+        eos_token_id=None,
+        pad_token_id=0,
+        device=torch.device("cpu"),
+        batch_size=3,
+        **kwargs,
+    )
+
+
+def test_prompts_of_any_length_are_filled_to_the_length_as_if_decoded_alone() -> None:
+    prompts = [[5, 9, 12], [3, 3, 8, 41, 2, 17, 6], [11], [4, 4, 4, 4, 4]]
+    rows = _continue(prompts, length=12)
+    model = tiny_llama(seed=7)
+    for prompt, row in zip(prompts, rows, strict=True):
+        assert len(row["input_ids"]) == 12 and row["input_ids"][: len(prompt)] == prompt
+        assert row["loss_mask"] == [0] * len(prompt) + [1] * (12 - len(prompt))
+        alone = torch.tensor([prompt])
+        greedy = sample_continuations(
+            model, alone, torch.ones_like(alone), 12 - len(prompt), SamplingConfig(0.0), None
+        )
+        assert row["input_ids"][len(prompt) :] == greedy.tokens[0].tolist()
+
+
+def test_the_prompt_is_trained_when_asked() -> None:
+    rows = _continue([[5, 9, 12], [1, 2]], length=6, train_prompt=True)
+    assert [row["loss_mask"] for row in rows] == [[1] * 6, [1] * 6]
+
+
+def test_a_prompt_that_leaves_no_room_is_refused() -> None:
+    with pytest.raises(ValueError, match="every prompt needs 1 to 5 tokens"):
+        _continue([[1, 2, 3], [1, 2, 3, 4, 5, 6]], length=6)
+    with pytest.raises(ValueError, match="every prompt needs 1 to 5 tokens"):
+        _continue([[]], length=6)
+
+
+def test_block_prompts_are_the_first_tokens_of_long_enough_rows() -> None:
+    rows = [{"input_ids": [1, 2, 3, 4]}, {"input_ids": [5, 6]}, {"input_ids": [7, 8, 9]}]
+    assert block_prompts(rows, 3, count=5) == [[1, 2, 3], [7, 8, 9]]
+    assert block_prompts(rows, 2, count=2) == [[1, 2], [5, 6]]
+    with pytest.raises(ValueError, match="no sequence has 5 tokens"):
+        block_prompts(rows, 5, count=2)
+
+
+def test_definition_prompts_end_on_a_def_line_and_spread_over_the_rows() -> None:
+    tokenizer = tiny_tokenizer()
+    code_row = {"input_ids": tokenizer(CODE, add_special_tokens=False)["input_ids"]}
+    plain_row = {"input_ids": tokenizer("x = 1\n" * 20, add_special_tokens=False)["input_ids"]}
+    rows = [plain_row, code_row] * 4
+    prompts = definition_prompts_of_rows(rows, tokenizer, count=3, chars=30, max_tokens=200)
+    assert len(prompts) == 3
+    texts = [tokenizer.decode(ids) for ids in prompts]
+    end = CODE.index("def add(a, b):\n") + len("def add(a, b):\n")
+    assert texts == [CODE[end - 30 : end]] * 3  # the first definition past 30 characters
+    # A prompt longer than max_tokens is dropped; no prompt at all is an error naming the fix.
+    with pytest.raises(ValueError, match="--train_prompts blocks"):
+        definition_prompts_of_rows(rows, tokenizer, count=3, chars=30, max_tokens=2)
+    with pytest.raises(ValueError, match="no training sequence has a def/class line past"):
+        definition_prompts_of_rows([plain_row], tokenizer, count=1, chars=5, max_tokens=200)
+
+
+def test_a_run_trains_on_definition_prompts_continued_by_the_target(
+    tmp_path: Path, tiny_argv: Callable[..., list[str]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from train.distill import main
+
+    flags = ["--train_source", "target_samples", "--train_prompts", "definitions"]
+    flags += ["--train_prompt_chars", "120", "--block_size", "96", "--train_sequences", "8"]
+    flags += ["--train_temperatures", "1.0", "--train_prompt_loss", "true", "--max_steps", "2"]
+    summary = main(tiny_argv(tmp_path, *flags))
+    assert summary["steps"] == 2
+    assert "regenerated 8 training sequences" in capsys.readouterr().out
