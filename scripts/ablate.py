@@ -19,8 +19,9 @@ KIND=PATH`` replaces one). Axes:
   responses to corpus prompts, written once per grid by ``scripts/regenerate_data.py`` into
   ``<output>/data/regenerated.jsonl``, or the file given by ``--regenerated``; the run gets
   ``--dataset <file>``), ``samples`` (``--train_source target_samples``: corpus prompts
-  continued by the target at the recipe's ``--train_temperatures``, greedy and sampled, as the
-  main job trains; regenerated at the start of each run), ``onpolicy`` (``--on_policy_fraction``, default 0.5: that share of
+  continued by the target as the recipe's ``--train_prompts``, ``--train_sequences`` and
+  ``--train_temperatures`` say, as the recipe itself trains; regenerated at the start of each
+  run), ``onpolicy`` (``--on_policy_fraction``, default 0.5: that share of
   batches is continued by the drafter itself and scored by the target; only the ``draft_lm``
   objective samples on-policy, and only a loss with a target term learns from it, so other
   kinds and a plain ``ce`` skip these cells and the JSON says why);

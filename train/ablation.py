@@ -261,8 +261,8 @@ def run_argv(
     sources = cell.get("data", "corpus").split("+")
     # The data axis names the training text: a recipe's own train_source (e.g. the main job's
     # target samples) would otherwise replace the corpus and the regenerated file alike.
-    # ``samples``: the corpus prompts continued by the target at the recipe's
-    # --train_temperatures (greedy and sampled), regenerated at the start of each run.
+    # ``samples``: corpus prompts continued by the target as the recipe's --train_prompts,
+    # --train_sequences and --train_temperatures say, regenerated at the start of each run.
     argv += ["--train_source", "target_samples" if "samples" in sources else "data"]
     if "regenerated" in sources:
         argv += ["--dataset", str(settings.regenerated_file)]

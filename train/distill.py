@@ -475,6 +475,11 @@ def _regenerated_rows(
         stride = max(1, len(train) // data.train_sequences)
         spread = [train[i] for i in range(0, len(train), stride)]
         prompts = block_prompts(spread, data.train_prompt_tokens, len(spread))
+    if len(prompts) < data.train_sequences and accelerator.is_main_process:
+        print(
+            f"warning: the training data gives {len(prompts)} {data.train_prompts} prompts of "
+            f"the {data.train_sequences} asked (--train_sequences); temperatures share them"
+        )
     temperatures = data.train_temperatures
     share = data.train_sequences // len(temperatures)
     rows: list[dict[str, Any]] = []

@@ -97,4 +97,8 @@ def test_a_run_trains_on_definition_prompts_continued_by_the_target(
     flags += ["--train_temperatures", "1.0", "--train_prompt_loss", "true", "--max_steps", "2"]
     summary = main(tiny_argv(tmp_path, *flags))
     assert summary["steps"] == 2
-    assert "regenerated 8 training sequences" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "regenerated 8 training sequences" in out and "warning" not in out
+    # More sequences than the data has prompts of that form: said, not silent.
+    main(tiny_argv(tmp_path / "many", *flags, "--train_sequences", "100000"))
+    assert "definitions prompts of the 100000 asked" in capsys.readouterr().out
