@@ -145,10 +145,10 @@ class DataConfig:
         "is measured)",
     )
     train_sequences: int = _f(
-        768, "target_samples: sequences regenerated (split over temperatures)"
+        1200, "target_samples: sequences regenerated (split over temperatures)"
     )
     train_prompts: str = _f(
-        "blocks",
+        "definitions",
         "target_samples: blocks (the first --train_prompt_tokens tokens of training sequences) "
         "or definitions (the --train_prompt_chars characters of code up to a def/class line "
         "in them, the form of the prompts evaluated and served)",
@@ -158,7 +158,7 @@ class DataConfig:
         DEMO_PROMPT_CHARS, "target_samples, definitions: characters of code kept as the prompt"
     )
     train_prompt_loss: bool = _f(
-        False, "target_samples: train on the prompt's tokens too, not only the continuation"
+        True, "target_samples: train on the prompt's tokens too, not only the continuation"
     )
     train_temperatures: list[float] = field(
         default_factory=lambda: [0.0, 1.0],

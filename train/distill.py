@@ -143,9 +143,14 @@ def _load(
     target = load_model(location, config.target.target_dtype, remote).to(accelerator.device)
     objective = plan.objective_cls.from_config(config, target, tokenizer, plan.loss)
     train_rows = sets.train
+    description = sets.description
     if config.data.train_source == "target_samples":
         started = time.perf_counter()
         train_rows = _regenerated_rows(config, target, tokenizer, sets.train, accelerator)
+        description = (
+            f"{len(train_rows)} {config.data.train_prompts} prompts cut from {description}, "
+            f"continued by the target at temperatures {config.data.train_temperatures}"
+        )
         if accelerator.is_main_process:
             print(
                 f"regenerated {len(train_rows)} training sequences with the target at "
@@ -173,7 +178,7 @@ def _load(
         target_name,
         tokenizer,
         objective,
-        sets.description,
+        description,
         train_rows,
         eval_rows,
         cache_stats,

@@ -99,6 +99,8 @@ def test_a_run_trains_on_definition_prompts_continued_by_the_target(
     assert summary["steps"] == 2
     out = capsys.readouterr().out
     assert "regenerated 8 training sequences" in out and "warning" not in out
+    card = (tmp_path / "drafter" / "README.md").read_text()
+    assert "8 definitions prompts cut from the embedded corpus" in card
     # More sequences than the data has prompts of that form: said, not silent.
     main(tiny_argv(tmp_path / "many", *flags, "--train_sequences", "100000"))
     assert "definitions prompts of the 100000 asked" in capsys.readouterr().out
