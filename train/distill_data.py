@@ -4,7 +4,10 @@ Reading, tokenising and splitting the source is ``data.sequences`` (which takes 
 names); this module passes it the recipe's values and builds the held-out set the overlap
 metric is measured on. By default that is held-out prompts continued by the target itself
 (``eval_source: target_samples``): acceptance is measured on the target's own outputs
-(docs/theory.md §6), so that is where the overlap must be measured too.
+(docs/theory.md §6), so that is where the overlap must be measured too. Training data can be
+the target's own text in the same way (``train_source: target_samples``): prompts cut from the
+training rows, as their first tokens (:func:`block_prompts`) or in the form of the prompts
+served (:func:`definition_prompts_of_rows`), continued by the target (:func:`continued_rows`).
 """
 
 from __future__ import annotations
