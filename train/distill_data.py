@@ -79,18 +79,16 @@ def definition_prompts_of_rows(
     from decode.prompts import definition_prompts
 
     stride = max(1, len(rows) // max(count, 1))
+    visits = (i for offset in range(stride) for i in range(offset, len(rows), stride))
     prompts: list[list[int]] = []
-    for offset in range(stride):
-        for index in range(offset, len(rows), stride):
-            text = tokenizer.decode(rows[index]["input_ids"], skip_special_tokens=True)
-            prompt = next(definition_prompts(text, chars), None)
-            if prompt is None:
-                continue
-            ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-            if 0 < len(ids) <= max_tokens:
-                prompts.append(list(ids))
-                if len(prompts) == count:
-                    return prompts
+    for index in visits:
+        text = tokenizer.decode(rows[index]["input_ids"], skip_special_tokens=True)
+        prompt = next(definition_prompts(text, chars), None)
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"] if prompt else []
+        if 0 < len(ids) <= max_tokens:
+            prompts.append(list(ids))
+            if len(prompts) == count:
+                return prompts
     if not prompts:
         raise ValueError(
             f"no training sequence has a def/class line past {chars} characters within "
