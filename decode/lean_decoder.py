@@ -36,6 +36,7 @@ from transformers import DynamicCache
 from decode.kv_cache import AttentionLayout, PreallocatedLayer
 from decode.llama_math import apply_rope, rms_norm
 from decode.output_head import LLAMA_FAMILY_MODEL_TYPES
+from decode.projection import Projection
 
 # Rope types whose angles are a fixed function of the position (computed once by the model's
 # rope init function); other known types depend on the call (see ``_angles_depend_on_call``).
@@ -53,17 +54,13 @@ class LeanOutput:
 @dataclass
 class _LayerWeights:
     input_norm: torch.Tensor  # [H]
-    qkv: torch.Tensor  # [H, (Q + 2 KV) * D]
-    qkv_bias: torch.Tensor | None  # [(Q + 2 KV) * D]
+    qkv: Projection  # H -> (Q + 2 KV) * D
     q_norm: torch.Tensor | None  # [D] (Qwen3)
     k_norm: torch.Tensor | None  # [D]
-    out: torch.Tensor  # [Q * D, H]
-    out_bias: torch.Tensor | None  # [H]
+    out: Projection  # Q * D -> H
     post_norm: torch.Tensor  # [H]
-    gate_up: torch.Tensor  # [H, 2 I]
-    gate_up_bias: torch.Tensor | None  # [2 I]
-    down: torch.Tensor  # [I, H]
-    down_bias: torch.Tensor | None  # [H]
+    gate_up: Projection  # H -> 2 I
+    down: Projection  # I -> H
 
 
 class LeanDecoder:
@@ -135,7 +132,7 @@ class LeanDecoder:
     ) -> torch.Tensor:  # [B, W, H]
         batch, width, _ = x.shape
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = _project(rms_norm(x, weights.input_norm, self.eps), weights.qkv, weights.qkv_bias)
+        qkv = weights.qkv(rms_norm(x, weights.input_norm, self.eps))
         q, k, v = qkv.view(batch, width, heads + 2 * kv_heads, dim).split(
             (heads, kv_heads, kv_heads), dim=2
         )  # [B, W, heads, D] each
@@ -148,13 +145,11 @@ class LeanDecoder:
             q, keys, values, attn_mask=mask, enable_gqa=kv_heads != heads
         )  # [B, Q, W, D]
         out = out.transpose(1, 2).reshape(batch, width, heads * dim)
-        return _project(out, weights.out, weights.out_bias)
+        return weights.out(out)
 
     def _mlp(self, weights: _LayerWeights, x: torch.Tensor) -> torch.Tensor:  # [B, W, H]
-        gate, up = _project(
-            rms_norm(x, weights.post_norm, self.eps), weights.gate_up, weights.gate_up_bias
-        ).chunk(2, dim=-1)  # [B, W, I] each
-        return _project(F.silu(gate) * up, weights.down, weights.down_bias)
+        gate, up = weights.gate_up(rms_norm(x, weights.post_norm, self.eps)).chunk(2, dim=-1)
+        return weights.down(F.silu(gate) * up)  # gate, up: [B, W, I] each
 
     def _layer_masks(
         self,
@@ -239,50 +234,35 @@ def _angles_depend_on_call(rope_type: str) -> bool:
 
 
 def _fuse(layer: torch.nn.Module) -> _LayerWeights:
-    """One decoder layer's weights, transposed and concatenated for ``x @ W`` products."""
+    """One decoder layer's weights, with q/k/v and gate/up concatenated into one product each
+    (``decode.projection`` lays each out for the dtype)."""
     attention, mlp = layer.self_attn, layer.mlp
     q_norm = getattr(attention, "q_norm", None)
     k_norm = getattr(attention, "k_norm", None)
-    qkv = (attention.q_proj, attention.k_proj, attention.v_proj)
     return _LayerWeights(
         input_norm=layer.input_layernorm.weight.detach(),
-        qkv=torch.cat([m.weight.detach() for m in qkv]).t().contiguous(),
-        qkv_bias=_cat_biases(qkv),
+        qkv=_fused((attention.q_proj, attention.k_proj, attention.v_proj)),
         q_norm=None if q_norm is None else q_norm.weight.detach(),
         k_norm=None if k_norm is None else k_norm.weight.detach(),
-        out=attention.o_proj.weight.detach().t().contiguous(),
-        out_bias=_cat_biases((attention.o_proj,)),
+        out=_fused((attention.o_proj,)),
         post_norm=layer.post_attention_layernorm.weight.detach(),
-        gate_up=torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()])
-        .t()
-        .contiguous(),
-        gate_up_bias=_cat_biases((mlp.gate_proj, mlp.up_proj)),
-        down=mlp.down_proj.weight.detach().t().contiguous(),
-        down_bias=_cat_biases((mlp.down_proj,)),
+        gate_up=_fused((mlp.gate_proj, mlp.up_proj)),
+        down=_fused((mlp.down_proj,)),
     )
 
 
-def _cat_biases(linears: tuple[torch.nn.Linear, ...]) -> torch.Tensor | None:
+def _fused(linears: tuple[torch.nn.Linear, ...]) -> Projection:
+    """The linears' outputs side by side: one product of their stacked weights."""
+    weight = torch.cat([m.weight.detach() for m in linears])  # [sum out, in]
     if all(m.bias is None for m in linears):
-        return None
-    return torch.cat(
+        return Projection(weight)
+    bias = torch.cat(
         [
             m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features)
             for m in linears
         ]
     )
-
-
-def _project(
-    x: torch.Tensor,  # [..., in]
-    weight_t: torch.Tensor,  # [in, out]
-    bias: torch.Tensor | None,  # [out]
-) -> torch.Tensor:  # [..., out]
-    return (
-        x @ weight_t
-        if bias is None
-        else torch.addmm(bias, x.flatten(0, -2), weight_t).view(*x.shape[:-1], -1)
-    )
+    return Projection(weight, bias)
 
 
 def _attention_mask(

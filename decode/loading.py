@@ -19,28 +19,19 @@ from typing import Any
 
 import torch
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float64": torch.float64,
-}
-"""The dtype names every command line accepts (``--dtype``, ``--target_dtype``)."""
+from decode.precision import choose_dtype
 
 
 class LoadError(ValueError):
     """A model, tokenizer or drafter file that cannot be used as it is."""
 
 
-def resolve_dtype(name: str | torch.dtype) -> torch.dtype | str:
-    """A dtype name (or ``"auto"``: the dtype the checkpoint was saved in) -> torch dtype."""
+def resolve_dtype(name: str | torch.dtype, device: torch.device | str | None = None) -> torch.dtype:
+    """A dtype name -> torch dtype; ``"auto"`` is ``decode.precision.choose_dtype``'s decision
+    for ``device`` (bfloat16 where it has bfloat16 kernels, float32 elsewhere)."""
     if isinstance(name, torch.dtype):
         return name
-    if name == "auto":
-        return "auto"
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; choose one of auto, {', '.join(DTYPES)}")
-    return DTYPES[name]
+    return choose_dtype(name, device or "cpu").dtype
 
 
 def load_causal_lm(
@@ -63,7 +54,7 @@ def load_causal_lm(
     try:
         model = AutoModelForCausalLM.from_pretrained(
             str(location),
-            dtype=resolve_dtype(dtype),
+            dtype=resolve_dtype(dtype, device),
             use_safetensors=True,
             trust_remote_code=trust_remote_code,
         )

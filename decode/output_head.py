@@ -22,16 +22,19 @@ measurements of the three layouts and of oneDNN's prepacked inner product (media
 | 11 / 13 / 17 | 5,107 / 4,144 / 4,334 | 3,671 / 5,376 / 5,045 | 2,887 / 2,675 / 2,368 |
 | 64 / 128 | 9,613 / 15,755 | 7,462 / 13,765 | 5,551 / 8,952 |
 
-So up to 3 rows use the transposed copy, 4-8 rows multiply ``W`` by ``h^T``, and more rows (long
-chains, trees, prefills) use the packed weight where oneDNN serves the dtype (float32), the
-copy otherwise. The model itself is untouched: its decoder runs (through ``get_decoder()`` or
-``LeanDecoder``) and only the final matrix product is done here, for architectures whose logits
-are exactly ``lm_head(h)`` (no soft-capping or scaling).
+So in float32 up to 3 rows use the transposed copy, 4-8 rows multiply ``W`` by ``h^T``, and
+more rows (long chains, trees, prefills) use the packed weight; bfloat16 has its own rule
+(``decode.projection.vocab_layout``, measured there). The model itself is untouched: its
+decoder runs (through ``get_decoder()`` or ``LeanDecoder``) and only the final matrix product
+is done here, for architectures whose logits are exactly ``lm_head(h)`` (no soft-capping or
+scaling).
 """
 
 from __future__ import annotations
 
 import torch
+
+from decode.projection import Projection, vocab_layout
 
 # The Llama family this package runs by hand: logits are exactly
 # ``lm_head(decoder(x).last_hidden_state)`` (no soft-capping or scaling), and the decoder
@@ -41,14 +44,11 @@ import torch
 LLAMA_FAMILY_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 
-class OutputHead:
-    """``h @ W^T`` in the fastest layout for the row count; copies follow in-place updates."""
+class OutputHead(Projection):
+    """``h @ W^T`` in the fastest layout for the dtype and row count (``vocab_layout``)."""
 
     def __init__(self, weight: torch.Tensor) -> None:  # [V, H]
-        self.weight = weight
-        self._version = -1
-        self._transposed = weight  # [H, V], replaced on first use
-        self._packed: torch.Tensor | None = None  # oneDNN layout, built on first long call
+        super().__init__(weight, None, vocab_layout)
 
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> OutputHead | None:
@@ -63,30 +63,3 @@ class OutputHead:
         ):
             return None
         return cls(head.weight)
-
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, T, H] -> [B, T, V]
-        if self._version != self.weight._version:
-            self._transposed = self.weight.detach().t().contiguous()  # [H, V]
-            self._packed = None
-            self._version = self.weight._version
-        rows = hidden.reshape(-1, hidden.shape[-1]).to(self._transposed.dtype)  # [R, H]
-        if rows.shape[0] <= 3:
-            logits = rows @ self._transposed  # [R, V]
-        elif rows.shape[0] <= 8:
-            logits = (self.weight.detach() @ rows.T).T  # [R, V]
-        elif _onednn_serves(self.weight):
-            if self._packed is None:
-                self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 16)
-            logits = torch.ops.mkldnn._linear_pointwise(rows, self._packed, None, "none", [], "")
-        else:
-            logits = rows @ self._transposed  # [R, V]
-        return logits.reshape(*hidden.shape[:-1], logits.shape[-1])
-
-
-def _onednn_serves(weight: torch.Tensor) -> bool:
-    """oneDNN's prepacked float32 inner product is built into this torch and usable here."""
-    return (
-        weight.dtype == torch.float32
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    )

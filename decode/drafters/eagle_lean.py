@@ -31,18 +31,19 @@ from decode.drafters.vocab_map import to_target_ids, to_target_probs
 from decode.kv_cache import PreallocatedLayer
 from decode.llama_math import apply_rope, rms_norm
 from decode.output_head import OutputHead
+from decode.projection import Projection
 
 
 @dataclass
 class _FusedWeights:
-    fc: torch.Tensor  # [A * H, H]
+    fc: Projection  # A * H -> H
     input_norm: torch.Tensor  # [H]
     hidden_norm: torch.Tensor  # [H]
-    qkv: torch.Tensor  # [2H, (Q + 2 KV) * D]
-    out: torch.Tensor  # [Q * D, H]
+    qkv: Projection  # 2H -> (Q + 2 KV) * D
+    out: Projection  # Q * D -> H
     post_norm: torch.Tensor  # [H]
-    gate_up: torch.Tensor  # [H, 2 I]
-    down: torch.Tensor  # [I, H]
+    gate_up: Projection  # H -> 2 I
+    down: Projection  # I -> H
     final_norm: torch.Tensor  # [H]
     draft_to_target: torch.Tensor  # [V_draft] int64 target ids of the draft vocabulary
 
@@ -79,19 +80,18 @@ class LeanEagle3:
         layer = head.midlayer
         attention, mlp = layer.self_attn, layer.mlp
         return _FusedWeights(
-            fc=head.fc.weight.detach().t().contiguous(),
+            fc=Projection(head.fc.weight.detach().clone()),
             input_norm=layer.input_layernorm.weight.detach(),
             hidden_norm=layer.hidden_norm.weight.detach(),
-            qkv=torch.cat(
-                [attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight]
-            )
-            .detach()
-            .t()
-            .contiguous(),
-            out=attention.o_proj.weight.detach().t().contiguous(),
+            qkv=Projection(
+                torch.cat(
+                    [attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight]
+                ).detach()
+            ),
+            out=Projection(attention.o_proj.weight.detach().clone()),
             post_norm=layer.post_attention_layernorm.weight.detach(),
-            gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach().t().contiguous(),
-            down=mlp.down_proj.weight.detach().t().contiguous(),
+            gate_up=Projection(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach()),
+            down=Projection(mlp.down_proj.weight.detach().clone()),
             final_norm=head.norm.weight.detach(),
             draft_to_target=head.draft_to_target_ids.clone(),
         )
@@ -99,8 +99,7 @@ class LeanEagle3:
     # -- forward --------------------------------------------------------------------------
     def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:  # [B, T, A*H] -> [B, T, H]
         """``g = fc(cat(low, mid, high))``."""
-        fc = self.weights().fc
-        return aux_hidden.to(fc.dtype) @ fc
+        return self.weights().fc(aux_hidden)
 
     def step(
         self,
@@ -119,7 +118,7 @@ class LeanEagle3:
             dim=-1,
         )  # [B, T, 2H]
         q, k, v = (
-            (x @ w.qkv)
+            w.qkv(x)
             .view(batch, width, heads + 2 * kv_heads, dim)
             .split((heads, kv_heads, kv_heads), dim=2)
         )  # [B, T, heads, D] each
@@ -134,9 +133,9 @@ class LeanEagle3:
             attn_mask=None if visible is None else visible[:, None],
             enable_gqa=kv_heads != heads,
         )  # [B, Q, T, D]
-        residual = hidden + attended.transpose(1, 2).reshape(batch, width, heads * dim) @ w.out
-        gate, up = (rms_norm(residual, w.post_norm, self.eps) @ w.gate_up).chunk(2, dim=-1)
-        return residual + (F.silu(gate) * up) @ w.down
+        residual = hidden + w.out(attended.transpose(1, 2).reshape(batch, width, heads * dim))
+        gate, up = w.gate_up(rms_norm(residual, w.post_norm, self.eps)).chunk(2, dim=-1)
+        return residual + w.down(F.silu(gate) * up)
 
     def draft_logits(self, prenorm: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., V_draft]
         return self._output(rms_norm(prenorm, self.weights().final_norm, self.eps))

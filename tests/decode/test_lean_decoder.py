@@ -108,3 +108,26 @@ def test_lean_forward_serves_windows_and_call_dependent_ropes() -> None:
     assert LeanDecoder.for_model(tiny_causal_lm("mistral", sliding_window=16)) is not None
     dynamic = tiny_llama(rope_parameters={"rope_type": "dynamic", "factor": 2.0})
     assert LeanDecoder.for_model(dynamic) is not None
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_lean_forward_in_bfloat16_is_as_close_to_float64_as_the_models_own(
+    architecture: str,
+) -> None:
+    """In bfloat16 the two forwards round differently; the lean one must not round worse."""
+    exact = tiny_causal_lm(architecture, seed=5, sliding_window=None)
+    model = tiny_causal_lm(architecture, seed=5, sliding_window=None, dtype=torch.bfloat16)
+    generator = torch.Generator().manual_seed(5)
+    prompt = torch.randint(3, 64, (2, 9), generator=generator)
+    (exact_seq, _), (reference, lean) = _pair(exact, 2), _pair(model, 2)
+    errors = {"model": 0.0, "lean": 0.0}
+    with torch.no_grad():
+        for tokens in (prompt, torch.randint(3, 64, (2, 5), generator=generator)):
+            truth = exact_seq.extend(tokens=tokens).logits
+            scale = truth.abs().max()
+            for name, sequence in (("model", reference), ("lean", lean)):
+                logits = sequence.extend(tokens=tokens).logits
+                assert logits.dtype == torch.bfloat16
+                error = float((logits.double() - truth).abs().max() / scale)
+                errors[name] = max(errors[name], error)
+    assert errors["lean"] <= 2 * errors["model"] + 1e-3, errors

@@ -1,0 +1,63 @@
+"""Every layout of ``decode.projection`` computes ``x W^T + b``; the choice follows the dtype."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from decode import projection
+from decode.projection import Projection
+
+LAYOUTS = [projection.TRANSPOSED, projection.WEIGHT_FIRST, projection.PACKED, projection.LINEAR]
+# bfloat16 products round their output to 8 bits of mantissa; float32 to 24.
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 5, 70])
+def test_every_layout_computes_the_linear_map(
+    dtype: torch.dtype, layout: str, with_bias: bool, rows: int
+) -> None:
+    if layout == projection.PACKED and not projection.onednn_packs(dtype):
+        pytest.skip(f"this torch's oneDNN does not pack {dtype}")
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(48, 32, generator=generator).to(dtype)  # [out, in]
+    bias = torch.randn(48, generator=generator).to(dtype) if with_bias else None
+    x = torch.randn(2, rows, 32, generator=generator).to(dtype)  # [B, T, in]
+    reference = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    out = Projection(weight, bias, lambda _dtype, _rows: layout)(x)
+    assert out.shape == (2, rows, 48) and out.dtype == dtype
+    error = (out.double() - reference).abs().max() / reference.abs().max()
+    assert error < TOLERANCE[dtype]
+
+
+def test_layouts_follow_in_place_weight_updates() -> None:
+    weight = torch.randn(16, 8)
+    x = torch.randn(3, 8)
+    for layout in LAYOUTS:
+        if layout == projection.PACKED and not projection.onednn_packs(torch.float32):
+            continue
+        project = Projection(weight, None, lambda _dtype, _rows, chosen=layout: chosen)
+        project(x)  # prepares the layout
+        with torch.no_grad():
+            weight.mul_(2.0)
+        assert torch.allclose(project(x), F.linear(x, weight), atol=1e-5), layout
+
+
+def test_the_layout_rules_keep_float32_and_pack_bfloat16(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(projection, "onednn_packs", lambda dtype: True)
+    assert projection.layer_layout(torch.float32, 5) == projection.TRANSPOSED
+    assert [projection.vocab_layout(torch.float32, r) for r in (1, 5, 13)] == [
+        projection.TRANSPOSED,
+        projection.WEIGHT_FIRST,
+        projection.PACKED,
+    ]
+    assert projection.layer_layout(torch.bfloat16, 1) == projection.PACKED
+    assert projection.vocab_layout(torch.bfloat16, 64) == projection.PACKED
+    assert projection.vocab_layout(torch.bfloat16, 65) == projection.WEIGHT_FIRST
+    monkeypatch.setattr(projection, "onednn_packs", lambda dtype: False)
+    assert projection.layer_layout(torch.bfloat16, 1) == projection.LINEAR
+    assert projection.layer_layout(torch.float64, 1) == projection.LINEAR
