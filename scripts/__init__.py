@@ -1,0 +1,1 @@
+"""The command lines over the packages (``python scripts/<name>.py`` or ``draftsmith-<name>``)."""
