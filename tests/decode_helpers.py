@@ -96,6 +96,18 @@ def tiny_eagle_drafter(target: torch.nn.Module):
     return Eagle3Drafter(head, target)
 
 
+def tiny_peagle_drafter(target: torch.nn.Module, num_depths: int = 3):
+    """A random P-EAGLE head on the target's own LM head, so drafts are sometimes right."""
+    from decode.drafters.peagle import PEagleConfig, PEagleDrafter, PEagleHead
+
+    torch.manual_seed(0)
+    config = PEagleConfig.for_target(target.config, num_depths=num_depths)
+    head = PEagleHead(config).to(target.dtype)
+    with torch.no_grad():
+        head.lm_head.weight.copy_(target.get_output_embeddings().weight)
+    return PEagleDrafter(head, target)
+
+
 def tiny_medusa_drafter(target: torch.nn.Module, num_heads: int = 3):
     """Medusa heads from the target's LM head with random residual blocks."""
     from decode.drafters.medusa import MedusaDrafter, MedusaHeads

@@ -98,6 +98,14 @@ def padded_prefill(
     return input_ids, attention, TargetPass(logits, hidden)
 
 
+def prefill_prompts(drafter, target: torch.nn.Module, pending: list[int]) -> list[list[int]]:
+    """Prefill a head drafter with the left-padded :data:`PROMPTS` batch and ``pending``
+    tokens; returns each row's committed tokens (its pending one last)."""
+    input_ids, attention, target_pass = padded_prefill(target)
+    drafter.prefill(input_ids, attention, target_pass, torch.tensor(pending))
+    return [[*p, t] for p, t in zip(PROMPTS, pending, strict=True)]
+
+
 def path_verification(tree, end_nodes: list[int], next_tokens: torch.Tensor) -> TreeVerification:
     """A verification that accepts, in row ``r``, the root-to-node path ending at
     ``end_nodes[r]`` (as sampling might), then emits ``next_tokens[r]``."""

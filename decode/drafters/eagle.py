@@ -37,7 +37,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -323,8 +323,13 @@ class Eagle3Head(nn.Module):
     """The EAGLE-3 draft head (see the module docstring for the math and the weight layout).
 
     The head never embeds tokens itself: callers pass the *target's* embeddings
-    (``target.get_input_embeddings()``), which EAGLE-3 shares with the target.
+    (``target.get_input_embeddings()``), which EAGLE-3 shares with the target. ``kind`` and
+    ``config_type`` name the native folder's drafter kind and config class (P-EAGLE's head,
+    ``decode.drafters.peagle``, extends this one).
     """
+
+    kind: ClassVar[str] = "eagle3"
+    config_type: ClassVar[type[Eagle3Config]] = Eagle3Config
 
     def __init__(self, config: Eagle3Config) -> None:
         super().__init__()
@@ -465,7 +470,7 @@ class Eagle3Head(nn.Module):
     # -- folders --------------------------------------------------------------------------
     def save_pretrained(self, path: str | Path) -> None:
         """Write the native drafter folder: drafter.json, config.json, model.safetensors."""
-        save_native_folder(path, "eagle3", self.config.to_dict(), self)
+        save_native_folder(path, self.kind, self.config.to_dict(), self)
 
     @classmethod
     def from_pretrained(
@@ -476,9 +481,9 @@ class Eagle3Head(nn.Module):
         Engine exports do not record the target's depth; pass ``target_num_hidden_layers``
         when the export names no aux layer ids (engines then use the EAGLE-3 default).
         """
-        raw, native, state = read_folder(path, "eagle3", EAGLE3_ARCHITECTURE)
+        raw, native, state = read_folder(path, cls.kind, EAGLE3_ARCHITECTURE)
         if native:
-            config = Eagle3Config.from_dict(raw)
+            config = cls.config_type.from_dict(raw)
         else:
             config = config_from_engine_dict(raw, target_num_hidden_layers)
         head = cls(config)
@@ -498,7 +503,7 @@ class Eagle3Head(nn.Module):
         unexpected = sorted(set(state) - set(expected))
         if missing or unexpected:
             raise ValueError(
-                f"eagle3 weights do not match the config: missing {missing}, "
+                f"{self.kind} weights do not match the config: missing {missing}, "
                 f"unexpected {unexpected}"
             )
         for name, tensor in state.items():

@@ -107,8 +107,14 @@ class Eagle3Drafter(Drafter):
         positions = positions_from_mask(attention_mask)
         fused = self.lean.fuse(self.head.gather_aux(hidden_states))
         cache = PreallocatedLayer()
-        prenorm = self.lean.step(
-            fused, self._embed(next_ids), positions, cache, block_visibility(None, valid)
+        prenorm = self._committed_pass(
+            fused,
+            self._embed(next_ids),
+            positions,
+            cache,
+            block_visibility(None, valid),
+            valid,
+            positions[:, -1] + 1,
         )
         last = prenorm[:, -1]
         self._state = _DrafterState(
@@ -126,11 +132,9 @@ class Eagle3Drafter(Drafter):
     ) -> DraftProposal:
         """Draft ``num_tokens`` tokens per row autoregressively (argmax or sampled)."""
         state = self._require_state()
-        if num_tokens < 0:
-            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        if num_tokens == 0:  # a round without drafts; commit still reads its features
-            state.drafts = state.logits.new_empty(state.logits.shape[0], 0, dtype=torch.long)
-            return DraftProposal(tokens=state.drafts, probs=None)
+        empty = self._empty_round(num_tokens)
+        if empty is not None:
+            return empty
         committed = state.cache.get_seq_length()
         logits, hidden = state.logits, state.hidden
         tokens, probs = [], []
@@ -392,18 +396,47 @@ class Eagle3Drafter(Drafter):
         visible = None
         if most > 1 or state.has_holes:
             visible = block_visibility(state.valid, block_valid)
-        prenorm = self.lean.step(fused, self._embed(tokens), positions, state.cache, visible)
-        state.valid = torch.cat((state.valid, block_valid), 1)
+        seen = torch.cat((state.valid, block_valid), 1)
+        next_pos = state.next_pos + num_accepted + 1
+        prenorm = self._committed_pass(
+            fused, self._embed(tokens), positions, state.cache, visible, seen, next_pos
+        )
+        state.valid = seen
         state.has_holes = state.has_holes or fewest < most
         rows = torch.arange(drafts.shape[0], device=drafts.device)
         state.hidden = prenorm[rows, num_accepted]
         state.logits = self.lean.draft_logits(state.hidden)
-        state.next_pos = state.next_pos + num_accepted + 1
+        state.next_pos = next_pos
         state.drafts = None
         if state.has_holes:
             live = int(state.valid.sum(1).max())
             if state.valid.shape[1] > 2 * live:  # amortised: each compaction halves the cache
                 self._compact(live)
+
+    def _empty_round(self, num_tokens: int) -> DraftProposal | None:
+        """The proposal of a round without drafts (``num_tokens == 0``; commit still reads its
+        features), None when there are drafts to make; a negative count is refused."""
+        state = self._require_state()
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        if num_tokens:
+            return None
+        state.drafts = state.logits.new_empty(state.logits.shape[0], 0, dtype=torch.long)
+        return DraftProposal(tokens=state.drafts, probs=None)
+
+    def _committed_pass(
+        self,
+        fused: torch.Tensor,  # [B, W, H] fused target features of the new committed entries
+        embeds: torch.Tensor,  # [B, W, H] embeddings of their paired tokens
+        positions: torch.Tensor,  # [B, W]
+        cache: PreallocatedLayer,  # the block's keys/values are appended
+        visible: torch.Tensor | None,  # [B, W, S + W] bool, or None: every slot
+        seen: torch.Tensor,  # [B, S + W] bool: the valid committed entries after this block
+        next_pos: torch.Tensor,  # [B] position of the entry after this block
+    ) -> torch.Tensor:  # [B, W, H] pre-norm outputs
+        """One head pass over newly committed entries (P-EAGLE adds its mask rows here)."""
+        del seen, next_pos  # a chain drafts from the last output alone
+        return self.lean.step(fused, embeds, positions, cache, visible)
 
     def _compact(self, live: int) -> None:
         """Drop holes: keep each row's valid entries in order, right-aligned in ``live`` slots."""

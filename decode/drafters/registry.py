@@ -24,6 +24,7 @@ DRAFTER_LOADERS: dict[str, str] = {
     "none": "decode.drafters.registry:load_no_drafter",
     "medusa": "decode.drafters.medusa:load_runtime_drafter",
     "eagle3": "decode.drafters.eagle_drafter:load_runtime_drafter",
+    "peagle": "decode.drafters.peagle:load_runtime_drafter",
     "hybrid": "decode.drafters.registry:load_hybrid",
 }
 

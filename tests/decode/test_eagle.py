@@ -9,8 +9,8 @@ from head_helpers import (
     check_from_pretrained_names_the_problem,
     check_needs_prefill_and_hidden_states,
     extend_committed,
-    padded_prefill,
     path_verification,
+    prefill_prompts,
     saved_and_loaded,
     scratch_pass,
     tree_pass,
@@ -259,13 +259,6 @@ def _scratch_draft_logits(
     return torch.cat(logits, 1)[0]
 
 
-def _prefill(drafter, target: torch.nn.Module, pending: list[int]) -> list[list[int]]:
-    """Prefill the left-padded PROMPTS batch; returns each row's committed tokens (+ pending)."""
-    input_ids, attention, target_pass = padded_prefill(target)
-    drafter.prefill(input_ids, attention, target_pass, torch.tensor(pending))
-    return [[*p, t] for p, t in zip(PROMPTS, pending, strict=True)]
-
-
 @pytest.mark.parametrize("draft_vocab_size", [64, 40])
 def test_drafter_matches_recomputation_round_after_round(draft_vocab_size: int) -> None:
     target = tiny_llama(num_layers=4)
@@ -276,7 +269,7 @@ def test_drafter_matches_recomputation_round_after_round(draft_vocab_size: int) 
     drafter = Eagle3Drafter(head, target)
     sampling = SamplingConfig(temperature=1.0)
     generator = torch.Generator().manual_seed(0)
-    committed = _prefill(drafter, target, [11, 12])
+    committed = prefill_prompts(drafter, target, [11, 12])
     num_drafts, appended = 3, drafter._state.valid.shape[1]
     schedule = [[0, 2], [0, 0], [3, 0], [0, 0], [0, 0], [0, 0], [1, 0], [0, 3]]  # accepted
     for accepted in schedule:
@@ -310,7 +303,7 @@ def test_dynamic_tree_decoding_is_greedy_exact_and_keeps_state_in_step() -> None
     drafter = Eagle3Drafter(head, target)
     with torch.no_grad():  # the target's own first token, so the whole output is greedy
         firsts = [int(target(torch.tensor([p])).logits[0, -1].argmax()) for p in PROMPTS]
-    committed = _prefill(drafter, target, firsts)
+    committed = prefill_prompts(drafter, target, firsts)
     for _ in range(4):
         tree = drafter.propose_tree(TreeSpec(top_k=3, total_tokens=8), depth=3)
         assert tree.tokens.shape == (2, 8) and tree.draft_probs is None
@@ -356,7 +349,7 @@ def test_commit_tree_of_any_accepted_path_keeps_state_in_step() -> None:
     target = tiny_llama(num_layers=4)
     head = _head(target)
     drafter = Eagle3Drafter(head, target)
-    committed = _prefill(drafter, target, [11, 12])
+    committed = prefill_prompts(drafter, target, [11, 12])
     generator = torch.Generator().manual_seed(5)
     for round_ in range(4):
         tree = drafter.propose_tree(TreeSpec(top_k=2, total_tokens=6), depth=3)

@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from decode_helpers import AdversarialDrafter, chi_square_p_value, exact_two_token_law, noisy_copy
+from decode_helpers import (
+    AdversarialDrafter,
+    chi_square_p_value,
+    exact_two_token_law,
+    noisy_copy,
+    tiny_peagle_drafter,
+)
 from tiny_models import tiny_llama
 
 from decode import DraftModelDrafter, NgramDrafter, SpeculativeDecoder
@@ -33,6 +39,8 @@ def target() -> torch.nn.Module:
         ("adversarial", 1.0, 0, 1.0),
         ("ngram", 1.0, 0, 0.9),
         ("noisy-adaptive", 1.0, 0, 1.0),
+        ("peagle", 1.0, 0, 1.0),
+        ("peagle", 0.7, 10, 1.0),
     ],
 )
 def test_emitted_tokens_follow_target_law(
@@ -43,6 +51,7 @@ def test_emitted_tokens_follow_target_law(
         "adversarial": lambda: AdversarialDrafter(target),
         "ngram": lambda: NgramDrafter(vocab_size=64, max_ngram=2),
         "noisy-adaptive": lambda: DraftModelDrafter(noisy_copy(target, 0.6)),
+        "peagle": lambda: tiny_peagle_drafter(target),  # all drafts of a round in one pass
     }
     prompt = torch.tensor([5, 9, 5, 9, 5, 9, 5, 9, 5])
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)

@@ -15,6 +15,7 @@ from decode_helpers import (
     noisy_copy,
     tiny_eagle_drafter,
     tiny_medusa_drafter,
+    tiny_peagle_drafter,
 )
 from tiny_models import tiny_llama
 
@@ -57,6 +58,8 @@ def make_drafter(target: torch.nn.Module, kind: str) -> tuple[Drafter, TreeSpec 
             None,
         ),
         "hybrid_eagle3": lambda: (HybridDrafter(tiny_eagle_drafter(target)), None),
+        "peagle": lambda: (tiny_peagle_drafter(target), None),
+        "hybrid_peagle": lambda: (HybridDrafter(tiny_peagle_drafter(target)), None),
     }[kind]()
 
 
@@ -105,7 +108,7 @@ class Collector:
 @pytest.mark.parametrize(
     "kind",
     ["none", "ngram", "draft_lm", "eagle3", "eagle3_tree", "medusa", "medusa_tree",
-     "hybrid_draft_lm", "hybrid_eagle3"],
+     "hybrid_draft_lm", "hybrid_eagle3", "peagle", "hybrid_peagle"],
 )  # fmt: skip
 def test_rows_joining_and_retiring_mid_run_keep_the_targets_greedy_output(
     target: torch.nn.Module, kind: str
@@ -152,7 +155,10 @@ def test_generate_is_one_session_and_its_rows_keep_their_limits(target: torch.nn
         session.add_rows(ids, None, [4, 0])
 
 
-@pytest.mark.parametrize("kind", ["draft_lm", pytest.param("eagle3", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "kind",
+    ["draft_lm", *(pytest.param(k, marks=pytest.mark.slow) for k in ("eagle3", "peagle"))],
+)
 def test_a_sampled_row_joining_mid_run_follows_the_targets_law(
     target: torch.nn.Module, kind: str
 ) -> None:

@@ -8,7 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from decode_helpers import noisy_copy, tiny_eagle_drafter, tiny_medusa_drafter
+from decode_helpers import (
+    noisy_copy,
+    tiny_eagle_drafter,
+    tiny_medusa_drafter,
+    tiny_peagle_drafter,
+)
 from serve_helpers import metric, parse_prometheus
 from tiny_models import tiny_llama
 from transformers import PreTrainedTokenizerFast
@@ -372,7 +377,7 @@ def test_per_request_stats_add_up_to_the_batch_stats(models: Models, adaptive: b
     assert 1.0 <= batch.tau < 5.0  # the noisy draft is right only sometimes
 
 
-@pytest.mark.parametrize("kind", ["draft_lm", "eagle3_tree", "medusa_tree"])
+@pytest.mark.parametrize("kind", ["draft_lm", "eagle3_tree", "medusa_tree", "peagle"])
 def test_requests_joining_a_running_batch_get_their_own_greedy_answers(
     models: Models, kind: str
 ) -> None:
@@ -384,6 +389,8 @@ def test_requests_joining_a_running_batch_get_their_own_greedy_answers(
         drafter, tree = tiny_eagle_drafter(target), TreeSpec(top_k=3, total_tokens=8)
     elif kind == "medusa_tree":
         drafter, tree = tiny_medusa_drafter(target), TreeSpec()
+    elif kind == "peagle":  # every draft of a round in one pass
+        drafter = tiny_peagle_drafter(target)
     worker = make_worker(models, drafter=drafter, tree=tree, max_batch_size=3)
     raw = SamplingParams(ignore_eos=True)
     specs = [([5, 9, 11], 20, raw), ([7], 5, SamplingParams())]
