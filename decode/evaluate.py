@@ -400,7 +400,9 @@ def format_table(report: dict[str, object]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m decode.evaluate", description=__doc__.split("\n\n")[0]
+        prog="python -m decode.evaluate",
+        description=__doc__.split("\n\n")[0],
+        epilog="example: draftsmith-evaluate --target DIR --drafter DIR --json report.json",
     )
     parser.add_argument("--target", required=True, help="target model folder")
     parser.add_argument("--drafter", default=None, help="drafter folder (not needed for ngram)")

@@ -90,7 +90,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawTextHelpFormatter,
+        epilog="example: draftsmith-ablate --preset tiny --grid loss=tv,lk --seeds 0 1 "
+        "--max-steps 5 --output outputs/ablation-tiny",
     )
     parser.add_argument(
         "--grid",

@@ -54,7 +54,10 @@ HYBRID = "draftsmith hybrid: lookup"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="example: draftsmith-benchmark --target DIR --eagle3 DIR --json b.json --plots out",
+    )
     parser.add_argument("--target", required=True)
     parser.add_argument("--draft-lm", default=None, help="draft_lm drafter folder")
     parser.add_argument("--eagle3", default=None, help="EAGLE-3 drafter folder")

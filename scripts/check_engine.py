@@ -320,7 +320,11 @@ def format_report(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="example: draftsmith-check-engine --target DIR --drafter DIR/vllm "
+        "--engine-python ~/vllm-venv/bin/python",
+    )
     parser.add_argument("--target", help="the target model folder (Hugging Face layout)")
     parser.add_argument("--drafter", help="the exported engine folder to check")
     parser.add_argument("--engine", default="vllm", choices=ENGINES)

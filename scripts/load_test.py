@@ -77,7 +77,10 @@ class Summary:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="example: draftsmith-load-test --url http://127.0.0.1:8000 --clients 16",
+    )
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="server root URL")
     parser.add_argument("--model", default=None, help="model name (default: GET /v1/models)")
     parser.add_argument("--clients", type=int, default=16, help="concurrent clients")

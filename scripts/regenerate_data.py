@@ -33,7 +33,10 @@ from typing import Any
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="example: draftsmith-regenerate --prompts stdlib-defs --output outputs/defs.jsonl",
+    )
     parser.add_argument("--target", default="demo", help="demo/bench/tiny, a folder or a hub id")
     parser.add_argument(
         "--target-dtype", default="float32", choices=["float32", "bfloat16", "float16"]

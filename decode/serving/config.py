@@ -135,7 +135,9 @@ def parse_serve_args(argv: list[str] | None = None) -> ServeConfig:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default=None)
     known, _ = pre.parse_known_args(argv)
-    parser = HfArgumentParser(ServeConfig)
+    parser = HfArgumentParser(
+        ServeConfig, epilog="example: draftsmith-serve --target DIR --drafter DIR --port 8000"
+    )
     parser.add_argument("--config", default=None, help="YAML of field: value; flags override")
     if known.config is not None:
         values = read_config_file(known.config)
