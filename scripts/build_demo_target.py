@@ -20,7 +20,10 @@ DEFAULT_PROMPT = "import os\n\n\ndef "
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="example: draftsmith-build-demo-target --preset tiny --output-dir /tmp/tiny",
+    )
     parser.add_argument("--preset", default="demo", help="demo (default), bench or tiny")
     parser.add_argument(
         "--output-dir", type=Path, default=None, help="default: the user cache directory"

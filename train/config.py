@@ -428,7 +428,11 @@ def make_parser() -> Any:
     """The ``HfArgumentParser`` over all sections, plus ``--config``."""
     from transformers import HfArgumentParser
 
-    parser = HfArgumentParser(tuple(SECTIONS.values()))
+    parser = HfArgumentParser(
+        tuple(SECTIONS.values()),
+        epilog="example: draftsmith-distill --config configs/tiny.yaml --max_steps 20 "
+        "(or: accelerate launch train/distill.py --config configs/demo.yaml)",
+    )
     parser.add_argument("--config", default=None, help="recipe YAML; flags override its values")
     parser.error = _flag_error  # a ValueError naming the flag, not argparse's exit
     return parser
