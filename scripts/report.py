@@ -1,0 +1,408 @@
+"""Rewrite the results sections of the README and the guides from the saved JSON.
+
+    draftsmith-report                                   # rewrite every marked section
+    draftsmith-report --check                           # exit 1 if any differs (tests run it)
+    draftsmith-report --main-job outputs/distill-demo   # take a new main-job run, then rewrite
+
+A section is the text between ``<!-- report:NAME -->`` and ``<!-- /report:NAME -->`` in
+README.md or a file of docs/guides/; ``SECTIONS`` says which function writes each one from
+which file under docs/results/. The tables are written from what the tools saved: the main
+job's ``summary.json`` (copied to ``docs/results/main_job.json`` by ``--main-job``), the
+benchmark's ``--json`` file and the ablation tool's ``ablation.json`` files (their Markdown is
+``train.ablation_report``'s own). ``--check`` also lists result figures (speedups, tau,
+spreads, gains) typed outside the marked sections, so every figure has a source file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = Path("docs/results")
+MAIN_JOB = RESULTS / "main_job.json"
+BENCH_DEMO = RESULTS / "bench_demo.json"
+BENCH_BENCH = RESULTS / "bench" / "bench_bench.json"
+ABLATION60 = RESULTS / "ablation" / "ablation.json"
+ABLATION150 = RESULTS / "ablation150" / "ablation.json"
+FOLLOW_UPS = (  # the 150-step runs after the grid, each its own results file
+    "learning_rate0.002",
+    "regenerated4000",
+    "regenerated_defs",
+    "regenerated_defs_response_only",
+    "align_topk3",
+    "recipe_eagle3_old_samples",
+    "recipe_eagle3",
+    "recipe_draft_lm_t1",
+    "recipe_draft_lm",
+)
+DOCUMENTS = ("README.md", "docs/guides/*.md")
+HEADLINE = ("plain (HF generate)", "HF prompt lookup", "draftsmith plain (no drafter)")
+"""Benchmark rows the README's table always shows (the references), beside each temperature's
+best draftsmith method and best trained drafter; a saved benchmark must hold all three."""
+
+MARKER = re.compile(r"(<!-- report:([\w-]+) -->\n)(.*?)(<!-- /report:\2 -->)", re.DOTALL)
+FIGURE = re.compile(
+    r"\d\.\d+x\b"  # a speedup
+    r"|\d ± \d"  # a spread over seeds
+    r"|(?<![\w.])[+-]\d+(\.\d+)?%"  # a gain
+    r"|\btau (of |=)?\d\.\d"  # a tau
+    r"|\d+(\.\d+)? tok(ens)?/s\b"  # a throughput
+)
+"""A result figure: these belong inside marked sections only."""
+
+
+# --------------------------------------------------------------------------- small formats
+
+
+def _x(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _f(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *("| " + " | ".join(row) + " |" for row in rows),
+    ]
+
+
+def _read(path: Path) -> dict[str, Any]:
+    return json.loads((REPO / path).read_text())
+
+
+# --------------------------------------------------------------------------- the main job
+
+
+def _main_job_rows(summary: dict[str, Any]) -> list[tuple[str, str, str, dict[str, Any]]]:
+    """``(prompts, method, temperature, figures)`` per measured row of the run's speed step."""
+    kind = summary["drafter_kind"]
+    rows = []
+    for key, figures in summary["speed"].items():
+        *prefix, temperature = key.split(" ")
+        prompts = "ood" if prefix[:1] == ["ood"] else "held-out"
+        method = "hybrid" if "hybrid" in prefix else f"{kind} chain"
+        rows.append((prompts, method, temperature, figures))
+    return sorted(rows, key=lambda r: (r[0] == "ood", float(r[2]), r[1] == "hybrid"))
+
+
+def main_job_table(summary: dict[str, Any]) -> str:
+    """The main job's speed step: each method and prompt set at each temperature."""
+    rows = [
+        [
+            prompts,
+            method,
+            temperature,
+            _x(r["speedup_over_draftsmith_plain"]),
+            _x(r["speedup"]),
+            _f(r["tau"]),
+            _f(r["draft_cost_ratio"]),
+        ]
+        for prompts, method, temperature, r in _main_job_rows(summary)
+    ]
+    header = ["prompts", "method", "T", "vs ours", "vs HF", "tau", "draft/target step"]
+    return "\n".join(_table(header, rows))
+
+
+def main_job_run(summary: dict[str, Any]) -> str:
+    """One paragraph: the run's length and its drafter's held-out figures per position."""
+    held = summary["held_out"]
+    per_position = [
+        " / ".join(_f(held[k]) for k in sorted((k for k in held if k.startswith(p)), key=_position))
+        for p in ("overlap@", "greedy_match@")
+    ]
+    minutes = summary.get("minutes")  # absent from results transcribed by hand
+    length = f" in {minutes:.1f} min" if minutes is not None else ""
+    return (
+        f"The run: a `{summary['drafter_kind']}` drafter, loss `{summary['loss']}`, "
+        f"{summary['steps']} steps ({summary['stop_reason']}){length} on "
+        f"{summary['train_sequences']:,} training sequences; held-out overlap per draft "
+        f"position {per_position[0]}, greedy agreement {per_position[1]}."
+    )
+
+
+def _position(key: str) -> int:
+    return int(key.rpartition("@")[2])
+
+
+# --------------------------------------------------------------------------- the benchmark
+
+
+def _by_method(bench: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
+    """method -> temperature -> row, methods in the order the benchmark ran them."""
+    methods: dict[str, dict[str, dict[str, Any]]] = {}
+    for temperature, rows in bench["by_temperature"].items():
+        for row in rows:
+            methods.setdefault(row["method"], {})[temperature] = row
+    return methods
+
+
+SPEEDUPS = (
+    "vs ours: over draftsmith's own plain decoding (no drafter, the control); vs HF: over HF "
+    "`generate`."
+)
+
+
+def _setting(bench: dict[str, Any]) -> str:
+    return (
+        f"Benchmark on target `{Path(bench['target']).name}`: {bench['num_prompts']} held-out "
+        f"prompts x {bench['max_new_tokens']} tokens, batch 1, N = {bench['num_draft_tokens']} "
+        "draft tokens, interleaved per prompt."
+    )
+
+
+def bench_table(bench: dict[str, Any]) -> str:
+    """Every method of a benchmark run: tokens/s, both speedups, tau, draft cost per T."""
+    temperatures = list(bench["by_temperature"])
+    header = ["method"]
+    for t in temperatures:
+        header += [f"T={t} tok/s", f"T={t} vs ours", f"T={t} vs HF", f"T={t} tau"]
+    header.append(f"draft/target step (T={temperatures[-1]})")
+    rows = []
+    for method, by_t in _by_method(bench).items():
+        row = [method]
+        for t in temperatures:
+            r = by_t.get(t)
+            row += (
+                [
+                    _f(r["tokens_per_s"], 1),
+                    _x(r["speedup_over_draftsmith_plain"]),
+                    _x(r["speedup"]),
+                    _f(r["tau"]),
+                ]
+                if r
+                else ["-"] * 4
+            )
+        last = by_t.get(temperatures[-1])
+        row.append(_f(last["draft_cost_ratio"] if last else None))
+        rows.append(row)
+    best = [
+        f"- T={t}: best draftsmith method ({b['draftsmith']}) {_x(b['ratio'])} the best HF one "
+        f"({b['hf']}) and {_x(b['over_draftsmith_plain'])} draftsmith plain; best trained "
+        f"drafter ({b['trained']}) {_x(b['trained_over_draftsmith_plain'])} draftsmith plain."
+        for t, b in bench["best_against_hf"].items()
+    ]
+    return "\n".join([f"{_setting(bench)} {SPEEDUPS}", "", *_table(header, rows), "", *best])
+
+
+def bench_sweep(bench: dict[str, Any]) -> str:
+    """Speedup over HF ``generate`` against the draft length, at temperature 0."""
+    sweep = bench.get("sweep") or {}
+    lengths = sorted({int(n) for curve in sweep.values() for n in curve})
+    rows = [[kind, *(_x(curve.get(str(n))) for n in lengths)] for kind, curve in sweep.items()]
+    return "\n".join(_table(["drafter", *(f"N={n}" for n in lengths)], rows))
+
+
+def cost_model(bench: dict[str, Any], method: str = "draftsmith EAGLE-3 chain") -> str:
+    """docs/theory.md §5's speedup model filled in with one benchmark row's measured parts."""
+    lines = []
+    for t, rows in bench["by_temperature"].items():
+        r = next((row for row in rows if row["method"] == method), None)
+        if r is None or r["draft_step_ms"] is None:
+            continue
+        n, tau = bench["num_draft_tokens"], r["tau"]
+        t_t, t_v, t_d = r["target_step_ms"], r["verify_pass_ms"], r["draft_step_ms"]
+        model = tau * t_t / (n * t_d + t_v)
+        free = tau * t_t / t_v
+        lines.append(
+            f"    T={t}: speedup = tau * T_t / (N * T_d + T_v) = {tau:.2f} * {t_t:.2f} / "
+            f"({n} * {t_d:.2f} + {t_v:.2f}) = {model:.2f}  (measured "
+            f"{r['speedup_over_draftsmith_plain']:.2f}; a free drafter: {free:.2f})"
+        )
+    return f"{method}, times in ms:\n\n" + "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- the README's table
+
+
+def headline_table(bench: dict[str, Any], summary: dict[str, Any]) -> str:
+    """The benchmark's reference and best rows beside the main job's own, on held-out prompts."""
+    methods = _by_method(bench)
+    missing = [name for name in HEADLINE if name not in methods]
+    if missing:
+        raise ValueError(f"the benchmark JSON has no rows {missing}: update report.HEADLINE")
+    best = bench["best_against_hf"].values()
+    wanted = {*HEADLINE, *(b[k] for b in best for k in ("draftsmith", "trained"))}
+    temperatures = list(bench["by_temperature"])
+    columns = ("vs ours", "vs HF", "tau")
+    header = ["run", "method"] + [f"T={t} {c}" for t in temperatures for c in columns]
+    rows = []
+    for method, by_t in methods.items():
+        if method in wanted:
+            rows.append(["benchmark", method, *_speed_tau(by_t, temperatures)])
+    job: dict[str, dict[str, dict[str, Any]]] = {}
+    for prompts, method, temperature, figures in _main_job_rows(summary):
+        job.setdefault(f"{method} ({prompts} prompts)", {})[temperature] = figures
+    for method, by_t in job.items():
+        rows.append(["main job", method, *_speed_tau(by_t, temperatures)])
+    caption = (
+        f"{_setting(bench)} Main job: its own speed step at the end of training (held-out "
+        f"prompts, and `ood`: installed third-party code the target never saw). {SPEEDUPS}"
+    )
+    return "\n".join([caption, "", *_table(header, rows)])
+
+
+def _speed_tau(by_t: dict[str, dict[str, Any]], temperatures: list[str]) -> list[str]:
+    cells = []
+    for t in temperatures:
+        r = by_t.get(t)
+        cells += (
+            [_x(r["speedup_over_draftsmith_plain"]), _x(r["speedup"]), _f(r["tau"])]
+            if r
+            else ["-"] * 3
+        )
+    return cells
+
+
+# --------------------------------------------------------------------------- the ablation
+
+
+def ablation_tables(path: Path) -> str:
+    """The ablation tool's own Markdown of a results file."""
+    from train.ablation_report import format_markdown
+    from train.ablation_results import read_results
+
+    return format_markdown(read_results(REPO / path)).rstrip("\n")
+
+
+def follow_ups_table(folder: Path = RESULTS / "ablation150") -> str:
+    """One row per cell of each follow-up results file: overlap@1 and tau, mean ± std."""
+    from train.ablation_report import _mean_std, tau_source, temperatures_of
+    from train.ablation_results import read_results
+
+    header = ["results file", "cell", "seeds", "overlap@1"]
+    rows: list[list[str]] = []
+    temperatures: list[str] = []
+    for name in FOLLOW_UPS:
+        cells = read_results(REPO / folder / f"{name}.json")["cells"]
+        source = tau_source(cells)
+        temperatures = temperatures or temperatures_of(cells)
+        for entry in cells:
+            taus = entry[source]["tau"] if source == "tau_check" else entry["tau"]
+            overlap = entry["overlap"][0] if entry["overlap"] else None
+            rows.append(
+                [
+                    f"`{name}.json`",
+                    entry["key"],
+                    str(len(entry["seeds"])),
+                    _mean_std(overlap, 3),
+                    *(_mean_std(taus.get(t), 2) for t in temperatures),
+                ]
+            )
+    return "\n".join(_table(header + [f"tau T={t}" for t in temperatures], rows))
+
+
+# --------------------------------------------------------------------------- sections
+
+SECTIONS: dict[str, Callable[[], str]] = {
+    "headline": lambda: headline_table(_read(BENCH_DEMO), _read(MAIN_JOB)),
+    "main-job-run": lambda: main_job_run(_read(MAIN_JOB)),
+    "main-job": lambda: main_job_table(_read(MAIN_JOB)),
+    "bench-demo": lambda: bench_table(_read(BENCH_DEMO)),
+    "bench-demo-sweep": lambda: bench_sweep(_read(BENCH_DEMO)),
+    "cost-model": lambda: cost_model(_read(BENCH_DEMO)),
+    "bench-bench": lambda: bench_table(_read(BENCH_BENCH)),
+    "ablation60": lambda: ablation_tables(ABLATION60),
+    "ablation150": lambda: ablation_tables(ABLATION150),
+    "ablation-follow-ups": follow_ups_table,
+}
+"""Section name -> the function that writes its text from docs/results/."""
+
+
+def documents() -> list[Path]:
+    return sorted(path for pattern in DOCUMENTS for path in REPO.glob(pattern))
+
+
+def rewrite(text: str, cache: dict[str, str]) -> str:
+    """``text`` with every marked section replaced by what its function writes."""
+
+    def fill(match: re.Match[str]) -> str:
+        name = match.group(2)
+        if name not in SECTIONS:
+            raise ValueError(f"no section {name!r}; known: {', '.join(SECTIONS)}")
+        if name not in cache:
+            cache[name] = SECTIONS[name]().rstrip("\n") + "\n"
+        return match.group(1) + cache[name] + match.group(4)
+
+    return MARKER.sub(fill, text)
+
+
+def unmarked_figures(text: str) -> list[str]:
+    """Lines holding a result figure outside every marked section."""
+    outside = MARKER.sub("", text)
+    return [line.strip() for line in outside.splitlines() if FIGURE.search(line)]
+
+
+def check(paths: list[Path]) -> list[str]:
+    """Problems: sections that differ from what the JSON says, figures typed outside them."""
+    problems = []
+    cache: dict[str, str] = {}
+    for path in paths:
+        text = path.read_text()
+        name = path.relative_to(REPO)
+        if rewrite(text, cache) != text:
+            stale = [
+                m.group(2) for m in MARKER.finditer(text) if rewrite(m.group(0), cache) != m[0]
+            ]
+            problems.append(f"{name}: sections {stale} differ from docs/results/ (run report.py)")
+        problems += [
+            f"{name}: a figure outside a report section: {line}" for line in unmarked_figures(text)
+        ]
+    return problems
+
+
+def take_main_job(run_dir: Path, destination: Path = REPO / MAIN_JOB) -> None:
+    """Copy a main-job run's ``summary.json`` to ``docs/results/main_job.json``."""
+    summary = run_dir / "summary.json"
+    if not summary.is_file():
+        raise FileNotFoundError(f"{summary}: no summary.json (is it a distill run folder?)")
+    if "speed" not in json.loads(summary.read_text()):
+        raise ValueError(f"{summary} has no speed step (the run had speed_eval_prompts 0)")
+    shutil.copyfile(summary, destination)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="example: draftsmith-report --main-job outputs/distill-demo",
+    )
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if stale")
+    parser.add_argument(
+        "--main-job", type=Path, default=None, help="a distill run folder to take results from"
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    paths = documents()
+    if args.check:
+        problems = check(paths)
+        print("\n".join(problems) or f"{len(paths)} documents match docs/results/")
+        return 1 if problems else 0
+    if args.main_job is not None:
+        take_main_job(args.main_job)
+    cache: dict[str, str] = {}
+    for path in paths:
+        text = path.read_text()
+        new = rewrite(text, cache)
+        if new != text:
+            path.write_text(new)
+            print(f"rewrote {path.relative_to(REPO)}")
+    for problem in check(paths):
+        print(problem)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

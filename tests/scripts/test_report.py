@@ -1,0 +1,119 @@
+"""scripts/report.py: the README's and the guides' results sections equal what the saved JSON
+says, and no result figure is typed outside them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from script_helpers import load_script
+
+report = load_script("report", "draftsmith_report")
+
+
+def test_every_results_section_matches_the_saved_json() -> None:
+    """What ``draftsmith-report --check`` runs: a new run's JSON needs `draftsmith-report`."""
+    problems = report.check(report.documents())
+    assert not problems, "\n".join(problems)
+
+
+def test_every_document_has_a_section_and_every_section_is_used() -> None:
+    used = {
+        m.group(2) for path in report.documents() for m in report.MARKER.finditer(path.read_text())
+    }
+    assert used == set(report.SECTIONS), f"unused sections: {set(report.SECTIONS) - used}"
+
+
+def test_a_stale_section_is_found_and_rewritten() -> None:
+    text = "before\n<!-- report:main-job -->\n| stale |\n<!-- /report:main-job -->\nafter\n"
+    new = report.rewrite(text, {})
+    assert new != text and new.startswith("before\n") and new.endswith("after\n")
+    assert "| stale |" not in new and "| held-out |" in new
+    assert report.rewrite(new, {}) == new  # idempotent
+
+
+def test_an_unknown_section_is_an_error() -> None:
+    with pytest.raises(ValueError, match="no section 'nope'"):
+        report.rewrite("<!-- report:nope -->\n<!-- /report:nope -->", {})
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "the hybrid reaches 1.37x plain decoding",
+        "tau 2.54 at T=1",
+        "LK gains +12% at T=1",
+        "2.85 ± 0.07",
+        "it decodes 141.6 tokens/s",
+    ],
+)
+def test_figures_outside_sections_are_flagged(line: str) -> None:
+    assert report.unmarked_figures(f"intro\n{line}\n") == [line]
+    inside = f"<!-- report:main-job -->\n{line}\n<!-- /report:main-job -->\n"
+    assert report.unmarked_figures(inside) == []
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "an 8x512 target",
+        "--loss 0.5*fkl+0.5*tv",
+        "--dtype bfloat16",
+        "about 10 minutes",
+        "4 x 12 trees",
+        "jsd:0.5",
+    ],
+)
+def test_settings_are_not_figures(line: str) -> None:
+    assert report.unmarked_figures(line) == []
+
+
+def _summary() -> dict:
+    """A summary.json as train/distill.py writes it (the keys the report reads)."""
+
+    def figures(speedup: float) -> dict:
+        return {
+            "speedup": 1.5 * speedup,
+            "speedup_over_draftsmith_plain": speedup,
+            "tau": 2.5,
+            "draft_cost_ratio": 0.3,
+        }
+
+    return {
+        "drafter_kind": "eagle3",
+        "loss": "fkl",
+        "steps": 10,
+        "stop_reason": "max_steps",
+        "minutes": 1.25,
+        "train_sequences": 64,
+        "held_out": {"overlap@2": 0.5, "overlap@1": 0.75, "greedy_match@1": 0.5, "loss": 1.0},
+        "speed": {
+            "0": figures(1.1),
+            "hybrid 0": figures(1.2),
+            "ood drafter 0": figures(1.3),
+            "ood hybrid 0": figures(1.4),
+        },
+    }
+
+
+def test_the_main_job_table_reads_a_run_summary(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps(_summary()))
+    destination = tmp_path / "main_job.json"
+    report.take_main_job(run, destination)
+    summary = json.loads(destination.read_text())
+    table = report.main_job_table(summary).splitlines()
+    assert table[2] == "| held-out | eagle3 chain | 0 | 1.10x | 1.65x | 2.50 | 0.30 |"
+    assert table[5].startswith("| ood | hybrid | 0 | 1.40x |")
+    text = report.main_job_run(summary)
+    assert "10 steps (max_steps) in 1.2 min" in text and "position 0.75 / 0.50," in text
+
+
+def test_a_run_without_a_speed_step_is_refused(tmp_path: Path) -> None:
+    summary = _summary()
+    del summary["speed"]
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    with pytest.raises(ValueError, match="no speed step"):
+        report.take_main_job(tmp_path, tmp_path / "out.json")
