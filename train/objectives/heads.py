@@ -20,7 +20,7 @@ factor ``prod_{i<k} alpha_i(t)`` that the expected accepted length ``sum_k prod_
 alpha_i`` (docs/theory.md §5) puts on ``alpha_k(t)``, so a term grows with the share of chains
 that reach it. (GRIFFIN's own normalization, a mean over the reached positions alone, gives a
 term over a handful of positions the full weight ``w_k`` while a drafter trains from scratch,
-and lost tau on the demo target: README, "Which loss and which data?".) The held-out metrics
+and lost tau on the demo target: docs/guides/ablation.md.) The held-out metrics
 stay unmasked, comparable with and without it.
 
 Everything but the module itself is shared and lives here: where the target's features and
