@@ -8,7 +8,8 @@ Sources (``load_sequences``'s ``source``):
 
 - ``stdlib``: the embedded corpus (``data.corpus``), packed into blocks; its validation split
   is the held-out set;
-- a ``.jsonl``/``.json`` file: conversations (``messages_field``), prompt/response pairs
+- a ``.jsonl``/``.json`` file: conversations (``messages_field``, or ShareGPT's
+  ``conversations`` of ``from``/``value`` turns), prompt/response pairs
   (``prompt`` + ``response``) or text (``text_field``); ``data_format="auto"`` picks by the
   fields of the first record; a deterministic ``validation_fraction`` of rows is held out;
 - a text file, or a folder of ``.txt``/``.py``/``.md``/``.rst`` files: packed like the corpus;
@@ -28,7 +29,13 @@ import torch
 
 from data.cache import collate_cached
 from data.packing import collate, map_to_rows, render_and_pad, tokenize_and_pack
-from data.sources import load_conversations, load_jsonl, load_records, load_text_files
+from data.sources import (
+    conversation_field,
+    load_conversations,
+    load_jsonl,
+    load_records,
+    load_text_files,
+)
 
 if TYPE_CHECKING:
     import datasets
@@ -194,7 +201,7 @@ class _Fields:
         """The layout of records with ``columns`` (``data_format`` unless it is ``auto``)."""
         if self.data_format != "auto":
             return self.data_format
-        if self.messages_field in columns:
+        if conversation_field(columns, self.messages_field) is not None:
             return "conversations"
         if "prompt" in columns and "response" in columns:
             return "prompt_response"
@@ -206,10 +213,15 @@ class _Fields:
             f"{self.text_field!r} (text); set --messages_field or --text_field"
         )
 
-    def required(self, fmt: str) -> list[tuple[str, str]]:
+    def required(self, fmt: str, columns: list[str]) -> list[tuple[str, str]]:
         """(field, the argument that names it) for each field layout ``fmt`` reads."""
         if fmt == "conversations":
-            return [(self.messages_field, "messages_field")]
+            return [
+                (
+                    conversation_field(columns, self.messages_field) or self.messages_field,
+                    "messages_field",
+                )
+            ]
         if fmt == "prompt_response":
             return [("prompt", "data_format"), ("response", "data_format")]
         return [(self.text_field, "text_field")]
@@ -226,7 +238,7 @@ def _records(
     """JSON records (``source`` a ``Path``) or a ``datasets`` name, rendered by layout."""
     table = load_records(source)
     fmt = fields.detect(table.column_names, source)
-    for column, argument in fields.required(fmt):
+    for column, argument in fields.required(fmt, table.column_names):
         if column not in table.column_names:
             raise ValueError(
                 f"--dataset {source} has no field {column!r} (fields: "

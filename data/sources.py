@@ -7,7 +7,9 @@ Formats:
 - JSON: a list of objects, or an object whose ``"data"`` key holds that list;
 - conversations: a field (default ``messages``) holding a list of
   ``{"role": "system" | "user" | "assistant" | "tool", "content": str}`` in the OpenAI chat
-  format; other keys of a message are dropped;
+  format, or ShareGPT's ``conversations`` field of ``{"from", "value"}`` turns (``human``,
+  ``gpt``, ``system``, ``tool``/``function``/``observation``; see ``SHAREGPT_ROLES``), read as
+  the same messages; other keys of a message are dropped;
 - anything that is not an existing path and does not look like one is passed to
   ``datasets.load_dataset`` as a dataset name (needs the hub or its local cache).
 
@@ -25,6 +27,23 @@ from typing import Any
 import datasets
 
 ROLES = ("system", "user", "assistant", "tool")
+# ShareGPT's speaker names (``from``) -> OpenAI roles, as the ShareGPT, UltraChat-ShareGPT,
+# SlimOrca and glaive exports spell them.
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bard": "assistant",
+    "bing": "assistant",
+    "model": "assistant",
+    "system": "system",
+    "tool": "tool",
+    "function": "tool",
+    "observation": "tool",
+}
+SHAREGPT_FIELD = "conversations"
 _LOCAL_SUFFIXES = (".jsonl", ".json")
 
 
@@ -145,8 +164,34 @@ def _field(record: Mapping[str, Any], field: str, where: str, argument: str) -> 
     return record[field]
 
 
+def conversation_field(fields: Any, messages_field: str = "messages") -> str | None:
+    """The field of a record (or the column of a table) that holds its conversation:
+    ``messages_field``, else ShareGPT's ``conversations`` when ``messages_field`` is the default;
+    None when neither is there."""
+    if messages_field in fields:
+        return messages_field
+    if messages_field == "messages" and SHAREGPT_FIELD in fields:
+        return SHAREGPT_FIELD
+    return None
+
+
+def _sharegpt_turn(message: Mapping[str, Any], where: str, index: int, field: str) -> dict:
+    """One ShareGPT turn ``{"from", "value"}`` as an OpenAI message ``{"role", "content"}``."""
+    speaker = str(message["from"]).lower()
+    if speaker not in SHAREGPT_ROLES:
+        raise ValueError(
+            f"{where}: message {index} of field {field!r} comes from {message['from']!r}, not a "
+            f"ShareGPT speaker this reader knows ({sorted(SHAREGPT_ROLES)}); rename it"
+        )
+    return {"role": SHAREGPT_ROLES[speaker], "content": message["value"]}
+
+
 def validate_messages(messages: Any, where: str, field: str = "messages") -> list[dict[str, str]]:
-    """Check one conversation and return it as ``[{"role", "content"}, ...]``."""
+    """Check one conversation and return it as ``[{"role", "content"}, ...]``.
+
+    Messages are OpenAI's ``{"role", "content"}`` or ShareGPT's ``{"from", "value"}`` turns
+    (converted through ``SHAREGPT_ROLES``).
+    """
     if not isinstance(messages, list) or len(messages) == 0:
         raise ValueError(
             f"{where}: field {field!r} must be a non-empty list of messages, got "
@@ -154,11 +199,13 @@ def validate_messages(messages: Any, where: str, field: str = "messages") -> lis
         )
     clean: list[dict[str, str]] = []
     for index, message in enumerate(messages):
+        if isinstance(message, Mapping) and "from" in message and "value" in message:
+            message = _sharegpt_turn(message, where, index, field)
         if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
             keys = sorted(message) if isinstance(message, Mapping) else type(message).__name__
             raise ValueError(
                 f"{where}: message {index} of field {field!r} has {keys}; each message needs "
-                "'role' and 'content' (convert ShareGPT-style {'from', 'value'} first)"
+                "'role' and 'content' (OpenAI) or 'from' and 'value' (ShareGPT)"
             )
         role, content = message["role"], message["content"]
         if role not in ROLES:
@@ -206,15 +253,15 @@ def load_conversations(
 ) -> datasets.Dataset:
     """Conversations from a .jsonl/.json file or a ``datasets`` name, as column ``messages``.
 
-    ``split`` is used only for ``datasets`` names. Each message is checked (role in
-    ``ROLES``, string content) and reduced to ``{"role", "content"}``.
+    ``split`` is used only for ``datasets`` names. A record without ``messages_field`` may hold
+    ShareGPT's ``conversations`` (when ``messages_field`` is the default). Each message is
+    checked (role in ``ROLES``, string content) and reduced to ``{"role", "content"}``.
     """
-    conversations = [
-        validate_messages(
-            _field(record, messages_field, where, "messages_field"), where, messages_field
-        )
-        for where, record in _records(source, split)
-    ]
+    conversations = []
+    for where, record in _records(source, split):
+        field = conversation_field(record, messages_field) or messages_field
+        messages = _field(record, field, where, "messages_field")
+        conversations.append(validate_messages(messages, where, field))
     if not conversations:
         raise ValueError(
             f"{source} holds no conversations; add records with a {messages_field!r} list"
@@ -237,8 +284,9 @@ def load_prompts(
     """Prompts for regenerating responses with the target.
 
     A record with ``prompt_field`` (a string) gives a plain prompt; otherwise a record with
-    ``messages_field`` gives its conversation minus the final assistant turn (a conversation
-    that ends with a user or tool turn is kept whole). The result is in file order.
+    ``messages_field`` (or ShareGPT's ``conversations``) gives its conversation minus the final
+    assistant turn (a conversation that ends with a user or tool turn is kept whole). The result
+    is in file order.
     """
     prompts: list[str | list[dict]] = []
     for where, record in _records(source, split):
@@ -250,14 +298,14 @@ def load_prompts(
                     f"{type(prompt).__name__} {str(prompt)[:80]!r}"
                 )
             prompts.append(prompt)
-        elif messages_field in record:
-            messages = validate_messages(record[messages_field], where, messages_field)
+        elif (field := conversation_field(record, messages_field)) is not None:
+            messages = validate_messages(record[field], where, field)
             if messages[-1]["role"] == "assistant":
                 messages = messages[:-1]
             if not messages or messages[-1]["role"] not in ("user", "tool"):
                 ends = f"ends with {messages[-1]['role']!r}" if messages else "is empty"
                 raise ValueError(
-                    f"{where}: after removing the final assistant turn, field {messages_field!r} "
+                    f"{where}: after removing the final assistant turn, field {field!r} "
                     f"{ends}; a prompt must end with a user (or tool) turn for the target to answer"
                 )
             prompts.append(messages)

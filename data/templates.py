@@ -11,6 +11,18 @@ for assistant message ``i`` the span starts where ``messages[:i]`` rendered with
 measured in token ids of the full rendering. Inside the span, tokens after the first special
 token (e.g. ``<|im_end|>``, ``<|eot_id|>``, ``</s>``) are template separators (ChatML's
 trailing newline) and get 0.
+
+Reasoning models. Qwen3's template renders an assistant turn one way when it is the last turn
+(``<think>\n{reasoning}\n</think>\n\n{answer}``, an empty think block when there is no
+reasoning) and another way once a later user turn follows (the answer alone: the engine drops
+past reasoning from the context it serves). Each assistant turn is masked in the form the full
+rendering gives it: the final turn with its ``<think>`` span, exactly the tokens the target
+emits after the generation prompt (``<think>`` and ``</think>`` are ordinary added tokens, not
+special ones, so the span runs on to the turn's end token); a past turn as its answer, up to its
+end token. A think block written into an assistant message's content (what
+``scripts/regenerate_data.py`` records from a reasoning target) is what the template reads. An
+answer without one (a target served with thinking off) is masked from its first token: the empty
+think block the template writes before it is the prompt such a target was given.
 """
 
 from __future__ import annotations
@@ -20,19 +32,37 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+THINK_END = "</think>"  # the end of a reasoning model's think span (Qwen3, DeepSeek-R1)
+
 
 def _render(
     tokenizer: PreTrainedTokenizerBase,
     messages: Sequence[Mapping[str, Any]],
     add_generation_prompt: bool,
+    **template_kwargs: Any,
 ) -> list[int]:
     text = tokenizer.apply_chat_template(
         [dict(message) for message in messages],
         tokenize=False,
         add_generation_prompt=add_generation_prompt,
+        **template_kwargs,
     )
     # The template writes bos/eos itself where it wants them: add nothing more.
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _common_length(prefix_ids: list[int], full_ids: list[int]) -> int:
+    agreed = 0
+    for a, b in zip(prefix_ids, full_ids, strict=False):
+        if a != b:
+            break
+        agreed += 1
+    return agreed
+
+
+def _agrees(prefix_ids: list[int], agreed: int) -> bool:
+    """One differing token at the end is tolerated (a BPE merge across the boundary)."""
+    return agreed >= len(prefix_ids) - 1
 
 
 def _agreed_prefix(prefix_ids: list[int], full_ids: list[int], what: str) -> int:
@@ -41,12 +71,8 @@ def _agreed_prefix(prefix_ids: list[int], full_ids: list[int], what: str) -> int
     One differing token at the end is tolerated (a BPE merge across the boundary); more means
     the template renders earlier turns differently once later turns exist.
     """
-    agreed = 0
-    for a, b in zip(prefix_ids, full_ids, strict=False):
-        if a != b:
-            break
-        agreed += 1
-    if agreed < len(prefix_ids) - 1:
+    agreed = _common_length(prefix_ids, full_ids)
+    if not _agrees(prefix_ids, agreed):
         raise ValueError(
             f"the chat template renders {what} differently on its own than inside the full "
             f"conversation (token ids agree for {agreed} of {len(prefix_ids)}), e.g. because it "
@@ -54,6 +80,24 @@ def _agreed_prefix(prefix_ids: list[int], full_ids: list[int], what: str) -> int
             "conversation prefix is a prefix of the full rendering"
         )
     return agreed
+
+
+def _past_empty_think_block(
+    tokenizer: PreTrainedTokenizerBase,
+    prompt: Sequence[Mapping[str, Any]],
+    full_ids: list[int],
+    start: int,
+) -> int:
+    """Where an answer without reasoning starts, after any empty think block the template wrote.
+
+    A reasoning template writes ``<think>\n\n</think>\n\n`` before an answer that has no
+    reasoning; the target emits no such block: served with ``enable_thinking=False`` the engine
+    puts it in the prompt, which is what this rendering of the prompt shows. Templates without
+    that switch render the same prompt, and ``start`` stands.
+    """
+    quiet = _render(tokenizer, prompt, add_generation_prompt=True, enable_thinking=False)
+    agreed = _common_length(quiet, full_ids)
+    return agreed if agreed == len(quiet) and agreed > start else start
 
 
 def render_conversation(
@@ -94,11 +138,15 @@ def render_conversation(
             full_ids,
             f"the prompt before message {index}",
         )
-        end = _agreed_prefix(
-            _render(tokenizer, messages[: index + 1], add_generation_prompt=False),
-            full_ids,
-            f"the conversation up to message {index}",
-        )
+        if THINK_END not in message["content"]:
+            start = _past_empty_think_block(tokenizer, messages[:index], full_ids, start)
+        turn_ids = _render(tokenizer, messages[: index + 1], add_generation_prompt=False)
+        end = _common_length(turn_ids, full_ids)
+        if not _agrees(turn_ids, end):
+            # The template writes this turn differently once later turns follow (a reasoning
+            # model's past turn loses its think block): mask its form in the full rendering,
+            # up to the turn's end token. Only a past turn can differ, never the last message.
+            end = len(full_ids)
         for position in range(start, end):
             loss_mask[position] = 1
             if full_ids[position] in special_ids:

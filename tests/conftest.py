@@ -56,3 +56,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def llama31_target(tmp_path_factory: pytest.TempPathFactory):
+    """Llama-3.1-8B-Instruct's config, vocabulary, rope and chat template on a 4 x 64 model."""
+    from real_targets import LLAMA31, save_scaled_target
+
+    return save_scaled_target(LLAMA31, tmp_path_factory.mktemp("llama31") / "target")
+
+
+@pytest.fixture(scope="session")
+def qwen3_target(tmp_path_factory: pytest.TempPathFactory):
+    """Qwen3-8B's config, vocabulary, rope and chat template on a 4 x 64 model."""
+    from real_targets import QWEN3, save_scaled_target
+
+    return save_scaled_target(QWEN3, tmp_path_factory.mktemp("qwen3") / "target")

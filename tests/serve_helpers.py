@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 Metrics = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -67,3 +73,54 @@ def openai_error(body: object, code: str | None = None) -> dict:
     if code is not None:
         assert error["code"] == code
     return error
+
+
+def wait_for_health(process: subprocess.Popen, url: str, log: Path, timeout_s: float) -> None:
+    """Poll ``url``/health until it answers 200; fail with the log's tail if the server exits
+    or ``timeout_s`` passes (a busy machine imports torch slowly)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if process.poll() is not None:
+            raise AssertionError(f"the server exited with {process.returncode}:\n{tail(log)}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the server did not come up:\n{tail(log)}")
+        time.sleep(0.2)
+
+
+def stop_server(process: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL after 30 s."""
+    process.terminate()
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+@contextlib.contextmanager
+def serving(target: Path, log: Path, *flags: str) -> Iterator[str]:
+    """decode/serve.py serving ``target`` (no drafter unless ``flags`` name one) on a free
+    loopback port; yields the API base (``http://127.0.0.1:PORT/v1``) once /health answers."""
+    port = free_port()
+    command = [
+        sys.executable, "decode/serve.py", "--target", str(target), "--port", str(port),
+        "--num-threads", "1", "--log-level", "warning", *flags,
+    ]  # fmt: skip
+    if "--drafter-kind" not in flags and "--drafter" not in flags:
+        command += ["--drafter-kind", "none"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    with log.open("w") as sink:
+        process = subprocess.Popen(
+            command, cwd=Path(__file__).resolve().parents[1], env=env, stdout=sink, stderr=sink
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_health(process, url, log, timeout_s=600)  # minutes when 2 cores are shared
+        yield f"{url}/v1"
+    finally:
+        stop_server(process)

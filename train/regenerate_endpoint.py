@@ -3,7 +3,9 @@
 The same job as ``train.regenerate`` (the target answers each prompt; docs/theory.md §6), with
 the target served elsewhere, typically on GPUs by an engine built for throughput. Chat prompts
 go to ``POST /v1/chat/completions`` (the server applies the target's chat template); plain text
-prompts go to ``POST /v1/completions`` and are continued as they are.
+prompts go to ``POST /v1/completions`` and are continued as they are. A reasoning target's
+think span, split off by the server's reasoning parser, is put back in front of the answer
+(:func:`assistant_text`): the record holds what the target emitted.
 
 Output: one JSON object per input prompt, the same records ``train.regenerate`` writes plus
 ``index`` (the prompt's position in the input) and ``finish_reason``::
@@ -290,7 +292,7 @@ class _Requester:
         try:
             response, attempts = _send(self.client, "POST", path, body, self.endpoint)
             choice, usage = _first_choice(response)
-            text = choice["message"]["content"] if chat else choice["text"]
+            text = assistant_text(choice["message"]) if chat else choice["text"]
             if not isinstance(text, str):
                 raise PermanentError(f"the answer holds no text: {json.dumps(choice)[:200]}")
         except _Failed as failure:
@@ -300,6 +302,25 @@ class _Requester:
         record = {"index": index, **make_record(prompt, text)}
         record["finish_reason"] = choice.get("finish_reason")
         return Outcome(index, record, int(usage.get("completion_tokens", 0)), attempts=attempts)
+
+
+def assistant_text(message: dict[str, Any]) -> str | None:
+    """A chat answer's text as the target emitted it, think span included.
+
+    A server started with a reasoning parser (vLLM and SGLang ``--reasoning-parser qwen3`` or
+    ``deepseek_r1``) moves the ``<think>`` span out of ``content`` into ``reasoning_content``
+    (``reasoning`` in newer vLLM); the drafter must learn those tokens too, so they are put
+    back in the form the target writes them: ``<think>\n{reasoning}\n</think>\n\n{answer}``.
+    None when the answer holds no text at all.
+    """
+    content = message.get("content")
+    reasoning = message.get("reasoning_content") or message.get("reasoning")
+    if not isinstance(reasoning, str) or not reasoning:
+        return content
+    answer = content if isinstance(content, str) else ""
+    if "</think>" in answer:  # the server left the span in place as well
+        return answer
+    return f"<think>\n{reasoning.strip(chr(10))}\n</think>\n\n{answer.lstrip(chr(10))}"
 
 
 class _Failed(Exception):

@@ -79,9 +79,12 @@ def test_conversation_errors(tmp_path: Path) -> None:
     bad_role = _jsonl(tmp_path / "r.jsonl", [{"messages": [{"role": "human", "content": "x"}]}])
     with pytest.raises(ValueError, match=r"r\.jsonl:1: message 0 .*unknown role 'human'"):
         load_conversations(bad_role)
-    sharegpt = _jsonl(tmp_path / "s.jsonl", [{"messages": [{"from": "human", "value": "x"}]}])
-    with pytest.raises(ValueError, match=r"s\.jsonl:1: message 0.*'role' and 'content'"):
+    sharegpt = _jsonl(tmp_path / "s.jsonl", [{"messages": [{"from": "narrator", "value": "x"}]}])
+    with pytest.raises(ValueError, match=r"s\.jsonl:1: message 0 .*comes from 'narrator'"):
         load_conversations(sharegpt)
+    half = _jsonl(tmp_path / "h.jsonl", [{"messages": [{"from": "human"}]}])
+    with pytest.raises(ValueError, match=r"h\.jsonl:1: message 0.*'from' and 'value' \(ShareGPT\)"):
+        load_conversations(half)
     empty = _jsonl(tmp_path / "e.jsonl", [{"messages": []}])
     with pytest.raises(ValueError, match=r"e\.jsonl:1: field 'messages' must be a non-empty list"):
         load_conversations(empty)

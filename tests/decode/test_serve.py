@@ -26,7 +26,16 @@ import torch
 from decode_helpers import noisy_copy
 from openai import OpenAI
 from openai.types import Completion
-from serve_helpers import Metrics, free_port, metric, openai_error, parse_prometheus, tail
+from serve_helpers import (
+    Metrics,
+    free_port,
+    metric,
+    openai_error,
+    parse_prometheus,
+    stop_server,
+    tail,
+    wait_for_health,
+)
 from tiny_models import tiny_llama
 
 from data.tokenizer import train_byte_level_bpe
@@ -140,25 +149,11 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 
         # The reference copy loads while the server boots.
         reloaded = AutoModelForCausalLM.from_pretrained(root / "target", use_safetensors=True)
-        deadline = time.monotonic() + 300  # a busy machine imports torch slowly
-        while True:
-            if process.poll() is not None:
-                raise AssertionError(f"the server exited with {process.returncode}:\n{tail(log)}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise AssertionError(f"the server did not come up:\n{tail(log)}")
-            time.sleep(0.2)
+        wait_for_health(process, url, log, timeout_s=300)
         eos_ids = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")]
         yield Served(url, reloaded.eval(), tokenizer, root / "draft", eos_ids, log)
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_server(process)
     # uvicorn re-raises the SIGTERM it handled once it has shut down gracefully.
     assert process.returncode in (0, -signal.SIGTERM), f"exit {process.returncode}:\n{tail(log)}"
     assert "Traceback" not in log.read_text(errors="replace"), tail(log)

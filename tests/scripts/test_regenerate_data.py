@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -17,7 +16,7 @@ import datasets
 import httpx
 import pytest
 from script_helpers import load_script
-from serve_helpers import free_port, tail
+from serve_helpers import serving
 
 REPO = Path(__file__).resolve().parents[2]
 API_KEY = "regenerate-key"
@@ -92,35 +91,9 @@ def test_corpus_definition_prompts_through_the_script(tmp_path: Path, target: Pa
 @pytest.fixture(scope="module")
 def endpoint(target: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """decode/serve.py serving the tiny target (no drafter) on a free loopback port."""
-    port = free_port()
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    command = [
-        sys.executable, "decode/serve.py", "--target", str(target), "--drafter-kind", "none",
-        "--served-model-name", "tiny", "--port", str(port), "--api-key", API_KEY,
-        "--num-threads", "1", "--log-level", "warning",
-    ]  # fmt: skip
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    with log.open("w") as sink:
-        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=sink, stderr=sink)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600  # minutes when many processes share 2 cores
-        while True:
-            if process.poll() is not None:
-                raise AssertionError(f"the server exited:\n{tail(log)}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            assert time.monotonic() < deadline, f"the server did not come up:\n{tail(log)}"
-            time.sleep(0.2)
-        yield f"{url}/v1"
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    with serving(target, log, "--served-model-name", "tiny", "--api-key", API_KEY) as url:
+        yield url
 
 
 def _prompts_file(path: Path, count: int) -> Path:
