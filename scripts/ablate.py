@@ -8,12 +8,14 @@
 
 Every cell of the grid (the product of the ``--grid`` axes) is trained once per seed through
 ``train.distill.main`` (in this process; the grid logic is ``train.ablation``), on the recipe of its drafter kind (``--preset``:
-``configs/<preset>.yaml``, ``<preset>_eagle3.yaml``, ``<preset>_medusa.yaml``; ``--recipe
-KIND=PATH`` replaces one). Axes:
+``configs/<preset>.yaml``, ``<preset>_eagle3.yaml``, ``<preset>_medusa.yaml``,
+``<preset>_peagle.yaml``; ``--recipe KIND=PATH`` replaces one). Axes:
 
 - ``loss``: a loss spec of ``train.losses`` (``ce``, ``fkl``, ``rkl``, ``jsd:0.5``, ``tv``,
   ``lk``, ``nla``, mixes such as ``0.5*fkl+0.5*tv``), the recipe's ``--loss``;
-- ``kind``: the drafter kind (``draft_lm``, ``eagle3``, ``medusa``), which picks the recipe;
+- ``kind``: the drafter kind (``draft_lm``, ``eagle3``, ``medusa``, ``peagle``), which picks
+  the recipe (``kind=eagle3,peagle`` compares parallel drafting with EAGLE-3's chain at the
+  same training budget);
 - ``data``: where the training text comes from, joined with ``+`` to combine:
   ``corpus`` (the recipe's dataset, the embedded corpus), ``regenerated`` (the target's own
   responses to corpus prompts, written once per grid by ``scripts/regenerate_data.py`` into
@@ -101,7 +103,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=["loss=ce,tv"],
         metavar="AXIS=V1,V2",
         help="axes of the grid: loss=..., data=corpus,regenerated,samples,onpolicy, "
-        "kind=draft_lm,eagle3,medusa, or any recipe field",
+        "kind=draft_lm,eagle3,medusa,peagle, or any recipe field",
     )
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--preset", default="demo", choices=sorted(RECIPES))

@@ -55,6 +55,7 @@ RECIPES: dict[str, dict[str, str]] = {
         else f"configs/{preset}.yaml",
         "eagle3": f"configs/{preset}_eagle3.yaml",
         "medusa": f"configs/{preset}_medusa.yaml",
+        "peagle": f"configs/{preset}_peagle.yaml",
     }
     for preset in ("demo", "bench", "tiny")
 }
@@ -71,6 +72,10 @@ RESERVED = {
     "seed": "--seeds",
     "output_dir": "--output",
 }
+
+
+# What measure_tau records per temperature besides tau, kept in each run's entry.
+DECODE_MEASURES = ("alpha", "draft_ms_per_round", "tokens_per_s")
 
 
 class Skip(Exception):
@@ -339,6 +344,7 @@ def train_and_measure(
         "tau": {t: r["tau"] for t, r in speed.items()},
         "predicted_tau": {t: r["predicted_tau"] for t, r in speed.items()},
         "speedup": {t: r["speedup"] for t, r in speed.items() if "speedup" in r},
+        **{key: {t: r[key] for t, r in speed.items() if key in r} for key in DECODE_MEASURES},
         "steps": summary["steps"],
         "stop_reason": summary["stop_reason"],
         "minutes": summary["minutes"],
@@ -351,12 +357,16 @@ def train_and_measure(
 def measure_tau(
     target_path: str | Path, drafter_dir: Path, prompt_source: str, settings: GridSettings
 ) -> dict[str, dict[str, float]]:
-    """Tau and predicted tau of the exported drafter at each of ``settings.temperatures``.
+    """Tau and predicted tau of the exported drafter at each of ``settings.temperatures``,
+    with the acceptance per draft position (``alpha``), the drafting time per round
+    (``draft_ms_per_round``, what P-EAGLE's one pass saves over EAGLE-3's chain) and the
+    drafter's own tokens/s.
 
     Chains of ``settings.num_draft_tokens`` for every kind, ``settings.tau_prompts`` held-out
     prompts of ``settings.tau_new_tokens`` tokens, the decoder seeded once per temperature.
-    The grid compares acceptance, not speed, so the drafter decodes alone: no plain or HF
-    baselines are timed (tau = tokens per target pass, docs/theory.md §5).
+    The grid compares acceptance, so the drafter decodes alone: no plain or HF baselines are
+    timed (tau = tokens per target pass, docs/theory.md §5); compare speeds between cells run
+    on the same machine under the same load only.
     """
     from decode.drafters.registry import load_drafter
     from decode.evaluate import (
@@ -383,7 +393,13 @@ def measure_tau(
         method = speculative_method(target, drafter, decode_settings)
         result = measure_side_by_side(target, {"drafter": method}, prompts, warmup=False)
         stats = result["drafter"].stats
-        out[f"{temperature:g}"] = {"tau": stats.tau, "predicted_tau": stats.predicted_tau}
+        out[f"{temperature:g}"] = {
+            "tau": stats.tau,
+            "predicted_tau": stats.predicted_tau,
+            "alpha": stats.alpha_per_position,
+            "draft_ms_per_round": 1000 * stats.draft_seconds / max(stats.target_forward_passes, 1),
+            "tokens_per_s": result["drafter"].tokens_per_s,
+        }
     return out
 
 

@@ -103,6 +103,9 @@ class DrafterConfig:
     )
     medusa_num_heads: int = _f(4, "medusa: heads, head i guessing the token i+2 ahead")
     medusa_num_layers: int = _f(1, "medusa: residual blocks per head")
+    mask_token_id: int | None = _f(
+        None, "peagle: the placeholder token of the mask rows (null: the data's rarest token)"
+    )
 
 
 @dataclass
@@ -179,7 +182,15 @@ class LossConfig:
     )
     loss_temperature: float = _f(1.0, "temperature both distributions are taken at in the loss")
     eval_temperature: float = _f(1.0, "decoding temperature the held-out overlap is measured at")
-    unroll_steps: int = _f(4, "eagle3: training-time-test steps (draft positions trained)")
+    unroll_steps: int = _f(
+        4, "eagle3: training-time-test steps; peagle: depths drafted per pass (positions trained)"
+    )
+    cod_ratio: float = _f(
+        0.7,
+        "peagle: conditional drop-token sampling keeps about max(r^(k-1), cod_min_ratio) of the "
+        "anchors at depth k >= 2 (1: all)",
+    )
+    cod_min_ratio: float = _f(0.2, "peagle: the floor of that share at deep depths")
     position_weights: list[float] | None = field(
         default=None,
         metadata={"help": "eagle3/medusa: loss weight per draft position (default decay^(j-1))"},

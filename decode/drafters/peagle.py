@@ -109,9 +109,16 @@ class PEagleHead(Eagle3Head):
 
     def embed(self, embedding: nn.Module, ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., H]
         """The target's embeddings of ``ids``, with ``mask_embed`` for ``mask_token_id``."""
-        out = embedding(ids)
+        return self.with_mask_embedding(ids, embedding(ids))
+
+    def with_mask_embedding(
+        self,
+        ids: torch.Tensor,  # [...]
+        embeds: torch.Tensor,  # [..., H] the target's embeddings of ids
+    ) -> torch.Tensor:  # [..., H]
+        """``embeds`` with ``mask_embed`` wherever ``ids`` is the mask token."""
         is_mask = (ids == self.config.mask_token_id)[..., None]
-        return torch.where(is_mask, self.mask_embed.to(out.dtype), out)
+        return torch.where(is_mask, self.mask_embed.to(embeds.dtype), embeds)
 
     def mask_inputs(
         self, batch: int, rows: int

@@ -191,6 +191,29 @@ def test_a_runs_measurement_is_its_summarys_held_out_and_temperature_rows(
     assert measured["tau"] == {"0": 2.0, "1": 1.5}  # other prompt sets are not the grid's
 
 
+def test_kind_axis_runs_peagle_beside_eagle3_with_per_position_acceptance_and_costs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import train.distill
+
+    for recipes in ablation.RECIPES.values():  # every preset has a recipe for every kind
+        assert all((ablation.REPO / path).is_file() for path in recipes.values())
+    settings = _script().settings_from(_script().parse_args(["--preset", "tiny"]))
+    for kind in ("eagle3", "peagle"):
+        argv = ablation.run_argv({"kind": kind, "data": "corpus"}, 0, settings, tmp_path / kind)
+        assert parse_config(argv).drafter.drafter_kind == kind
+    row = {"tau": 2.0, "predicted_tau": 2.0, "alpha": [0.8, 0.5], "draft_ms_per_round": 1.5,
+           "tokens_per_s": 90.0}  # fmt: skip
+    summary = {"held_out": {"overlap@1": 0.7}, "steps": 3, "stop_reason": "max_steps",
+               "target_path": "t", "minutes": 0.1, "tokens_seen": 10, "data": "stdlib",
+               "eval_description": "x"}  # fmt: skip
+    monkeypatch.setattr(train.distill, "main", lambda argv: summary)
+    monkeypatch.setattr(ablation, "measure_tau", lambda *args: {"0": row})
+    measured = ablation.train_and_measure(argv, settings, tmp_path / "drafter")
+    assert measured["alpha"] == {"0": [0.8, 0.5]} and measured["tau"] == {"0": 2.0}
+    assert measured["draft_ms_per_round"] == {"0": 1.5} and measured["tokens_per_s"] == {"0": 90.0}
+
+
 @pytest.mark.slow  # four tiny distillations with their decoding step: ~75 s on 2 loaded cores
 def test_grid_of_two_cells_and_two_seeds_resumes_after_an_interruption(
     target: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]

@@ -11,7 +11,8 @@ so that importing this package imports no model code:
 - ``causal_lm``: next-token cross-entropy on packed text (the demo target's pretraining);
 - ``draft_lm``: a small causal LM distilled from a frozen target (``train.objectives.draft_lm``);
 - ``eagle3`` and ``medusa``: heads on the target's hidden states (``train.objectives.eagle3``,
-  ``train.objectives.medusa``), added by their own modules.
+  ``train.objectives.medusa``), added by their own modules;
+- ``peagle``: EAGLE-3's head drafting all depths in one pass (``train.objectives.peagle``).
 """
 
 from __future__ import annotations
@@ -175,6 +176,7 @@ OBJECTIVES: dict[str, str] = {
     "draft_lm": "train.objectives.draft_lm:DraftLMObjective",
     "eagle3": "train.objectives.eagle3:Eagle3Objective",
     "medusa": "train.objectives.medusa:MedusaObjective",
+    "peagle": "train.objectives.peagle:PEagleObjective",
 }
 """Objective kind -> ``"module:Class"``; the key is the drafter kind written to drafter.json."""
 

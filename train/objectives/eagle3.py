@@ -86,6 +86,38 @@ def count_tokens(rows: Iterable[dict[str, Any]], vocab_size: int) -> torch.Tenso
     return counts
 
 
+def recipe_head(
+    config: DistillConfig,
+    target: PreTrainedModel,
+    head_type: type[Eagle3Head] = Eagle3Head,
+    **extra,
+) -> Eagle3Head:
+    """The head a recipe describes for ``target`` (``extra``: config fields of a subclass),
+    initialised from the recipe's seed alone."""
+    drafter = config.drafter
+    overrides: dict[str, Any] = dict(extra)
+    if drafter.draft_vocab_size is not None:
+        overrides["draft_vocab_size"] = drafter.draft_vocab_size
+    if drafter.aux_hidden_state_layer_ids:
+        overrides["aux_hidden_state_layer_ids"] = tuple(drafter.aux_hidden_state_layer_ids)
+    head_config = head_type.config_type.for_target(target.config, **overrides)
+    # nn.Module initialises from the global RNG: fork it so that only the seed matters.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.optim.seed)
+        return head_type(head_config)
+
+
+def recipe_eagle3_settings(config: DistillConfig) -> dict[str, Any]:
+    """The keywords :class:`Eagle3Objective` (and P-EAGLE's) takes from a recipe."""
+    return {
+        "unroll_steps": config.loss.unroll_steps,
+        "step_weights": recipe_position_weights(config, config.loss.unroll_steps),
+        "init_from_target": config.drafter.drafter_init != "random",
+        "freeze_lm_head": config.drafter.freeze_embeddings,
+        **recipe_head_settings(config),
+    }
+
+
 class UnrolledHead(torch.nn.Module):
     """The trainable module: an :class:`Eagle3Head` whose ``forward`` is training-time test.
 
@@ -159,27 +191,7 @@ class Eagle3Objective(HeadObjective):
         tokenizer: PreTrainedTokenizerBase,
         loss: Loss,
     ) -> Eagle3Objective:
-        drafter = config.drafter
-        overrides: dict[str, Any] = {}
-        if drafter.draft_vocab_size is not None:
-            overrides["draft_vocab_size"] = drafter.draft_vocab_size
-        if drafter.aux_hidden_state_layer_ids:
-            overrides["aux_hidden_state_layer_ids"] = tuple(drafter.aux_hidden_state_layer_ids)
-        head_config = Eagle3Config.for_target(target.config, **overrides)
-        # nn.Module initialises from the global RNG: fork it so that only the seed matters.
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(config.optim.seed)
-            head = Eagle3Head(head_config)
-        return cls(
-            head,
-            target,
-            loss,
-            unroll_steps=config.loss.unroll_steps,
-            step_weights=recipe_position_weights(config, config.loss.unroll_steps),
-            init_from_target=drafter.drafter_init != "random",
-            freeze_lm_head=drafter.freeze_embeddings,
-            **recipe_head_settings(config),
-        )
+        return cls(recipe_head(config, target), target, loss, **recipe_eagle3_settings(config))
 
     @property
     def step_weights(self) -> tuple[float, ...]:
@@ -281,6 +293,16 @@ class Eagle3Objective(HeadObjective):
             "draft_vocab_size": config.draft_vocab_size,
             "target_vocab_size": config.target_vocab_size,
             "draft_vocab_coverage": self.vocab_coverage,
+            "rope": {  # one choice everywhere: docs/guides/real-targets.md
+                "rope_type": "default",
+                "rope_theta": config.rope_theta,
+                "rope_scaling": None,
+                "max_position_embeddings": config.max_position_embeddings,
+                "target_rope": getattr(self.target.config, "rope_parameters", None),
+                "target_max_position_embeddings": getattr(
+                    self.target.config, "max_position_embeddings", None
+                ),
+            },
             "unroll_steps": self.unroll_steps,
             "step_weights": [round(w, 6) for w in self.step_weights],
         }
@@ -290,16 +312,17 @@ class Eagle3Objective(HeadObjective):
         speculators format names the target (its path or hub id) as the verifier."""
         from train.export_formats import export_eagle3
 
+        export_eagle3(drafter, folder, fmt, overwrite=True, **self._verifier())
+
+    def _verifier(self) -> dict[str, Any]:
+        """The target as the speculators format names its verifier: path or hub id, and
+        architectures."""
         target_config = self.target.config
-        export_eagle3(
-            drafter,
-            folder,
-            fmt,
-            overwrite=True,
-            verifier=str(getattr(target_config, "_name_or_path", "") or "<target>"),
-            verifier_architectures=getattr(target_config, "architectures", None)
+        return {
+            "verifier": str(getattr(target_config, "_name_or_path", "") or "<target>"),
+            "verifier_architectures": getattr(target_config, "architectures", None)
             or ["LlamaForCausalLM"],
-        )
+        }
 
     @torch.no_grad()
     def _copy_target_output_layer(self) -> None:

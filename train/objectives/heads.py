@@ -45,6 +45,7 @@ from __future__ import annotations
 import math
 from abc import abstractmethod
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +63,16 @@ EXPORT_FORMATS = ("vllm", "sglang", "speculators")  # train.export_formats.ENGIN
 
 Aligned = tuple[float, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 """Per draft position: weight, draft logits [B, S, Vd], target [B, S, V], mask and labels [B, S]."""
+
+
+@dataclass
+class SampledRows:
+    """A draft output computed at some positions only (P-EAGLE's COD sampling): ``logits``
+    [B, M, Vd] at positions ``anchors`` [B, M]; slots with ``valid`` False are padding."""
+
+    logits: torch.Tensor  # [B, M, V_draft]
+    anchors: torch.Tensor  # [B, M] int64 positions t
+    valid: torch.Tensor  # [B, M] bool
 
 
 # --------------------------------------------------------------------------- shared helpers
@@ -249,9 +260,11 @@ class HeadObjective(Objective):
         """The drafter's input from the hidden states it reads, ``layer id -> [B, T, H]``."""
 
     @abstractmethod
-    def _draft_logits(self, batch: Batch, features: torch.Tensor) -> list[torch.Tensor]:
-        """Draft logits per position k, ``[B, S_k, V_draft]`` with ``S_k >= T - 2 - k``,
-        run through ``self.module`` (the prepared wrapper)."""
+    def _draft_logits(
+        self, batch: Batch, features: torch.Tensor
+    ) -> Sequence[torch.Tensor | SampledRows]:
+        """Draft logits per position k, ``[B, S_k, V_draft]`` with ``S_k >= T - 2 - k`` (or
+        :class:`SampledRows` at some positions), run through ``self.module``."""
 
     @abstractmethod
     def _architecture(self) -> dict[str, Any]:
@@ -325,7 +338,7 @@ class HeadObjective(Objective):
                 metrics[f"overlap@{k + 1}"] = 1.0 - float(parts["tv"].detach())
         if total is None:  # no position of this batch reaches any draft position: a zero step
             if drafts:
-                return sum(draft.sum() for draft in drafts) * 0.0, metrics
+                return sum(_logits_of(draft).sum() for draft in drafts) * 0.0, metrics
             return sum(p.sum() for p in self.module.parameters()) * 0.0, metrics
         return total / used, metrics
 
@@ -448,12 +461,13 @@ class HeadObjective(Objective):
         return self._features(by_layer), target
 
     def _aligned(
-        self, batch: Batch, drafts: Sequence[torch.Tensor], target: torch.Tensor
+        self, batch: Batch, drafts: Sequence[torch.Tensor | SampledRows], target: torch.Tensor
     ) -> Iterable[Aligned]:
         """Per draft output k: weight, logits [B, S, Vd], target [B, S, V], mask, labels [B, S].
 
         ``S = T - 2 - k``: output k at position t predicts ``x_{t+2+k}`` against the target's
-        distribution at ``t+1+k``. Outputs that no position reaches are skipped.
+        distribution at ``t+1+k``. Outputs that no position reaches are skipped. An output
+        given as :class:`SampledRows` is compared at its anchors only (``S = M``).
         """
         input_ids = batch["input_ids"]
         length = input_ids.shape[1]
@@ -461,18 +475,27 @@ class HeadObjective(Objective):
             span = length - 2 - k
             if span < 1:
                 break
-            yield (
-                weight,
-                logits[:, :span],
-                target[:, 1 + k : 1 + k + span],
-                future_mask(batch, 2 + k),
-                input_ids[:, 2 + k :],
-            )
+            target_k = target[:, 1 + k : 1 + k + span]
+            mask, labels = future_mask(batch, 2 + k), input_ids[:, 2 + k :]
+            if isinstance(logits, SampledRows):
+                index = logits.anchors.clamp(max=span - 1)  # [B, M]
+                rows = torch.arange(index.shape[0], device=index.device)[:, None]
+                keep = logits.valid & (logits.anchors < span)
+                target_k, labels = target_k[rows, index], labels[rows, index]
+                mask = mask[rows, index] & keep
+                yield weight, logits.logits, target_k, mask, labels
+            else:
+                yield weight, logits[:, :span], target_k, mask, labels
+
+
+def _logits_of(draft: torch.Tensor | SampledRows) -> torch.Tensor:
+    return draft.logits if isinstance(draft, SampledRows) else draft
 
 
 __all__ = [
     "EXPORT_FORMATS",
     "HeadObjective",
+    "SampledRows",
     "cached_target_logprobs",
     "future_mask",
     "in_top_k",
