@@ -125,6 +125,7 @@ def model_card(
         f"- loss: `{summary.get('loss', '?')}` at temperature {summary.get('loss_temperature', 1.0)}",
         f"- steps: {summary.get('steps', '?')}, tokens seen: {summary.get('tokens_seen', '?')}",
         f"- architecture: {json.dumps(architecture)}",
+        *_rope_line(architecture.get("rope")),
     ]
     cache = summary.get("cache")
     if cache:
@@ -196,6 +197,19 @@ def push_to_hub(folder: Path, repo_id: str, private: bool = True) -> str:
             f"--push_to_hub {repo_id} failed ({type(error).__name__}: {error}); {hint}"
         ) from error
     return str(getattr(info, "commit_url", repo_id))
+
+
+def _rope_line(rope: dict[str, Any] | None) -> list[str]:
+    """The head's rope and context next to the target's (EAGLE-3 family heads)."""
+    if not rope:
+        return []
+    target = rope.get("target_rope") or {}
+    return [
+        f"- rope and context: plain rope, theta {rope['rope_theta']:g}, no scaling, "
+        f"max_position_embeddings {rope['max_position_embeddings']} (target: "
+        f"{target.get('rope_type', 'default')} rope, theta {target.get('rope_theta', '?')}, "
+        f"context {rope.get('target_max_position_embeddings')}); the same in every export"
+    ]
 
 
 def _pruned_vocab_note(kind: str, architecture: dict[str, Any]) -> list[str]:

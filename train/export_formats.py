@@ -310,6 +310,17 @@ _CHECK = (
 )
 
 
+def rope_statement(config: Eagle3Config) -> str:
+    """The head's rope and context in one sentence, for the folder cards and model card."""
+    return (
+        f"Rope: plain rope (`rope_type` default, `rope_scaling` null) with theta "
+        f"{config.rope_theta:g}, head dim {config.head_dim}, `max_position_embeddings` "
+        f"{config.max_position_embeddings} (the target's context; never less, so the engine's "
+        "cos/sin cache covers every served position). The angles are float32 "
+        "`position * theta^(-2i/D)`, the same in training, draftsmith's decoder, vLLM and SGLang."
+    )
+
+
 def eagle3_card(head: Eagle3Head, fmt: str, config: dict[str, Any]) -> str:
     """README.md of an EAGLE-3 engine folder: which engine, how to run it, what it reads."""
     c = head.config
@@ -328,6 +339,8 @@ def eagle3_card(head: Eagle3Head, fmt: str, config: dict[str, Any]) -> str:
         "",
         f"Aux hidden states fused by `fc`: Hugging Face `hidden_states` indices {ids['vllm']} "
         "(0 = embedding output, i = output of layer i-1).",
+        "",
+        rope_statement(c),
         "",
     ]
     if fmt == "speculators":

@@ -126,7 +126,14 @@ class Eagle3Config:
 
     @classmethod
     def for_target(cls, target_config: Any, **overrides: Any) -> Eagle3Config:
-        """Defaults copied from a Hugging Face target config (same width, heads, rope)."""
+        """Defaults copied from a Hugging Face target config (same width, heads, rope).
+
+        Rope and context are one deliberate choice: plain rope with the target's theta and no
+        scaling (the reference EAGLE-3 heads' choice, even for a llama3-scaled target) over the
+        target's whole context, so the engines' cos/sin caches cover every position the target
+        serves; a head with a shorter ``max_position_embeddings`` is refused (an engine would
+        index past its cache, or clamp the positions, beyond it).
+        """
         rope = getattr(target_config, "rope_parameters", None) or {}
         values: dict[str, Any] = {
             "hidden_size": target_config.hidden_size,
@@ -142,7 +149,14 @@ class Eagle3Config:
             "rope_theta": rope.get("rope_theta", getattr(target_config, "rope_theta", 10000.0)),
             "max_position_embeddings": getattr(target_config, "max_position_embeddings", 4096),
         }
+        context = values["max_position_embeddings"]
         values.update(overrides)
+        if values["max_position_embeddings"] < context:
+            raise ValueError(
+                f"max_position_embeddings {values['max_position_embeddings']} is below the "
+                f"target's {context}: engines build the head's rope cache that long and would "
+                "clamp or overrun past it; leave it at the target's context"
+            )
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:
@@ -198,15 +212,27 @@ class _RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
+def rope_inverse_frequencies(dim: int, theta: float) -> torch.Tensor:  # [D/2] float32
+    """Plain rope's inverse frequencies ``theta^(-2i/D)``, in float32 as vLLM, SGLang and
+    Hugging Face compute them (``1 / theta ** (arange(0, D, 2) / D)``), bit for bit."""
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+
+
 def rope_tables(
     positions: torch.Tensor,  # [B, T]
     dim: int,
     theta: float,
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin [B, 1, T, D]
-    """Rotary angles (Su et al. 2021) in float64, for queries and keys alike."""
-    exponents = torch.arange(0, dim, 2, device=positions.device, dtype=torch.float64) / dim
-    angles = positions.to(torch.float64)[..., None] * theta**-exponents  # [B, T, D/2]
+    """Rotary angles (Su et al. 2021) ``position * theta^(-2i/D)``, for queries and keys alike.
+
+    Computed in float32 exactly as the engines build their cos/sin caches (vLLM's and SGLang's
+    ``RotaryEmbedding._compute_cos_sin_cache``: float32 positions times float32 inverse
+    frequencies), so training, our decoder and a served head rotate by the same angles at
+    every position; float64 angles would differ from the engines' by ~1e-3 radians at 32k.
+    """
+    inverse = rope_inverse_frequencies(dim, theta).to(positions.device)  # [D/2]
+    angles = positions.to(torch.float32)[..., None] * inverse  # [B, T, D/2]
     angles = torch.cat((angles, angles), dim=-1)[:, None]  # [B, 1, T, D]
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
