@@ -37,6 +37,17 @@ in vLLM's numbering; weights as above with ``midlayer.*`` renamed ``layers.0.*``
 it from ``speculators_config``: ``LLM(model=<folder>)`` loads the verifier and the head with no
 conversion step.
 
+P-EAGLE (``speculators`` only, the ``peagle`` model of vllm-project/speculators): the EAGLE-3
+speculators folder with ``speculators_model_type = "peagle"`` (algorithm ``peagle``, architecture
+``PEagleSpeculator``), ``speculative_tokens`` = the head's depth count and ``mask_token_id``, the
+placeholder token (also written as ``pard_token`` in ``transformer_layer_config``, the name
+vLLM's proposer reads it by, for readers that do not map it). vLLM reads the folder as method
+``eagle3`` with ``parallel_drafting`` on. The weights add ``mask_hidden`` [1, 1, 3H] (vLLM's
+buffer of the features of the positions not known yet, ``fc``-fused like real ones; it is
+3 x hidden wide, so only heads fusing 3 target states can be served) and ``embed_tokens.weight``
+[V, H]: the target's embeddings with the row of ``mask_token_id`` replaced by the learned mask
+embedding (vLLM then uses the draft's own table, as the speculators checkpoint does).
+
 Medusa (vLLM ``MedusaModel``, ``vllm/transformers_utils/configs/medusa.py``): config fields
 ``num_heads``, ``num_hidden_layers``, ``hidden_size``, ``vocab_size``, ``truncated_vocab_size``,
 ``medusa_fc_bias`` and weights ``blocks.{i}.layers.{j}.weight/bias``, ``lm_heads.{i}.weight``.
@@ -60,10 +71,12 @@ from safetensors.torch import load_file, save_file
 from data.atomic_io import atomic_folder
 from decode.drafters.eagle import EAGLE3_ARCHITECTURE, Eagle3Config, Eagle3Head
 from decode.drafters.medusa import MEDUSA_ARCHITECTURE, MedusaHeads
+from decode.drafters.peagle import PEagleConfig, PEagleHead
 
 EngineFormat = Literal["vllm", "sglang", "speculators"]
 ENGINE_FORMATS: tuple[str, ...] = ("vllm", "sglang", "speculators")
 SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
+PEAGLE_SPECULATORS_ARCHITECTURE = "PEagleSpeculator"
 # Each format's serving engine, for the folder cards.
 ENGINE_OF_FORMAT = {"vllm": "vLLM", "sglang": "SGLang", "speculators": "vLLM (speculators format)"}
 
@@ -231,12 +244,102 @@ def export_eagle3(
     )
 
 
+def peagle_speculators_config(
+    head: PEagleHead,
+    dtype: torch.dtype,
+    verifier: str,
+    verifier_architectures: Sequence[str] = ("LlamaForCausalLM",),
+) -> dict[str, Any]:
+    """The ``config.json`` of a speculators-format P-EAGLE folder (module docstring)."""
+    config = eagle3_speculators_config(
+        head, dtype, verifier, verifier_architectures, head.config.num_depths
+    )
+    mask_id = head.config.mask_token_id
+    config["architectures"] = [PEAGLE_SPECULATORS_ARCHITECTURE]
+    config["speculators_model_type"] = "peagle"
+    config["speculators_config"]["algorithm"] = "peagle"
+    config["mask_token_id"] = mask_id
+    config["transformer_layer_config"]["pard_token"] = mask_id
+    return config
+
+
+def peagle_engine_tensors(
+    head: PEagleHead,
+    embeddings: torch.Tensor,  # [V, H] the target's input embeddings
+    dtype: torch.dtype,
+) -> dict[str, torch.Tensor]:
+    """EAGLE-3's speculators tensors plus ``mask_hidden`` and the draft's ``embed_tokens``."""
+    config = head.config
+    if tuple(embeddings.shape) != (config.target_vocab_size, config.hidden_size):
+        raise ValueError(
+            f"the target's embeddings have shape {tuple(embeddings.shape)}, the head expects "
+            f"[{config.target_vocab_size}, {config.hidden_size}]"
+        )
+    tensors = eagle3_engine_tensors(head, dtype, "speculators")
+    table = embeddings.detach().to(device="cpu", dtype=dtype).clone()
+    table[config.mask_token_id] = tensors.pop("mask_embed")
+    tensors["embed_tokens.weight"] = table
+    tensors["mask_hidden"] = tensors["mask_hidden"].reshape(1, 1, -1)
+    return tensors
+
+
+def export_peagle(
+    head: PEagleHead,
+    embeddings: torch.Tensor,  # [V, H] the target's input embeddings
+    out_dir: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    overwrite: bool = False,
+    verifier: str | None = None,
+    verifier_architectures: Sequence[str] = ("LlamaForCausalLM",),
+) -> Path:
+    """Write ``head`` as a speculators-format P-EAGLE folder that vLLM serves; returns it."""
+    ids = engine_aux_ids(head, "speculators")["vllm"]
+    if len(ids) != 3:
+        raise ValueError(
+            f"this head fuses {len(ids)} target states; vLLM's parallel drafting keeps "
+            "mask_hidden 3 x hidden wide: retrain with 3 aux ids (a target of 3 or more layers)"
+        )
+    dtype = dtype or head.fc.weight.dtype
+    config = peagle_speculators_config(head, dtype, verifier or "", verifier_architectures)
+    tensors = peagle_engine_tensors(head, embeddings, dtype)
+    return _write_folder(Path(out_dir), config, tensors, overwrite, peagle_card(head, config))
+
+
+def read_speculators_peagle(folder: str | Path) -> PEagleHead:
+    """Load a speculators-format P-EAGLE folder (as written by :func:`export_peagle`); the mask
+    embedding is the ``embed_tokens`` row of ``mask_token_id``."""
+    raw, config, state = _read_speculators(folder, "peagle")
+    head_config = PEagleConfig(
+        **config.to_dict(),
+        num_depths=raw["speculators_config"]["proposal_methods"][0]["speculative_tokens"],
+        mask_token_id=raw["mask_token_id"],
+    )
+    table = state.pop("embed_tokens.weight")
+    state["mask_embed"] = table[head_config.mask_token_id]
+    state["mask_hidden"] = state["mask_hidden"].reshape(-1)
+    head = PEagleHead(head_config)
+    head._load_weights(state)
+    return head
+
+
 def read_speculators_eagle3(folder: str | Path) -> Eagle3Head:
     """Load a speculators-format EAGLE-3 folder (as written by :func:`export_eagle3`)."""
+    _, config, state = _read_speculators(folder, "eagle3")
+    head = Eagle3Head(config)
+    head._load_weights(state)
+    return head
+
+
+def _read_speculators(
+    folder: str | Path, model_type: str
+) -> tuple[dict[str, Any], Eagle3Config, dict[str, torch.Tensor]]:
+    """A speculators folder's raw config, its EAGLE-3 layer config and its tensors (names as
+    in our heads, ``layers.0.*`` back to ``midlayer.*``)."""
     folder = Path(folder)
     raw = json.loads((folder / "config.json").read_text())
-    if raw.get("speculators_model_type") != "eagle3" or "transformer_layer_config" not in raw:
-        raise ValueError(f"{folder} is not a speculators-format EAGLE-3 folder")
+    if raw.get("speculators_model_type") != model_type or "transformer_layer_config" not in raw:
+        raise ValueError(f"{folder} is not a speculators-format {model_type} folder")
     if raw.get("norm_before_residual", True) or raw.get("norm_before_fc") or raw.get("fc_norm"):
         raise ValueError(
             f"{folder} uses norm_before_residual/norm_before_fc/fc_norm, variants this head "
@@ -264,9 +367,7 @@ def read_speculators_eagle3(folder: str | Path) -> Eagle3Head:
         ("midlayer." + k.removeprefix("layers.0.") if k.startswith("layers.0.") else k): v
         for k, v in load_file(str(folder / "model.safetensors")).items()
     }
-    head = Eagle3Head(config)
-    head._load_weights(state)
-    return head
+    return raw, config, state
 
 
 def medusa_engine_config(heads: MedusaHeads, dtype: torch.dtype) -> dict[str, Any]:
@@ -395,6 +496,37 @@ def eagle3_card(head: Eagle3Head, fmt: str, config: dict[str, Any]) -> str:
                 "```",
             ]
     return "\n".join([*lines, "", _CHECK, ""])
+
+
+def peagle_card(head: PEagleHead, config: dict[str, Any]) -> str:
+    """README.md of a speculators-format P-EAGLE folder."""
+    c = head.config
+    verifier = config["speculators_config"]["verifier"]["name_or_path"]
+    return "\n".join(
+        [
+            "# P-EAGLE head for vLLM (speculators format)",
+            "",
+            f"Written by draftsmith: EAGLE-3's layer over the {c.target_num_hidden_layers}-layer "
+            f"target's hidden states {list(c.aux_hidden_state_layer_ids)} (0 = embedding "
+            f"output), drafting {c.num_depths} tokens per round in one pass: depth 1 from the "
+            f"last committed token, depths 2-{c.num_depths} from mask token {c.mask_token_id} "
+            "and the learned `mask_hidden` features.",
+            "",
+            "vLLM reads it as method `eagle3` with `parallel_drafting` (vLLM releases that "
+            "know `speculators_model_type: peagle`):",
+            "",
+            "```python",
+            "from vllm import LLM",
+            "llm = LLM(model='<this folder>')  # loads the verifier named below as the target",
+            "```",
+            "",
+            f"Verifier: `{verifier}` (edit `speculators_config.verifier.name_or_path` if the "
+            "target moved). Not for SGLang.",
+            "",
+            _CHECK,
+            "",
+        ]
+    )
 
 
 def medusa_card(heads: MedusaHeads) -> str:
