@@ -11,8 +11,10 @@ chains split, leading ``VAR=value`` assignments skipped) and checked by what it 
 - every ``configs/`` file a command names exists;
 - anything else must be one of the few outside tools the guides use (pip, vllm, curl, ...).
 
-``python`` blocks must compile and their imports resolve. The ``slow`` test runs the
-decoding guide top to bottom at tiny scale in a scratch folder.
+``python`` blocks must compile and their imports resolve. The ``slow`` tests run each
+document's cheap commands for real, in order, in a scratch folder of its own: every
+draftsmith command at tiny scale (one that names ``tiny``) but the server, the load test and
+the engine check, and ``draftsmith-report --check``; then the document's ``python`` blocks.
 """
 
 from __future__ import annotations
@@ -57,6 +59,11 @@ def blocks(language: str) -> list[tuple[str, str]]:
 
 def commands() -> list[tuple[str, list[str]]]:
     """``(document, argv)`` for every command of every bash block."""
+    return [(document, argv) for document, _, argv in shell_commands()]
+
+
+def shell_commands() -> list[tuple[str, dict[str, str], list[str]]]:
+    """``(document, environment assignments, argv)`` for every command of every bash block."""
     found = []
     for document, text in blocks("bash"):
         for line in text.replace("\\\n", " ").splitlines():
@@ -64,12 +71,14 @@ def commands() -> list[tuple[str, list[str]]]:
             while words:
                 end = words.index("&&") if "&&" in words else len(words)
                 argv, words = words[:end], words[end + 1 :]
+                env = {}
                 while argv and re.fullmatch(r"[A-Z_]+=\S*", argv[0]):
-                    argv = argv[1:]  # an environment assignment
+                    name, _, value = argv.pop(0).partition("=")
+                    env[name] = value
                 if argv and argv[-1] == "&":
                     argv = argv[:-1]
                 if argv:
-                    found.append((document, argv))
+                    found.append((document, env, argv))
     return found
 
 
@@ -178,21 +187,48 @@ def test_python_blocks_compile_and_import() -> None:
                 assert not missing, f"{document}: {node.module} has no {missing}"
 
 
+NOT_RUN = {"draftsmith-serve", "draftsmith-load-test", "draftsmith-check-engine"}
+"""Commands the slow tests leave to their ``--help`` check: a server, its client, vLLM."""
+
+
+def cheap(argv: list[str]) -> bool:
+    """Whether a command runs in seconds to a minute: tiny scale, nothing served."""
+    name = Path(argv[0]).name
+    if name == "draftsmith-report":
+        return argv[1:] == ["--check"]
+    drafts = name == "accelerate" or (name.startswith("draftsmith-") and name not in NOT_RUN)
+    return drafts and "tiny" in " ".join(argv)
+
+
 @pytest.mark.slow
-def test_the_decoding_guide_runs_top_to_bottom_at_tiny_scale(tmp_path: Path) -> None:
-    """Its bash blocks in a scratch folder (``configs/`` linked in), then its Python block."""
-    (tmp_path / "configs").symlink_to(ROOT / "configs")
-    guide = "docs/guides/decoding-and-evaluating.md"
+@pytest.mark.parametrize("document", [p.relative_to(ROOT).as_posix() for p in DOCUMENTS])
+def test_the_document_runs_at_tiny_scale(document: str, tmp_path: Path) -> None:
+    """Its cheap commands in a scratch folder (``configs/`` and ``train/`` linked in, a user
+    cache of its own), then its Python blocks."""
+    import os
+
+    for folder in ("configs", "train"):  # recipes, and accelerate's train/distill.py
+        (tmp_path / folder).symlink_to(ROOT / folder)
     bin_dir = Path(sys.executable).parent
-    for document, argv in commands():
-        if document == guide:
-            subprocess.run([str(bin_dir / argv[0]), *argv[1:]], cwd=tmp_path, check=True)
-    for document, text in blocks("python"):
-        if document == guide:
-            code = subprocess.run(
-                [sys.executable, "-c", text], cwd=tmp_path, capture_output=True, text=True
+    base = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    for source, env, argv in shell_commands():
+        if source == document and cheap(argv):
+            run = subprocess.run(
+                [str(bin_dir / argv[0]), *argv[1:]],
+                cwd=tmp_path,
+                env={**base, **env},
+                capture_output=True,
+                text=True,
             )
-            assert code.returncode == 0, code.stderr[-2000:]
+            assert run.returncode == 0, (
+                f"{shlex.join(argv)}:\n{run.stdout[-2000:]}{run.stderr[-3000:]}"
+            )
+    for source, text in blocks("python"):
+        if source == document:
+            run = subprocess.run(
+                [sys.executable, "-c", text], cwd=tmp_path, env=base, capture_output=True, text=True
+            )
+            assert run.returncode == 0, run.stderr[-3000:]
 
 
 def test_a_flag_the_command_lacks_is_caught() -> None:
