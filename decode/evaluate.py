@@ -409,8 +409,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--drafter-kind",
         default=None,
-        help="draft_lm | ngram | medusa | eagle3 | hybrid (lookup + the folder's drafter) | none "
-        "(default: read from the folder)",
+        help="draft_lm | ngram | medusa | eagle3 | peagle | hybrid (lookup + the folder's "
+        "drafter) | none (default: read from the folder)",
     )
     parser.add_argument(
         "--prompts",

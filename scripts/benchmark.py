@@ -1,14 +1,14 @@
 """Benchmark draftsmith against the Hugging Face methods on one target, in one run.
 
     python scripts/benchmark.py --target PATH [--draft-lm DIR] [--eagle3 DIR] [--medusa DIR]
-        --json OUT --plots DIR
+        [--peagle DIR] --json OUT --plots DIR
 
 On the same prompts, interleaved per prompt: plain decoding (HF ``generate``), HF assisted
 generation with the same draft LM, HF prompt lookup, draftsmith's own plain decoding (the
 control: our decoder with no drafter), and draftsmith with the n-gram drafter, the draft LM
-(chain, with N fixed and with the adaptive length in 0..N), EAGLE-3 (chain and dynamic tree)
-and Medusa (static tree), each tree also adaptive (every round's shape chosen by
-``decode.tree_policy``), at each temperature.
+(chain, with N fixed and with the adaptive length in 0..N), EAGLE-3 (chain and dynamic tree),
+P-EAGLE (a chain drafted in one pass) and Medusa (static tree), each tree also adaptive (every
+round's shape chosen by ``decode.tree_policy``), at each temperature.
 Reports tokens/s, speedup over plain, tau, predicted tau, acceptance per position, held-out
 overlap per position (from each drafter folder's ``eval_results.json``), and the peak resident
 memory of each method (Linux: the process's high-water mark, reset before each call; on a GPU,
@@ -62,6 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--draft-lm", default=None, help="draft_lm drafter folder")
     parser.add_argument("--eagle3", default=None, help="EAGLE-3 drafter folder")
     parser.add_argument("--medusa", default=None, help="Medusa drafter folder")
+    parser.add_argument("--peagle", default=None, help="P-EAGLE drafter folder")
     parser.add_argument("--prompts", default="demo")
     parser.add_argument("--num-prompts", type=int, default=6)
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -183,7 +184,11 @@ def build_methods(args, target, drafters, settings: EvalSettings, meter, peaks, 
         methods["draftsmith EAGLE-3 chain (adaptive N)"] = speculative_method(
             target, drafters["eagle3"], adaptive
         )
-    for kind, label in (("draft_lm", "draft LM"), ("eagle3", "EAGLE-3")):
+    if "peagle" in drafters:  # the whole chain in one pass of the head
+        methods["draftsmith P-EAGLE chain"] = speculative_method(
+            target, drafters["peagle"], settings
+        )
+    for kind, label in (("draft_lm", "draft LM"), ("eagle3", "EAGLE-3"), ("peagle", "P-EAGLE")):
         if kind in drafters:
             name = f"{HYBRID} + {label}"
             hybrids[name] = HybridDrafter(drafters[kind])
@@ -322,7 +327,12 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     target, tokenizer = load_target(args.target, args.device)
     drafters = {kind: load_drafter(None, target, kind=kind) for kind in ("none", "ngram")}
-    folders = {"draft_lm": args.draft_lm, "eagle3": args.eagle3, "medusa": args.medusa}
+    folders = {
+        "draft_lm": args.draft_lm,
+        "eagle3": args.eagle3,
+        "medusa": args.medusa,
+        "peagle": args.peagle,
+    }
     for kind, folder in folders.items():
         if folder:
             drafters[kind] = load_drafter(folder, target, kind=kind)
@@ -334,6 +344,7 @@ def main(argv: list[str] | None = None) -> dict:
         "draftsmith EAGLE-3 tree (adaptive)": held_out_overlap(args.eagle3),
         "draftsmith Medusa tree": held_out_overlap(args.medusa),
         "draftsmith Medusa tree (adaptive)": held_out_overlap(args.medusa),
+        "draftsmith P-EAGLE chain": held_out_overlap(args.peagle),
     }
     prompts = [
         encode_prompt(tokenizer, p) for p in load_eval_prompts(args.prompts, args.num_prompts)

@@ -3,18 +3,19 @@
     python scripts/check_engine.py --target T --drafter D [--engine vllm]
         [--num-prompts 4 --max-tokens 32 --k 3] [--engine-python /path/to/vllm-venv/bin/python]
 
-``D`` is a folder written by ``--export_format vllm|sglang|speculators`` (EAGLE-3) or ``vllm``
-(Medusa). On the same seeded prompts, greedy, the engine decodes plainly and speculatively and
-draftsmith's own decoder decodes speculatively with the same folder. The report shows, side by
-side: whether each output equals the engine's plain decoding, and the accepted tokens per draft
-position from the engine's metrics (vLLM: ``vllm:spec_decode_num_accepted_tokens_per_pos``) and
-from draftsmith's :class:`~decode.stats.DecodeStats`. Greedy speculative decoding must reproduce
-plain decoding exactly, and two correct implementations of one head accept the same drafts, so
-any difference means the engine reads the folder differently from the way it was trained (wrong
-aux layers, a misapplied vocabulary map). The exit code is 0 only when every output is equal and
-the acceptance counts agree: exactly with ``--tolerance 0``; by default within 2% per position or
-one token per prompt, for the last round of each request, which the token limit may cut in one
-implementation and not in the other.
+``D`` is a folder written by ``--export_format vllm|sglang|speculators`` (EAGLE-3), ``speculators``
+(P-EAGLE) or ``vllm`` (Medusa). On the same seeded prompts, greedy, the engine decodes plainly and
+speculatively and draftsmith's own decoder decodes speculatively with the same folder. The report
+shows, side by side: whether each output equals the engine's plain decoding, and the accepted
+tokens per draft position from the engine's metrics (vLLM:
+``vllm:spec_decode_num_accepted_tokens_per_pos``) and from draftsmith's
+:class:`~decode.stats.DecodeStats`. Greedy speculative decoding must reproduce plain decoding
+exactly, and two correct implementations of one head accept the same drafts, so any difference
+means the engine reads the folder differently from the way it was trained (wrong aux layers, a
+misapplied vocabulary map). The exit code is 0 only when every output is equal and the acceptance
+counts agree: exactly with ``--tolerance 0``; by default within 2% per position or one token per
+prompt, for the last round of each request, which the token limit may cut in one implementation and
+not in the other.
 
 The engine side uses only the standard library and the engine itself, so it can run in the
 engine's own environment: when ``import vllm`` fails here, pass ``--engine-python`` (a Python
@@ -44,18 +45,19 @@ RESULT_MARKER = "CHECK_ENGINE_RESULT "
 
 
 def drafter_method(folder: str | Path) -> str:
-    """``eagle3``, ``medusa`` or ``speculators`` (an EAGLE-3 head in vLLM's speculators format)."""
+    """``eagle3``, ``medusa``, ``speculators`` (an EAGLE-3 head in vLLM's speculators format)
+    or ``peagle`` (a P-EAGLE head in that format)."""
     config_path = Path(folder) / "config.json"
     if not config_path.is_file():
         raise SystemExit(f"--drafter {folder}: no config.json; pass an exported engine folder")
     config = json.loads(config_path.read_text())
     if config.get("speculators_config") is not None:
-        if config.get("speculators_model_type") != "eagle3":
+        kind = config.get("speculators_model_type")
+        if kind not in ("eagle3", "peagle"):
             raise SystemExit(
-                f"--drafter {folder}: speculators type {config.get('speculators_model_type')!r}; "
-                "only eagle3 is checked"
+                f"--drafter {folder}: speculators type {kind!r}; only eagle3 and peagle are checked"
             )
-        return "speculators"
+        return "speculators" if kind == "eagle3" else "peagle"
     architectures = config.get("architectures") or []
     if "LlamaForCausalLMEagle3" in architectures:
         return "eagle3"
@@ -153,7 +155,7 @@ def vllm_decode(
 
 def vllm_speculative_config(job: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """The model vLLM is given and its speculative config for ``job``'s folder."""
-    if job["method"] == "speculators":  # the format's own path: vLLM finds the verifier itself
+    if job["method"] in ("speculators", "peagle"):  # vLLM finds the verifier itself
         return job["drafter"], {"num_speculative_tokens": job["k"]}
     return job["target"], {
         "method": job["method"],
@@ -223,6 +225,11 @@ def run_draftsmith(job: dict[str, Any]) -> dict[str, Any]:
         from train.export_formats import read_speculators_eagle3
 
         drafter = Eagle3Drafter(read_speculators_eagle3(job["drafter"]), target)
+    elif job["method"] == "peagle":
+        from decode.drafters.peagle import PEagleDrafter
+        from train.export_formats import read_speculators_peagle
+
+        drafter = PEagleDrafter(read_speculators_peagle(job["drafter"]), target)
     else:
         from decode.drafters.registry import load_drafter
 

@@ -96,6 +96,34 @@ def fit_eagle3(
     return head.eval()
 
 
+def fit_peagle(
+    target: torch.nn.Module,
+    corpus: torch.Tensor,  # [N, T]
+    draft_vocab_size: int | None = None,
+    steps: int = 60,
+    depths: int = 3,
+):
+    """A P-EAGLE head trained on ``corpus`` through its own objective (forward KL, every
+    anchor kept), its mask token the corpus's rarest."""
+    from objective_helpers import bind, train
+
+    from decode.drafters.peagle import PEagleConfig, PEagleHead
+    from train.losses import build_loss
+    from train.objectives.peagle import PEagleObjective
+
+    torch.manual_seed(0)
+    config = PEagleConfig.for_target(
+        target.config, draft_vocab_size=draft_vocab_size, num_depths=depths
+    )
+    objective = PEagleObjective(
+        PEagleHead(config).float(), target, build_loss("fkl"), unroll_steps=depths, cod_ratio=1.0
+    )
+    objective.prepare([{"input_ids": row.tolist()} for row in corpus])
+    batch = {"input_ids": corpus, "attention_mask": torch.ones_like(corpus)}
+    train(bind(objective), batch, steps=steps)
+    return objective.head.eval()
+
+
 def fit_medusa(
     target: torch.nn.Module, corpus: torch.Tensor, num_heads: int = 3, steps: int = 60
 ) -> MedusaHeads:

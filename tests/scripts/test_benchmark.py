@@ -12,7 +12,13 @@ def _load_script():
 
 
 def test_benchmark_writes_report_and_plots(tiny_pair_dirs, tmp_path) -> None:
+    from transformers import AutoConfig
+
+    from decode.drafters.peagle import PEagleConfig, PEagleHead
+
     target_dir, draft_dir = tiny_pair_dirs
+    peagle = PEagleHead(PEagleConfig.for_target(AutoConfig.from_pretrained(target_dir)))
+    peagle.save_pretrained(tmp_path / "peagle")
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("def add(a, b):\nclass Point:\n")
     report = _load_script().main(
@@ -21,6 +27,8 @@ def test_benchmark_writes_report_and_plots(tiny_pair_dirs, tmp_path) -> None:
             str(target_dir),
             "--draft-lm",
             str(draft_dir),
+            "--peagle",
+            str(tmp_path / "peagle"),
             "--prompts",
             str(prompts),
             "--max-new-tokens",
@@ -50,12 +58,15 @@ def test_benchmark_writes_report_and_plots(tiny_pair_dirs, tmp_path) -> None:
         "draftsmith n-gram",
         "draftsmith draft LM",
         "draftsmith draft LM (adaptive N)",
+        "draftsmith P-EAGLE chain",
+        "draftsmith hybrid: lookup + P-EAGLE",
     }
     for name in (
         "draftsmith plain (no drafter)",
         "draftsmith n-gram",
         "draftsmith draft LM",
         "draftsmith draft LM (adaptive N)",
+        "draftsmith P-EAGLE chain",
     ):
         assert greedy[name]["greedy_equal_to_plain"] == 2  # exact at temperature 0
     assert greedy["draftsmith plain (no drafter)"]["tau"] == 1.0
@@ -71,6 +82,6 @@ def test_benchmark_writes_report_and_plots(tiny_pair_dirs, tmp_path) -> None:
     )
     for row in greedy.values():  # linux: the high-water mark, and what the call added to it
         assert row["peak_memory_mb"] > 0 and 0 <= row["extra_memory_mb"] <= row["peak_memory_mb"]
-    assert set(saved["sweep"]) == {"ngram", "draft_lm"}
+    assert set(saved["sweep"]) == {"ngram", "draft_lm", "peagle"}
     for png in ("acceptance_t0.png", "speedup_t1.png", "speedup_vs_draft_length.png"):
         assert (tmp_path / "plots" / png).stat().st_size > 1000

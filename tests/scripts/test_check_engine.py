@@ -12,10 +12,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_models import engine_llama, fit_eagle3, fit_medusa, greedy_corpus, save_target
+from engine_models import (
+    engine_llama,
+    fit_eagle3,
+    fit_medusa,
+    fit_peagle,
+    greedy_corpus,
+    save_target,
+)
 
 from decode.drafters.eagle import Eagle3Config, Eagle3Head
-from train.export_formats import export_eagle3, export_medusa
+from decode.drafters.peagle import PEagleConfig, PEagleHead
+from train.export_formats import export_eagle3, export_medusa, export_peagle
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import check_engine
@@ -37,6 +45,11 @@ def test_folders_are_recognised_by_what_they_declare(tmp_path) -> None:
     assert check_engine.drafter_method(export_eagle3(head, tmp_path / "v", "vllm")) == "eagle3"
     folder = export_eagle3(head, tmp_path / "s", "speculators", verifier="t")
     assert check_engine.drafter_method(folder) == "speculators"
+    target4 = engine_llama(4)
+    parallel = PEagleHead(PEagleConfig.for_target(target4.config))
+    embed = target4.get_input_embeddings().weight
+    folder = export_peagle(parallel, embed, tmp_path / "p", verifier="t")
+    assert check_engine.drafter_method(folder) == "peagle"
     (tmp_path / "x").mkdir()
     (tmp_path / "x" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     with pytest.raises(SystemExit, match="not an engine export"):
@@ -112,12 +125,32 @@ def test_draftsmith_side_equals_plain_greedy(tmp_path) -> None:
     assert ours["drafts"] > 0 and len(ours["accepted_per_position"]) == 3
 
 
+def test_draftsmith_side_of_a_peagle_folder_equals_plain_greedy(tmp_path) -> None:
+    target = engine_llama(4)
+    target_dir = save_target(target, tmp_path / "t")
+    corpus = greedy_corpus(target, rows=8, length=24)
+    head = fit_peagle(target, corpus, draft_vocab_size=128, steps=10)
+    embed = target.get_input_embeddings().weight
+    folder = export_peagle(head, embed, tmp_path / "p", verifier=str(target_dir))
+    job = _job(target_dir, folder, "--num-prompts", "2", "--max-tokens", "12")
+    assert job["method"] == "peagle"
+    ours = check_engine.run_draftsmith(job)
+    with torch.no_grad():
+        for ids, out in zip(job["prompts"], ours["speculative"], strict=True):
+            ref = target.generate(
+                torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None
+            )
+            assert out == ref[0, len(ids) :].tolist()
+    assert ours["drafts"] > 0 and len(ours["accepted_per_position"]) == 3
+
+
 # ------------------------------------------------------------------ the engine itself
 
 
 @pytest.fixture(scope="module")
 def fitted(tmp_path_factory):
-    """A 4-layer engine-compatible target with a pruned-vocabulary EAGLE-3 head and Medusa heads."""
+    """A 4-layer engine-compatible target with pruned-vocabulary EAGLE-3 and P-EAGLE heads and
+    Medusa heads."""
     root = tmp_path_factory.mktemp("engine")
     target = engine_llama(4)
     target_dir = save_target(target, root / "target")
@@ -131,12 +164,18 @@ def fitted(tmp_path_factory):
             head, root / "eagle3" / "speculators", "speculators", verifier=str(target_dir)
         ),
         "medusa": export_medusa(medusa, root / "medusa" / "vllm"),
+        "peagle": export_peagle(
+            fit_peagle(target, corpus, draft_vocab_size=128, steps=40),
+            target.get_input_embeddings().weight,
+            root / "peagle" / "speculators",
+            verifier=str(target_dir),
+        ),
     }
 
 
 @pytest.mark.engines
 @pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not importable (set DRAFTSMITH_ENGINE_PYTHON)")
-@pytest.mark.parametrize("layout", ["vllm", "speculators", "medusa"])
+@pytest.mark.parametrize("layout", ["vllm", "speculators", "medusa", "peagle"])
 def test_exports_run_in_vllm_exactly_as_in_draftsmith(fitted, layout: str, tmp_path) -> None:
     argv = ["--target", str(fitted["target"]), "--drafter", str(fitted[layout])]
     argv += ["--num-prompts", "2", "--max-tokens", "24", "--json", str(tmp_path / "r.json")]
