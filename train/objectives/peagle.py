@@ -1,4 +1,5 @@
-"""The ``peagle`` objective: a P-EAGLE head trained on all its depths in one pass.
+"""The ``peagle`` objective: a P-EAGLE head trained on all its depths in one pass
+(docs/theory.md §8).
 
 P-EAGLE (Hui et al. 2026; the ``peagle`` model of vllm-project/speculators) drafts depth 1
 from EAGLE-3's ordinary row and depths 2..N from mask rows that see the committed context and
