@@ -25,9 +25,10 @@ import torch
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 LLAMA31 = "llama-3.1-8b-instruct"
 LLAMA33_70B = "llama-3.3-70b-instruct"
+LLAMA32_1B = "llama-3.2-1b-instruct"  # the draft LM of configs/llama3.1-8b-draft.yaml
 QWEN3 = "qwen3-8b"
 # Families sharing another's tokenizer and chat template.
-_TOKENIZER_OF = {LLAMA33_70B: LLAMA31}
+_TOKENIZER_OF = {LLAMA33_70B: LLAMA31, LLAMA32_1B: LLAMA31}
 
 
 def real_config(family: str) -> dict[str, Any]:
