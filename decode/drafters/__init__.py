@@ -1,4 +1,4 @@
-"""Drafter kinds (draft_lm, ngram, medusa, eagle3), the runtime protocol and the registry."""
+"""Drafter kinds (draft_lm, ngram, medusa, eagle3, peagle), the runtime protocol and the registry."""
 
 from decode.drafters.registry import DRAFTER_LOADERS, detect_drafter_kind, load_drafter
 

@@ -85,15 +85,15 @@ class HybridUsage:
 
 
 class HybridDrafter(Drafter):
-    """Prompt lookup and a learned drafter (``draft_lm`` or ``eagle3``) in one round."""
+    """Prompt lookup and a learned drafter (``draft_lm``, ``eagle3`` or ``peagle``) in one round."""
 
     kind = "hybrid"
 
     def __init__(self, learned: Drafter, max_ngram: int = 3, min_ngram: int = 1) -> None:
         if not learned.supports_external_drafts:
             raise ValueError(
-                f"the hybrid drafter pairs prompt lookup with a draft_lm or eagle3 drafter; the "
-                f"{learned.kind} drafter cannot commit drafts it did not propose"
+                "the hybrid drafter pairs prompt lookup with a draft_lm, eagle3 or peagle "
+                f"drafter; the {learned.kind} drafter cannot commit drafts it did not propose"
             )
         self.learned = learned
         self.lookup = NgramDrafter(learned.vocab_size, max_ngram=max_ngram, min_ngram=min_ngram)

@@ -99,13 +99,13 @@ def load_no_drafter(path: str | Path | None, target: torch.nn.Module) -> Drafter
 
 
 def load_hybrid(path: str | Path | None, target: torch.nn.Module) -> Drafter:
-    """Prompt lookup plus the learned drafter (draft_lm or eagle3) stored at ``path``."""
+    """Prompt lookup plus the learned drafter (draft_lm, eagle3 or peagle) stored at ``path``."""
     from decode.drafters.hybrid import HybridDrafter
 
     if path is None:
         raise ValueError(
             "the hybrid drafter pairs prompt lookup with a trained drafter: pass --drafter PATH "
-            "(a draft_lm or eagle3 folder)"
+            "(a draft_lm, eagle3 or peagle folder)"
         )
     learned_kind = detect_drafter_kind(path)
     if learned_kind == "hybrid":
