@@ -19,6 +19,13 @@ write. Each shard concatenates its sequences along the token axis: ``input_ids``
 optionally ``hidden_states`` [L, N, H] float16, and ``offsets`` [S + 1] int64 (sequence s is
 tokens ``offsets[s]:offsets[s + 1]``). Shards and ``cache.json`` are written to a temporary
 sibling and renamed (``data.atomic_io``), so a shard on disk is always complete.
+
+Several processes can write one cache (``train.target_cache``): sequences fall into parts of
+a fixed size, part ``p`` is ``shard-p`` and is written by one process (:func:`save_shard`), a
+part already on disk is kept when a killed build is run again, and the main process writes
+``cache.json`` (:func:`write_manifest`) once every part exists. ``dtype`` (float16 by default,
+bfloat16 or float32) is the dtype of the stored log-probs and hidden states; bytes per token
+are :func:`cache_bytes_per_token`.
 """
 
 from __future__ import annotations
@@ -40,6 +47,26 @@ CACHE_FILE = "cache.json"
 FORMAT_VERSION = 1
 _SHARD_NAME = "shard-{:05d}.safetensors"
 _SHARD_GLOB = "shard-*.safetensors"
+CACHE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+_FIELDS = ("input_ids", "topk_ids", "topk_logprobs", "rest_logmass")
+
+
+def shard_name(index: int) -> str:
+    """File name of shard (or part) ``index``."""
+    return _SHARD_NAME.format(index)
+
+
+def cache_bytes_per_token(
+    k: int, hidden_size: int = 0, hidden_layers: int = 0, value_bytes: int = 2
+) -> int:
+    """Bytes a cached token costs: ``8 + 4 k + b k + 4 + b L H``.
+
+    The token id (int64), ``k`` ids (int32), ``k`` log-probs and ``L`` hidden states of width
+    ``H`` in the cache dtype (``b`` bytes: 2 for float16/bfloat16) and the rest mass (float32).
+    For an EAGLE-3 head (L = 3) at k = 32 in bfloat16: 24,780 bytes on Llama-3-8B's H = 4096,
+    49,356 on Llama-3-70B's H = 8192; full fp16 logits over V = 128,256 would be 256,512.
+    """
+    return 8 + 4 * k + value_bytes * k + 4 + value_bytes * hidden_layers * hidden_size
 
 
 def full_logits_bytes_per_token(vocab_size: int, bytes_per_value: int = 2) -> int:
@@ -108,7 +135,11 @@ class TargetCacheWriter:
         shard_tokens: int = 1_000_000,
         hidden_layer_ids: list[int] | None = None,
         overwrite: bool = False,
+        dtype: str = "float16",
     ) -> None:
+        if dtype not in CACHE_DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(CACHE_DTYPES)}, got {dtype!r}")
+        self.dtype = dtype
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         if shard_tokens < 1:
@@ -190,7 +221,7 @@ class TargetCacheWriter:
         entry = {
             "input_ids": input_ids.detach().to("cpu", torch.int64),
             "topk_ids": topk_ids.to("cpu", torch.int32),
-            "topk_logprobs": topk_logprobs.to("cpu", torch.float16),
+            "topk_logprobs": topk_logprobs.to("cpu", CACHE_DTYPES[self.dtype]),
             "rest_logmass": rest_logmass.to("cpu", torch.float32),
         }
         if hidden is not None:
@@ -206,7 +237,7 @@ class TargetCacheWriter:
         self,
         hidden_states: torch.Tensor | None,  # [L, T, H]
         length: int,
-    ) -> torch.Tensor | None:  # [L, T, H] float16 on CPU
+    ) -> torch.Tensor | None:  # [L, T, H] in the cache dtype on CPU
         if self._has_hidden is None:
             self._has_hidden = hidden_states is not None
             if not self._has_hidden and self.hidden_layer_ids is not None:
@@ -239,37 +270,32 @@ class TargetCacheWriter:
             raise ValueError(
                 f"hidden_states has (L, H) = {shape} but earlier sequences had {self._hidden_shape}"
             )
-        hidden = hidden_states.detach().to("cpu", torch.float16)
+        hidden = hidden_states.detach().to("cpu", CACHE_DTYPES[self.dtype])
         if not torch.isfinite(hidden).all() and torch.isfinite(hidden_states).all():
             raise ValueError(
-                "hidden_states overflow float16 (|x| > 65504); the cache stores them as float16, "
-                "so cache an earlier layer or normalised states"
+                f"hidden_states overflow {self.dtype} (|x| > 65504 in float16); store them as "
+                "bfloat16 (--cache_dtype bfloat16), or cache an earlier layer or normalised states"
             )
         return hidden
 
     def _flush(self) -> None:
         if not self._buffer:
             return
-        lengths = [entry["input_ids"].shape[0] for entry in self._buffer]
-        offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
-        offsets[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), dim=0)
-        tensors = {
-            name: torch.cat([entry[name] for entry in self._buffer], dim=0).contiguous()
-            for name in ("input_ids", "topk_ids", "topk_logprobs", "rest_logmass")
-        }
-        if self._has_hidden:
-            tensors["hidden_states"] = torch.cat(
-                [entry["hidden_states"] for entry in self._buffer], dim=1
-            ).contiguous()
-        tensors["offsets"] = offsets
-        name = _SHARD_NAME.format(len(self._shards))
-        with atomic_file(self.folder / name) as temporary:
-            save_file(tensors, str(temporary), metadata={"format": "pt"})
         self._shards.append(
-            {"file": name, "num_sequences": len(lengths), "num_tokens": int(offsets[-1])}
+            save_shard(self.folder, len(self._shards), self._buffer, bool(self._has_hidden))
         )
         self._buffer.clear()
         self._buffered_tokens = 0
+
+    def take(self) -> list[dict[str, torch.Tensor]]:
+        """The sequences added so far and not written, handed over and forgotten.
+
+        For callers that lay out shards themselves (:func:`save_shard`, one part of a
+        multi-process cache per call); checks and compression stay :meth:`add`'s.
+        """
+        entries, self._buffer = self._buffer, []
+        self._buffered_tokens = 0
+        return entries
 
     def close(self) -> None:
         """Write the last shard, then ``cache.json``; a second call does nothing."""
@@ -278,22 +304,90 @@ class TargetCacheWriter:
         if self.num_sequences == 0:
             raise ValueError(f"no sequences were added to the cache in {self.folder}; add() some")
         self._flush()
-        disk_bytes = sum((self.folder / shard["file"]).stat().st_size for shard in self._shards)
-        meta = {
-            "format_version": FORMAT_VERSION,
-            "k": self.k,
-            "vocab_size": self._vocab_size,
-            "num_sequences": self.num_sequences,
-            "num_tokens": self.num_tokens,
-            "bytes_per_token": disk_bytes / self.num_tokens,
-            "has_hidden_states": bool(self._has_hidden),
-            "hidden_layer_ids": self.hidden_layer_ids,
-            "hidden_size": None if self._hidden_shape is None else self._hidden_shape[1],
-            "num_hidden_layers": None if self._hidden_shape is None else self._hidden_shape[0],
-            "shards": self._shards,
-        }
-        write_json_atomic(self.folder / CACHE_FILE, meta)
+        write_manifest(
+            self.folder,
+            self._shards,
+            self.k,
+            self._vocab_size,
+            self.dtype,
+            self.hidden_layer_ids,
+            self._hidden_shape,
+        )
         self._closed = True
+
+
+def save_shard(
+    folder: Path, index: int, entries: Sequence[dict[str, torch.Tensor]], has_hidden: bool
+) -> dict[str, Any]:
+    """Write ``entries`` (sequences as :meth:`TargetCacheWriter.add` keeps them) atomically as
+    shard ``index``; return its manifest entry. The sequence count is in the file's metadata,
+    so a rerun can tell a finished part from nothing (an unfinished one never has a name)."""
+    lengths = [entry["input_ids"].shape[0] for entry in entries]
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), dim=0)
+    tensors = {
+        name: torch.cat([entry[name] for entry in entries], dim=0).contiguous() for name in _FIELDS
+    }
+    if has_hidden:
+        tensors["hidden_states"] = torch.cat(
+            [entry["hidden_states"] for entry in entries], dim=1
+        ).contiguous()
+    tensors["offsets"] = offsets
+    name = shard_name(index)
+    metadata = {"format": "pt", "num_sequences": str(len(lengths))}
+    with atomic_file(Path(folder) / name) as temporary:
+        save_file(tensors, str(temporary), metadata=metadata)
+    return {"file": name, "num_sequences": len(lengths), "num_tokens": int(offsets[-1])}
+
+
+def read_shard_entry(folder: Path, index: int) -> dict[str, Any] | None:
+    """The manifest entry of shard ``index`` if a finished one is on disk, else None."""
+    path = Path(folder) / shard_name(index)
+    if not path.is_file():
+        return None
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = handle.metadata() or {}
+        if "num_sequences" not in metadata:
+            return None
+        tokens = int(handle.get_slice("offsets")[-1:][0])
+    return {
+        "file": path.name,
+        "num_sequences": int(metadata["num_sequences"]),
+        "num_tokens": tokens,
+    }
+
+
+def write_manifest(
+    folder: Path,
+    shards: Sequence[dict[str, Any]],
+    k: int,
+    vocab_size: int | None,
+    dtype: str,
+    hidden_layer_ids: list[int] | None,
+    hidden_shape: tuple[int, int] | None,
+    key: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Write ``cache.json`` for ``shards`` (in sequence order) last, atomically; return it."""
+    folder = Path(folder)
+    num_tokens = sum(int(shard["num_tokens"]) for shard in shards)
+    disk_bytes = sum((folder / shard["file"]).stat().st_size for shard in shards)
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "k": k,
+        "vocab_size": vocab_size,
+        "dtype": dtype,
+        "num_sequences": sum(int(shard["num_sequences"]) for shard in shards),
+        "num_tokens": num_tokens,
+        "bytes_per_token": disk_bytes / max(num_tokens, 1),
+        "has_hidden_states": hidden_shape is not None,
+        "hidden_layer_ids": hidden_layer_ids,
+        "hidden_size": None if hidden_shape is None else hidden_shape[1],
+        "num_hidden_layers": None if hidden_shape is None else hidden_shape[0],
+        "shards": list(shards),
+        "key": key,
+    }
+    write_json_atomic(folder / CACHE_FILE, meta)
+    return meta
 
 
 class TargetCache:
@@ -365,10 +459,7 @@ class TargetCache:
         handle, offsets = self._shard(shard_index)
         local = index - self._first_index[shard_index]
         start, stop = offsets[local], offsets[local + 1]
-        item = {
-            name: handle.get_slice(name)[start:stop]
-            for name in ("input_ids", "topk_ids", "topk_logprobs", "rest_logmass")
-        }
+        item = {name: handle.get_slice(name)[start:stop] for name in _FIELDS}
         if self.meta["has_hidden_states"]:
             item["hidden_states"] = handle.get_slice("hidden_states")[:, start:stop]
         return item

@@ -43,7 +43,9 @@ import yaml
 from decode.defaults import DEMO_PROMPT_CHARS, NUM_DRAFT_TOKENS, TREE_TOP_K
 
 DEMO_TARGET_PRESETS = ("demo", "bench", "tiny")
-TARGET_OUTPUTS = ("online", "cache")
+TARGET_OUTPUTS = ("online", "cache", "cache_only")
+TARGET_SHARDINGS = ("none", "fsdp")
+CACHE_DTYPES = ("float16", "bfloat16", "float32")
 DATA_FORMATS = ("auto", "text", "conversations", "prompt_response")
 EVAL_SOURCES = ("target_samples", "data")
 TRAIN_PROMPT_FORMS = ("blocks", "definitions")
@@ -68,6 +70,12 @@ class TargetConfig:
     )
     target_dtype: str = _f("float32", f"dtype the target runs in: {', '.join(DTYPES)}")
     trust_remote_code: bool = _f(False, "allow custom modelling code of a hub target")
+    target_sharding: str = _f(
+        "none",
+        "none: every process holds the whole frozen target; fsdp: FSDP2 fully_shard splits it "
+        "over the processes (each holds ~1/N, a layer gathered only while it runs; needs >= 2 "
+        "processes; docs/guides/large-targets.md)",
+    )
 
 
 @dataclass
@@ -126,10 +134,19 @@ class DataConfig:
     validation_fraction: float = _f(0.02, "held-out share of user data (stdlib: fixed split)")
     target_outputs: str = _f(
         "online",
-        "online: the target scores every batch; cache: score once into a top-k cache first",
+        "online: the target scores every batch; cache: score once into a top-k cache first; "
+        "cache_only: train and evaluate from a complete cache without the target's layers",
     )
     cache_dir: str | None = _f(None, "offline cache folder (default: <output_dir>/target_cache)")
     cache_top_k: int = _f(32, "log-probs kept per token in the offline cache")
+    cache_dtype: str = _f(
+        "float16", f"dtype of the cached log-probs and hidden states: {', '.join(CACHE_DTYPES)}"
+    )
+    cache_build_only: bool = _f(
+        False,
+        "with --target_outputs cache: stop once the cache (training and held-out rows) is "
+        "written; train later with --target_outputs cache_only",
+    )
     on_policy_fraction: float = _f(
         0.0, "share of batches continued by the drafter itself, then scored by the target"
     )
@@ -200,6 +217,11 @@ class LossConfig:
         0,
         "eagle3/medusa: train draft position j>1 only where the drafter's top-K held the chain's "
         "token at every earlier position (GRIFFIN's loss masking; 0: off)",
+    )
+    loss_chunk_size: int = _f(
+        0,
+        "draft_lm: positions per chunk of the loss, the draft and target heads applied per chunk "
+        "and recomputed in the backward pass, so no [B, T, V] float32 tensor exists (0: off)",
     )
 
 
@@ -328,6 +350,8 @@ class DistillConfig:
             (self.drafter.drafter_init, DRAFTER_INITS, "drafter_init"),
             (self.data.data_format, DATA_FORMATS, "data_format"),
             (self.data.target_outputs, TARGET_OUTPUTS, "target_outputs"),
+            (self.target.target_sharding, TARGET_SHARDINGS, "target_sharding"),
+            (self.data.cache_dtype, CACHE_DTYPES, "cache_dtype"),
             (self.data.eval_source, EVAL_SOURCES, "eval_source"),
             (self.data.train_prompts, TRAIN_PROMPT_FORMS, "train_prompts"),
             (self.optim.mixed_precision, MIXED_PRECISION, "mixed_precision"),
@@ -430,6 +454,37 @@ class DistillConfig:
             raise ValueError(
                 f"--lora_rank must be >= 0 (0 disables LoRA), got {self.drafter.lora_rank}"
             )
+        if self.loss.loss_chunk_size < 0:
+            raise ValueError(
+                f"--loss_chunk_size must be >= 0 (0: off), got {self.loss.loss_chunk_size}"
+            )
+        self._validate_large_target()
+
+    def _validate_large_target(self) -> None:
+        """A sharded target and cache-only runs read their rows from data, never generate them
+        (generation runs the whole target on one process; docs/guides/large-targets.md)."""
+        data = self.data
+        if data.cache_build_only and data.target_outputs != "cache":
+            raise ValueError(
+                "--cache_build_only builds the offline cache: pass --target_outputs cache too "
+                f"(got {data.target_outputs})"
+            )
+        for setting, asked in (
+            ("--target_sharding fsdp", self.target.target_sharding != "none"),
+            ("--target_outputs cache_only", data.target_outputs == "cache_only"),
+        ):
+            generated = [
+                f"--{name} target_samples"
+                for name in ("train_source", "eval_source")
+                if getattr(data, name) == "target_samples"
+            ]
+            if asked and (generated or data.on_policy_fraction > 0):
+                raise ValueError(
+                    f"{setting} cannot continue prompts with the target "
+                    f"({', '.join(generated) or '--on_policy_fraction > 0'}): pass "
+                    "--train_source data --eval_source data --on_policy_fraction 0 (regenerate "
+                    "the data beforehand with scripts/regenerate_data.py and pass it as --dataset)"
+                )
 
     def logging_reporters(self) -> list[str]:
         return [part.strip() for part in self.logging.report_to.split(",") if part.strip()]

@@ -67,6 +67,7 @@ class _Run:
     train_rows: Any
     eval_rows: list[dict[str, Any]]
     cache_stats: Any = None  # train.target_cache's statistics with target_outputs: cache
+    target_memory: Any = None  # train.target_sharding.target_memory_report's answer
 
 
 def distill(config: DistillConfig) -> dict[str, Any]:
@@ -74,6 +75,8 @@ def distill(config: DistillConfig) -> dict[str, Any]:
     plan = _plan(config)
     accelerator, reporters, location, target_name = _start(config, plan)
     run = _load(config, plan, accelerator, reporters, location, target_name)
+    if config.data.cache_build_only:
+        return _cache_built(config, plan, run)
     tracker = _tracker(config, plan, run)
     result = _train(config, plan, run, tracker)
     return _finish(config, plan, run, tracker, result)
@@ -135,12 +138,12 @@ def _load(
 ) -> _Run:
     """Tokenizer, data (its errors before the model loads), target, objective and the rows."""
     from train.distill_data import load_sequences
-    from train.target_model import load_model, load_tokenizer
+    from train.target_model import load_tokenizer
 
     remote = config.target.trust_remote_code
     tokenizer = load_tokenizer(location, remote)
     sets = load_sequences(config.data, tokenizer, config.optim.seed)  # data errors before the model
-    target = load_model(location, config.target.target_dtype, remote).to(accelerator.device)
+    target = _load_target(config, location, accelerator)
     objective = plan.objective_cls.from_config(config, target, tokenizer, plan.loss)
     train_rows = sets.train
     description = sets.description
@@ -158,8 +161,9 @@ def _load(
                 f"{time.perf_counter() - started:.0f} s"
             )
     objective.prepare(train_rows)
+    target, target_memory = _place_target(config, objective, target, location, accelerator)
     cache_stats = None
-    if config.data.target_outputs == "cache":
+    if config.data.target_outputs != "online":
         train_rows, cache_stats = _cached_training_rows(
             config,
             accelerator,
@@ -171,6 +175,17 @@ def _load(
             plan.output_dir,
         )
     eval_rows = _eval_rows(config, target, tokenizer, sets.held_out, accelerator)
+    if config.data.target_outputs != "online":
+        eval_rows = _cached_eval_rows(
+            config,
+            accelerator,
+            target,
+            target_name,
+            eval_rows,
+            objective,
+            tokenizer.pad_token_id,
+            plan.output_dir,
+        )
     return _Run(
         accelerator,
         reporters,
@@ -182,7 +197,58 @@ def _load(
         train_rows,
         eval_rows,
         cache_stats,
+        target_memory,
     )
+
+
+def _load_target(config: DistillConfig, location: Any, accelerator: Accelerator) -> Any:
+    """The frozen target: whole on the device, whole on the host until it is sharded, or
+    (``cache_only``) without its decoder layers."""
+    from train.target_model import load_model, load_model_without_layers
+
+    remote = config.target.trust_remote_code
+    dtype = config.target.target_dtype
+    if config.data.target_outputs == "cache_only":
+        return load_model_without_layers(location, dtype, remote).to(accelerator.device)
+    if config.target.target_sharding == "fsdp" and config.drafter.drafter_init != "target_layers":
+        # The objective is built on the embeddings and head alone; _place_target then reads
+        # each process's share of the layers (no process ever holds the whole target).
+        return load_model_without_layers(location, dtype, remote)
+    target = load_model(location, dtype, remote)
+    if config.target.target_sharding == "none":
+        target = target.to(accelerator.device)
+    return target
+
+
+def _place_target(
+    config: DistillConfig, objective: Any, target: Any, location: Any, accelerator: Accelerator
+) -> tuple[Any, dict[str, Any]]:
+    """Shard the target when asked (the objective gets the sharded one), then report what each
+    process holds (a collective)."""
+    from train.target_model import checkpoint_bytes, has_decoder_layers
+    from train.target_sharding import (
+        format_target_memory,
+        load_sharded_target,
+        shard_target,
+        target_memory_report,
+    )
+
+    sharding = config.target.target_sharding
+    if sharding == "fsdp" and has_decoder_layers(target):  # read whole: shard it in place
+        shard_target(target, accelerator)
+    elif sharding == "fsdp":  # each process reads its share of the layers
+        dtype = next(target.parameters()).dtype
+        remote = config.target.trust_remote_code
+        target = load_sharded_target(str(location), dtype, accelerator, remote)
+        objective.target = target
+    report = target_memory_report(target, accelerator, sharding)
+    if config.data.target_outputs == "cache_only":  # only the embeddings and head are loaded
+        report["layers_loaded"] = False
+        report["full_bytes"] = max(report["full_bytes"], checkpoint_bytes(str(location)))
+        report["ratio"] = max(report["bytes_per_rank"]) / report["full_bytes"]
+    if accelerator.is_main_process:
+        print(format_target_memory(report), flush=True)
+    return target, report
 
 
 def _tracker(config: DistillConfig, plan: _Plan, run: _Run) -> Any:
@@ -327,6 +393,8 @@ def _summary(
         "train_sequences": len(run.train_rows),
         "last_checkpoint": str(result.last_checkpoint) if result.last_checkpoint else None,
         "cache": None if run.cache_stats is None else _cache_summary(run.cache_stats),
+        "target_memory": run.target_memory,
+        "peak_rss_bytes": _peak_rss_bytes(),
         "drafter_dir": str(plan.output_dir / "drafter"),
         "wandb_mode": wandb_mode,
     }
@@ -416,7 +484,6 @@ def _cached_training_rows(
 ) -> tuple[Any, Any]:
     """Limit the rows to what the run will read, cache the target on them, join the two."""
     from data.sequences import take
-    from train.target_cache import build_or_reuse_cache, open_cached_rows
 
     needed = (
         config.optim.max_steps
@@ -425,31 +492,79 @@ def _cached_training_rows(
         * accelerator.num_processes
     )
     rows = take(train_rows, needed) if len(train_rows) > needed else train_rows
-    folder = Path(config.data.cache_dir or output_dir / "target_cache").expanduser()
+    folder = _cache_folder(config, output_dir)
     hidden = objective.target_cache_hidden_layers()
+    return _cache_rows(config, accelerator, target, target_name, rows, folder, hidden, pad_id)
+
+
+def _cache_folder(config: DistillConfig, output_dir: Path) -> Path:
+    return Path(config.data.cache_dir or output_dir / "target_cache").expanduser()
+
+
+def _cache_rows(
+    config: DistillConfig,
+    accelerator: Accelerator,
+    target: Any,
+    target_name: str,
+    rows: Any,
+    folder: Path,
+    hidden: list[int] | None,
+    pad_id: int,
+) -> tuple[Any, Any]:
+    """Build (every process its share) or reuse the cache of ``rows`` in ``folder``; with
+    ``cache_only`` open it, refusing a missing cache or one of another key."""
+    from train.target_cache import build_or_reuse_cache, cache_key, cache_stats, open_cached_rows
+
+    data = config.data
     key = {
         "target": target_name,
-        "dataset": config.data.dataset,
-        "block_size": config.data.block_size,
-        "data_format": config.data.data_format,
-        "max_files": config.data.max_files,
+        "dataset": data.dataset,
+        "block_size": data.block_size,
+        "data_format": data.data_format,
+        "max_files": data.max_files,
         "seed": config.optim.seed,
     }
-    stats = None
-    with accelerator.main_process_first():
-        stats = build_or_reuse_cache(
-            target,
-            rows,
-            folder,
-            config.data.cache_top_k,
-            key,
-            pad_id,
-            accelerator.device,
-            batch_size=config.optim.per_device_batch_size,
-            hidden_layer_ids=hidden,
-            progress=accelerator.is_local_main_process and config.logging.progress_bar,
-        )
+    if data.target_outputs == "cache_only":
+        wanted = cache_key(key, data.cache_top_k, len(rows), hidden, data.cache_dtype)
+        return open_cached_rows(rows, folder, wanted), cache_stats(folder)
+    stats = build_or_reuse_cache(
+        target,
+        rows,
+        folder,
+        data.cache_top_k,
+        key,
+        pad_id,
+        accelerator.device,
+        batch_size=config.optim.per_device_batch_size,
+        hidden_layer_ids=hidden,
+        progress=accelerator.is_local_main_process and config.logging.progress_bar,
+        accelerator=accelerator,
+        dtype=data.cache_dtype,
+    )
     return open_cached_rows(rows, folder), stats
+
+
+def _cached_eval_rows(
+    config: DistillConfig,
+    accelerator: Accelerator,
+    target: Any,
+    target_name: str,
+    eval_rows: list[dict[str, Any]],
+    objective: Any,
+    pad_id: int,
+    output_dir: Path,
+) -> Any:
+    """Held-out rows of data are scored into ``<cache>/held_out`` too, so that a ``cache_only``
+    run can evaluate without the target; it reads them from there, a ``cache`` run evaluates
+    online (the exact ``p``, not its top-k)."""
+    if config.data.eval_source != "data":
+        return eval_rows
+    folder = _cache_folder(config, output_dir) / "held_out"
+    hidden = objective.target_cache_hidden_layers()
+    cached, _ = _cache_rows(
+        config, accelerator, target, target_name, eval_rows, folder, hidden, pad_id
+    )
+    return list(cached) if config.data.target_outputs == "cache_only" else eval_rows
 
 
 def _regenerated_rows(
@@ -537,6 +652,39 @@ def _eval_description(config: DistillConfig, count: int) -> str:
     )
 
 
+def _cache_built(config: DistillConfig, plan: _Plan, run: _Run) -> dict[str, Any]:
+    """``--cache_build_only``: the cache is written; report it and the target, train nothing."""
+    from data.atomic_io import write_json_atomic
+
+    summary = {
+        "target": run.target_name,
+        "cache": None if run.cache_stats is None else _cache_summary(run.cache_stats),
+        "train_sequences": len(run.train_rows),
+        "target_memory": run.target_memory,
+        "world_size": run.accelerator.num_processes,
+        "peak_rss_bytes": _peak_rss_bytes(),
+        "steps": 0,
+    }
+    if run.accelerator.is_main_process:
+        write_json_atomic(plan.output_dir / "summary.json", summary)
+        cache = summary["cache"]
+        print(
+            f"target cache written: {cache['num_sequences']} sequences, "
+            f"{cache['bytes_per_token']:.1f} bytes/token in {cache['folder']}; train from it "
+            "with --target_outputs cache_only"
+        )
+    run.accelerator.wait_for_everyone()
+    return summary
+
+
+def _peak_rss_bytes() -> int:
+    """This process's peak resident memory so far (Linux reports KiB, macOS bytes)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
 def _cache_summary(stats: Any) -> dict[str, Any]:
     return {
         "folder": stats.folder,
@@ -546,6 +694,8 @@ def _cache_summary(stats: Any) -> dict[str, Any]:
         "bytes_per_token": stats.bytes_per_token,
         "full_fp16_bytes_per_token": stats.full_fp16_bytes_per_token,
         "compression": stats.compression,
+        "parts_written": stats.parts_written,
+        "bytes_per_token_at_scale": stats.at_scale,
     }
 
 

@@ -53,6 +53,7 @@ def export_drafter(
         objective.save_drafter(temp, tokenizer, state_dict)
         provenance = build_provenance(resolved_config)
         provenance["distributed"] = summary.get("distributed")  # type, world size, shards
+        provenance["target_memory"] = summary.get("target_memory")  # the frozen target per rank
         (temp / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
         # Machine-readable held-out metrics (overlap@j ...) for benchmarks and dashboards.
         held_out = summary.get("held_out", {})

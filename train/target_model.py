@@ -177,3 +177,104 @@ def _wait_for_build(folder: Any, wait_minutes: float, poll_s: float) -> None:
                 "machine first (`python scripts/build_demo_target.py --preset <name>`)"
             )
         time.sleep(poll_s)
+
+
+# ---- large targets: reading parts of the weights (train.target_sharding, cache_only runs)
+
+
+def weights_folder(location: str) -> Path:
+    """The local folder holding ``location``'s config and safetensors files: the folder itself,
+    or a hub id's snapshot (downloaded unless ``HF_HUB_OFFLINE=1``, then the cache's)."""
+    folder = Path(location).expanduser()
+    if folder.is_dir():
+        return folder
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(location, allow_patterns=["*.json", "*.safetensors"]))
+
+
+def has_decoder_layers(model: Any) -> bool:
+    """False for a target loaded by :func:`load_model_without_layers`."""
+    return len(getattr(model.get_decoder(), "layers", ())) > 0
+
+
+def load_model_without_layers(
+    location: str, dtype: str = "float32", trust_remote_code: bool = False
+) -> Any:
+    """The frozen target's config, embeddings, final norm and output head; no decoder layer.
+
+    What a drafter trained from the offline cache (``--target_outputs cache_only``) still reads
+    of the target: its config (depth, widths), its input embedding (EAGLE-3 embeds the next
+    tokens) and its output head and norm (copied into a new head). The model is built with
+    zero layers (its ``config.num_hidden_layers`` then restored, for the objectives' checks)
+    and only those tensors are read from the safetensors files; calling it raises, since it
+    cannot score anything.
+    """
+    import copy
+
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from decode.loading import resolve_dtype
+
+    location = str(weights_folder(location))
+    config = AutoConfig.from_pretrained(location, trust_remote_code=trust_remote_code)
+    depth = config.num_hidden_layers
+    hollow = copy.deepcopy(config)
+    hollow.num_hidden_layers = 0
+    if isinstance(getattr(hollow, "layer_types", None), list):
+        hollow.layer_types = []
+    model = AutoModelForCausalLM.from_config(
+        hollow, dtype=resolve_dtype(dtype, None), trust_remote_code=trust_remote_code
+    )
+    model.config.num_hidden_layers = depth
+    if isinstance(getattr(config, "layer_types", None), list):
+        model.config.layer_types = config.layer_types
+    wanted = model.state_dict()
+    found: set[str] = set()
+    for file in sorted(Path(location).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if name in wanted:
+                    with torch.no_grad():
+                        wanted[name].copy_(handle.get_tensor(name))
+                    found.add(name)
+    tied = {n for n, p in model.named_parameters(remove_duplicate=False)} - {
+        n for n, p in model.named_parameters()
+    }
+    missing = sorted(set(wanted) - found - tied - {n for n, _ in model.named_buffers()})
+    if missing:
+        raise FileNotFoundError(
+            f"--target {location}: the safetensors files lack {missing}, which a drafter "
+            "trained from the cache reads (embeddings, final norm, output head)"
+        )
+    model.eval().requires_grad_(False)
+
+    def refuse(*_: Any) -> None:
+        raise RuntimeError(
+            "the target was loaded without its decoder layers (--target_outputs cache_only) "
+            "and cannot score a batch; every batch must come from the offline cache"
+        )
+
+    model.register_forward_pre_hook(refuse)
+    return model
+
+
+def checkpoint_bytes(location: str) -> int:
+    """Bytes of the target's weights as stored in its safetensors files (headers excluded)."""
+    from safetensors import safe_open
+
+    total = 0
+    for file in sorted(weights_folder(location).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118
+                piece = handle.get_slice(name)
+                count = 1
+                for size in piece.get_shape():
+                    count *= size
+                total += count * _DTYPE_BYTES.get(piece.get_dtype(), 4)
+    return total
+
+
+_DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "U8": 1, "I8": 1}

@@ -86,6 +86,7 @@ class DraftLMObjective(Objective):
         on_policy_temperature: float = 1.0,
         seed: int = 0,
         draft_vocab_size: int | None = None,
+        loss_chunk_size: int = 0,
     ) -> None:
         super().__init__()
         check_same_vocab(drafter, target)
@@ -118,6 +119,7 @@ class DraftLMObjective(Objective):
         self.on_policy_sampling = SamplingConfig(temperature=on_policy_temperature)
         self.vocab_size = vocab_size_of(target)
         self.seed = seed
+        self.loss_chunk_size = loss_chunk_size  # 0: the whole batch's logits at once
         # Which batches go on-policy (CPU coin) and what the drafter samples (on the device):
         # both seeded and checkpointed, so a resumed run replays the same batches.
         self.coin = torch.Generator().manual_seed(seed)
@@ -143,6 +145,7 @@ class DraftLMObjective(Objective):
             on_policy_temperature=config.data.on_policy_temperature,
             seed=config.optim.seed,
             draft_vocab_size=config.drafter.draft_vocab_size,
+            loss_chunk_size=config.loss.loss_chunk_size,
         )
 
     # ------------------------------------------------------------------ data hooks
@@ -190,6 +193,8 @@ class DraftLMObjective(Objective):
             metrics["on_policy"] = float(on_policy)
             if on_policy:
                 batch = self.on_policy_batch(batch)
+        if self.loss_chunk_size:
+            return self._chunked_loss(batch, metrics)
         draft_logits = self._draft_logits(batch)  # [B, T-1, V_draft]
         labels, weights = next_token_targets(batch)  # [B, T-1]
         labels, mask = self._loss_labels(labels, weights > 0)
@@ -397,6 +402,58 @@ class DraftLMObjective(Objective):
         (as EAGLE-3's objective does); divergences keep every position."""
         draft_labels, in_vocab = self._draft_labels(labels, mask)
         return draft_labels, (in_vocab if self.loss.needs_labels else mask)
+
+    def _chunked_loss(
+        self, batch: Batch, metrics: dict[str, float]
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The loss with both output heads applied ``loss_chunk_size`` positions at a time
+        (``train.loss_chunks``): no [B, T, V] logits of either model exist; same gradients."""
+        from train.loss_chunks import chunked_loss_parts
+
+        labels, weights = next_token_targets(batch)  # [B, T-1]
+        labels, mask = self._loss_labels(labels, weights > 0)
+        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch.get("attention_mask")}
+        # logits_to_keep=1: the model's own head runs on one position; the chunks run it on all.
+        draft = self.module(**inputs, output_hidden_states=True, use_cache=False, logits_to_keep=1)
+        hidden = draft.hidden_states[-1][:, :-1]  # [B, T-1, H] after the final norm
+        parts = chunked_loss_parts(
+            self.loss,
+            hidden,
+            self.unwrapped_module.get_output_embeddings(),
+            self._target_rows(batch),
+            mask,
+            self.loss_temperature,
+            labels=labels,
+            chunk=self.loss_chunk_size,
+        )
+        for key, value in parts.items():
+            metrics[f"loss_{key}"] = float(value.detach())
+        return self.loss.combine(parts), metrics
+
+    @torch.no_grad()
+    def _target_rows(self, batch: Batch) -> Any:  # flat positions [n] -> target rows [n, V_draft]
+        """The target at flat positions of [B, T-1], restricted to the draft vocabulary: the
+        cache's rows expanded per chunk, or the target's head applied to its final hidden
+        states per chunk."""
+        if "topk_ids" in batch:
+            fields = [batch[name][:, :-1] for name in ("topk_ids", "topk_logprobs", "rest_logmass")]
+            flat = [field.reshape(-1, *field.shape[2:]) for field in fields]
+
+            def cached(index: torch.Tensor) -> Any:
+                rows = cached_target_logprobs(*(f[index] for f in flat), self.vocab_size)
+                return self._restrict(rows)
+
+            return cached
+        outputs = self.target(
+            **{"input_ids": batch["input_ids"], "attention_mask": batch.get("attention_mask")},
+            output_hidden_states=True,
+            use_cache=False,
+            logits_to_keep=1,
+        )
+        hidden = outputs.hidden_states[-1][:, :-1]
+        hidden = hidden.reshape(-1, hidden.shape[-1])  # [B * (T-1), H]
+        head = self.target.get_output_embeddings()
+        return lambda index: self._restrict(head(hidden[index]))
 
     def _restrict(self, target: torch.Tensor | TargetProbs) -> torch.Tensor | TargetProbs:
         """The target's logits (or log-probs) at the draft tokens [..., V_draft]; the losses'
