@@ -187,6 +187,20 @@ def test_python_blocks_compile_and_import() -> None:
                 assert not missing, f"{document}: {node.module} has no {missing}"
 
 
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+
+
+def test_every_relative_link_resolves() -> None:
+    """Links and images between the documents point at files that exist."""
+    broken = [
+        f"{path.relative_to(ROOT)}: {target}"
+        for path in DOCUMENTS
+        for target in LINK.findall(path.read_text())
+        if "://" not in target and not (path.parent / target).exists()
+    ]
+    assert not broken, broken
+
+
 NOT_RUN = {"draftsmith-serve", "draftsmith-load-test", "draftsmith-check-engine"}
 """Commands the slow tests leave to their ``--help`` check: a server, its client, vLLM."""
 
