@@ -25,9 +25,11 @@ from pathlib import Path
 
 import torch
 
+from decode.cpu_threads import set_cpu_threads
 from decode.defaults import NUM_DRAFT_TOKENS, TREE_TOP_K, TREE_TOTAL_TOKENS
 from decode.drafters.base import Drafter, TreeSpec
 from decode.engine import SpeculativeDecoder
+from decode.precision import DTYPE_NAMES, add_dtype_argument, announce, choose_dtype
 from decode.sampling import SamplingConfig
 from decode.stats import DecodeStats, predicted_speedup
 
@@ -59,6 +61,17 @@ def load_target(path: str, device: str = "cpu", dtype: str = "float32", trust_re
         path, dtype, device=device, trust_remote_code=trust_remote_code, flag="--target"
     )
     return model, loading.load_tokenizer(path, trust_remote_code, flag="--target")
+
+
+def plain_dtypes(names: str, run_dtype: str) -> list[str]:
+    """The ``--plain-also`` dtypes other than the run's, checked against ``decode.precision``."""
+    chosen = [name.strip() for name in names.split(",") if name.strip()]
+    for name in chosen:
+        if name == "auto" or name not in DTYPE_NAMES:
+            raise ValueError(
+                f"--plain-also {name!r}: name dtypes among {', '.join(DTYPE_NAMES[1:])}"
+            )
+    return [name for name in dict.fromkeys(chosen) if name != run_dtype]
 
 
 def check_same_tokenizer(target_tokenizer, drafter_path: str | None) -> None:
@@ -136,7 +149,12 @@ class MethodResult:
     tokens: int = 0
     target_passes: int = 0  # forward calls of the target (prefill included)
     outputs: list[torch.Tensor] = field(default_factory=list)
+    prompt_lengths: list[int] = field(default_factory=list)
     stats: DecodeStats | None = None  # our decoder's acceptance counters
+
+    @property
+    def distinct_4gram_share(self) -> float:
+        return distinct_ngram_share(self.outputs, self.prompt_lengths, 4)
 
     @property
     def tokens_per_s(self) -> float:
@@ -224,6 +242,7 @@ def measure_side_by_side(
                 result.target_passes += counter.count
                 result.tokens += sequence.shape[1] - ids.shape[1]
                 result.outputs.append(sequence.cpu())
+                result.prompt_lengths.append(ids.shape[1])
                 if stats is not None:
                     result.stats = stats if result.stats is None else result.stats.merge(stats)
     return results
@@ -235,26 +254,39 @@ def evaluate_drafter(
     prompts: list[torch.Tensor],  # each [1, T]
     settings: EvalSettings,
     warmup: bool = True,
+    plain_in_other_dtypes: dict[str, torch.nn.Module] | None = None,
 ) -> dict[str, object]:
     """Decode every prompt with HF ``generate``, draftsmith's own plain decoding (the same
     decoder and target forward with no drafter), our decoder with ``drafter`` and the HF peer;
-    return the figures."""
+    return the figures.
+
+    ``plain_in_other_dtypes`` (dtype name -> the same target loaded in that dtype) adds
+    draftsmith's plain decoding in those dtypes to the interleaved run, so that the report can
+    state the speedup over the fastest plain decoding draftsmith has for the target
+    (``speedup_over_fastest_plain``), not only over plain decoding in the drafter's dtype.
+    """
     from decode.drafters.none import NoDrafter
 
     plain_settings = replace(settings, tree=None, adaptive=False)
+    no_drafter = NoDrafter(vocab_size=drafter.vocab_size)
     methods: dict[str, Method] = {
         "baseline": plain_method(target, settings),
-        "draftsmith_plain": speculative_method(
-            target, NoDrafter(vocab_size=drafter.vocab_size), plain_settings
-        ),
+        "draftsmith_plain": speculative_method(target, no_drafter, plain_settings),
         "ours": speculative_method(target, drafter, settings),
     }
+    others = {
+        name: model
+        for name, model in (plain_in_other_dtypes or {}).items()
+        if name != _dtype_name(target)
+    }
+    for name, model in others.items():
+        methods[f"draftsmith_plain_{name}"] = speculative_method(model, no_drafter, plain_settings)
     peer = hf_peer(drafter, settings) if settings.peer else None
     if peer is not None:
         methods[peer[0]] = plain_method(target, settings, **peer[1])
     results = measure_side_by_side(target, methods, prompts, warmup=warmup)
     peer_result = results[peer[0]] if peer is not None else None
-    return speculative_report(
+    report = speculative_report(
         settings,
         drafter,
         results["baseline"],
@@ -262,6 +294,36 @@ def evaluate_drafter(
         peer_result,
         own_plain=results["draftsmith_plain"],
     )
+    plain_rates = {_dtype_name(target): results["draftsmith_plain"].tokens_per_s} | {
+        name: results[f"draftsmith_plain_{name}"].tokens_per_s for name in others
+    }
+    fastest = max(plain_rates, key=plain_rates.__getitem__)
+    rate = report["tokens_per_s_speculative"]
+    report.update(
+        dtype=_dtype_name(target),
+        tokens_per_s_draftsmith_plain_by_dtype=plain_rates,
+        fastest_plain_dtype=fastest,
+        speedup_over_fastest_plain=rate / plain_rates[fastest] if plain_rates[fastest] else 0.0,
+    )
+    return report
+
+
+def _dtype_name(model: torch.nn.Module) -> str:
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
+
+
+def distinct_ngram_share(
+    sequences: list[torch.Tensor], prompt_lengths: list[int], n: int = 4
+) -> float:
+    """The share of distinct n-grams among all n-grams of the generated tokens (1 = no
+    repetition): text that repeats itself makes greedy acceptance look better than it is."""
+    total, distinct = 0, 0
+    for sequence, start in zip(sequences, prompt_lengths, strict=True):
+        new = sequence.reshape(-1)[start:].tolist()
+        grams = [tuple(new[i : i + n]) for i in range(len(new) - n + 1)]
+        total += len(grams)
+        distinct += len(set(grams))
+    return distinct / total if total else 1.0
 
 
 def speculative_report(
@@ -325,6 +387,8 @@ def speculative_report(
         "baseline_token_ms": baseline_token_ms,
         "draft_step_ms": draft_step_ms,
         "greedy_equal_to_baseline": greedy_matches if settings.temperature == 0 else None,
+        "distinct_4gram_share": ours.distinct_4gram_share,
+        "distinct_4gram_share_baseline": baseline.distinct_4gram_share,
         "peer": peer_report,
         "drafter_usage": drafter.usage(),
     }
@@ -365,6 +429,9 @@ def format_table(report: dict[str, object]) -> str:
     rows = [("plain (HF generate)", report["tokens_per_s_baseline"], 1.0)]
     if own:
         rows.append(("draftsmith plain (no drafter)", own, 1.0))
+    for name, rate in report.get("tokens_per_s_draftsmith_plain_by_dtype", {}).items():
+        if name != report.get("dtype"):
+            rows.append((f"draftsmith plain, {name}", rate, 1.0))
     rows.append((f"draftsmith {report['drafter_kind']}", report["tokens_per_s_speculative"], None))
     peer = report.get("peer")
     if peer:
@@ -377,6 +444,15 @@ def format_table(report: dict[str, object]) -> str:
         lines.append(f"{name:<32}{rate:>10.1f}{over_hf:>7.2f}x{over_own}{tau:>7.2f}")
     alphas = " ".join(f"{alpha:.2f}" for alpha in report["alpha_per_position"])
     lines.append(f"alpha per position: {alphas}")
+    if "speedup_over_fastest_plain" in report:
+        lines.append(
+            f"dtype {report['dtype']}; speedup over the fastest draftsmith plain decoding "
+            f"({report['fastest_plain_dtype']}): {report['speedup_over_fastest_plain']:.2f}x"
+        )
+    lines.append(
+        f"distinct 4-grams of the output: {report['distinct_4gram_share']:.2f} "
+        f"(HF plain {report['distinct_4gram_share_baseline']:.2f})"
+    )
     lines.append(
         f"predicted tau {report['predicted_tau']:.2f}; predicted speedup over HF "
         f"{report['predicted_speedup']:.2f}x (measured/predicted "
@@ -416,6 +492,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompts",
         default="demo",
         help="'demo' (held-out stdlib code), 'ood' (installed third-party code) or a file",
+    )
+    parser.add_argument(
+        "--benchmark",
+        action="append",
+        metavar="NAME=FILE",
+        help="a benchmark's prompt file in its published shape (MT-Bench question.jsonl, GSM8K "
+        "test.jsonl, HumanEval.jsonl; decode.benchmarks), evaluated on its own; repeat it: one "
+        "accept length per benchmark, as SpecForge and speculators report (replaces --prompts)",
     )
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -466,8 +550,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="verify with the target's own forward instead of the lean CPU forward",
     )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    add_dtype_argument(parser)
+    parser.add_argument(
+        "--plain-also",
+        default="float32",
+        help="comma-separated dtypes in which draftsmith's plain decoding is measured too, so "
+        "speedups are stated over the fastest plain decoding ('' for none; the run's own dtype "
+        "is always measured)",
+    )
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads (default: every core)"
+    )
     parser.add_argument("--json", default=None, help="write the report here")
     return parser
 
@@ -477,14 +570,23 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     from decode.prompts import load_eval_prompts
 
     args = build_parser().parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    target, tokenizer = load_target(args.target, args.device, args.dtype)
+    set_cpu_threads(args.threads)
+    choice = choose_dtype(args.dtype, args.device)
+    announce(choice)
+    target, tokenizer = load_target(args.target, args.device, choice.name)
+    plain_also = {
+        name: load_target(args.target, args.device, name)[0]
+        for name in plain_dtypes(args.plain_also, choice.name)
+    }
     check_same_tokenizer(tokenizer, args.drafter)
     drafter = load_drafter(args.drafter, target, kind=args.drafter_kind)
-    prompts = [
-        encode_prompt(tokenizer, p) for p in load_eval_prompts(args.prompts, args.num_prompts)
-    ]
+    prompts = (
+        []
+        if args.benchmark
+        else [
+            encode_prompt(tokenizer, p) for p in load_eval_prompts(args.prompts, args.num_prompts)
+        ]
+    )
     settings = EvalSettings(
         num_draft_tokens=args.num_draft_tokens,
         max_new_tokens=args.max_new_tokens,
@@ -499,12 +601,29 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         if args.tree and (args.temperature == 0 or args.tree_when_sampling)
         else None,
     )
-    report = {
-        "target": args.target,
-        "drafter": args.drafter,
-        **evaluate_drafter(target, drafter, prompts, settings),
-    }
-    print(format_table(report))
+
+    def measure(prompts: list[torch.Tensor]) -> dict[str, object]:
+        return evaluate_drafter(
+            target, drafter, prompts, settings, plain_in_other_dtypes=plain_also
+        )
+
+    if args.benchmark:
+        from decode.benchmarks import format_benchmarks, parse_benchmark_flags, run_benchmarks
+
+        files = parse_benchmark_flags(args.benchmark)
+        result = run_benchmarks(
+            files, args.num_prompts, lambda prompt: encode_prompt(tokenizer, prompt), measure
+        )
+        report = {"target": args.target, "drafter": args.drafter, **choice.record(), **result}
+        print(format_benchmarks(result))
+    else:
+        report = {
+            "target": args.target,
+            "drafter": args.drafter,
+            **choice.record(),
+            **measure(prompts),
+        }
+        print(format_table(report))
     if args.json:
         from data.atomic_io import write_json_atomic
 

@@ -109,11 +109,13 @@ def choose_dtype(requested: str = "auto", device: torch.device | str = "cpu") ->
 
 
 def add_dtype_argument(
-    parser: argparse.ArgumentParser, flag: str = "--dtype", subject: str = "the models"
+    parser: argparse.ArgumentParser, *aliases: str, subject: str = "the models"
 ) -> None:
-    """The one ``--dtype`` option of every command that loads a model."""
+    """The one ``--dtype`` option of every command that loads a model (``args.dtype``)."""
     parser.add_argument(
-        flag,
+        "--dtype",
+        *aliases,
+        dest="dtype",
         default="auto",
         choices=DTYPE_NAMES,
         help=f"dtype {subject} compute in; auto (default): bfloat16 where the CPU has "

@@ -1,10 +1,9 @@
 """Build (or reuse) the demo target, print its metrics and a sample generation.
 
-    python scripts/build_demo_target.py                      # ~10 min on 2 cores, then cached
-    python scripts/build_demo_target.py --preset bench       # a larger target for benchmarks
+    python scripts/build_demo_target.py                      # ~19 min on 2 cores, then cached
     python scripts/build_demo_target.py --preset tiny --output-dir /tmp/t --force   # seconds
 
-The folder (default ``$XDG_CACHE_HOME/draftsmith/targets/<preset>``) is a normal Hugging Face
+The folder (default ``$XDG_CACHE_HOME/draftsmith/targets/<preset>-<dtype>-<key>``) is a normal Hugging Face
 model folder; the generation shown here is produced from it after reloading with
 ``AutoModelForCausalLM`` / ``AutoTokenizer``, greedy and sampled.
 """
@@ -20,6 +19,8 @@ DEFAULT_PROMPT = "import os\n\n\ndef "
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from decode.precision import add_dtype_argument  # after main set the OpenMP policy
+
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         epilog="example: draftsmith-build-demo-target --preset tiny --output-dir /tmp/tiny",
@@ -36,6 +37,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt of the sample generation")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens to generate")
+    add_dtype_argument(parser, subject="the target trains in (bfloat16: autocast, float32 masters)")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads (default: every core)"
+    )
     return parser.parse_args(argv)
 
 
@@ -59,8 +64,10 @@ def show_generation(folder: Path, prompt: str, new_tokens: int, seed: int) -> No
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from decode.cpu_threads import set_cpu_threads
     from train.demo_target import build_demo_target
 
+    set_cpu_threads(args.threads)
     folder = build_demo_target(
         output_dir=args.output_dir,
         preset=args.preset,
@@ -68,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         max_steps=args.max_steps,
         force=args.force,
         seed=args.seed,
+        dtype=args.dtype,
     )
     show_generation(folder, args.prompt, args.new_tokens, args.seed)
     return 0

@@ -327,6 +327,8 @@ def format_report(
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from decode.precision import add_dtype_argument
+
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         epilog="example: draftsmith-check-engine --target DIR --drafter DIR/vllm "
@@ -344,7 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--k", type=int, default=3, help="draft tokens per round")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    add_dtype_argument(parser, subject="the target and the engine")
     parser.add_argument("--seed", type=int, default=0, help="seeds the prompts")
     parser.add_argument(
         "--tolerance",
@@ -383,9 +385,17 @@ def build_job(args: argparse.Namespace) -> dict[str, Any]:
         "prompts": make_prompts(vocab, args.num_prompts, args.prompt_len, args.seed),
         "max_tokens": args.max_tokens,
         "k": args.k,
-        "dtype": args.dtype,
+        "dtype": _concrete_dtype(args.dtype),  # the engine gets a name, never "auto"
         "max_model_len": args.prompt_len + args.max_tokens + args.k + 16,
     }
+
+
+def _concrete_dtype(requested: str) -> str:
+    from decode.precision import announce, choose_dtype
+
+    choice = choose_dtype(requested)
+    announce(choice)
+    return choice.name
 
 
 def main(argv: list[str] | None = None) -> int:

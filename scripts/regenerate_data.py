@@ -33,14 +33,14 @@ from typing import Any
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from decode.precision import add_dtype_argument
+
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         epilog="example: draftsmith-regenerate --prompts stdlib-defs --output outputs/defs.jsonl",
     )
     parser.add_argument("--target", default="demo", help="demo/bench/tiny, a folder or a hub id")
-    parser.add_argument(
-        "--target-dtype", default="float32", choices=["float32", "bfloat16", "float16"]
-    )
+    add_dtype_argument(parser, "--target-dtype", subject="the target")
     parser.add_argument(
         "--prompts", required=True, help="prompts file, datasets name, stdlib or stdlib-defs"
     )
@@ -81,11 +81,14 @@ def main(argv: list[str] | None = None) -> dict:
         return _through_endpoint(args)
     import torch
 
+    from decode.precision import announce, choose_dtype
     from decode.sampling import SamplingConfig
     from train.regenerate import regenerate
     from train.target_model import load_target, resolve_target
 
-    target, tokenizer, name = load_target(resolve_target(args.target), args.target_dtype)
+    choice = choose_dtype(args.dtype, "cuda" if torch.cuda.is_available() else "cpu")
+    announce(choice)
+    target, tokenizer, name = load_target(resolve_target(args.target), choice.name)
     if torch.cuda.is_available():
         target.to("cuda")
     prompts = _prompts(args, tokenizer)

@@ -41,6 +41,7 @@ from typing import Any, NoReturn
 import yaml
 
 from decode.defaults import DEMO_PROMPT_CHARS, NUM_DRAFT_TOKENS, TREE_TOP_K
+from decode.precision import DtypeChoice, choose_dtype
 
 DEMO_TARGET_PRESETS = ("demo", "bench", "tiny")
 TARGET_OUTPUTS = ("online", "cache", "cache_only")
@@ -51,8 +52,25 @@ EVAL_SOURCES = ("target_samples", "data")
 TRAIN_PROMPT_FORMS = ("blocks", "definitions")
 DRAFTER_INITS = ("random", "embeddings", "target_layers")
 REPORTERS = ("wandb", "tensorboard", "none")
-MIXED_PRECISION = ("no", "bf16", "fp16")
-DTYPES = ("float32", "bfloat16", "float16")
+MIXED_PRECISION = ("auto", "no", "bf16", "fp16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class RunPrecision:
+    """What a distillation run computes in (``DistillConfig.precision``)."""
+
+    choice: DtypeChoice
+    target_dtype: str  # the frozen target's weights
+    mixed_precision: str  # accelerate's setting for the drafter: no | bf16 | fp16
+
+    def record(self) -> dict[str, str]:
+        """The fields of summary.json, provenance and the model card."""
+        return {
+            **self.choice.record(),
+            "target_dtype": self.target_dtype,
+            "mixed_precision": self.mixed_precision,
+        }
 
 
 def _f(default: Any, help: str, **kwargs: Any) -> Any:
@@ -68,7 +86,15 @@ class TargetConfig:
         "a demo-target preset (demo, bench, tiny: taken from the user cache, built if missing), "
         "a local model folder, or a hub id; write ./demo for a local folder named demo",
     )
-    target_dtype: str = _f("float32", f"dtype the target runs in: {', '.join(DTYPES)}")
+    dtype: str = _f(
+        "auto",
+        "dtype of the run (decode.precision): the frozen target's weights and the drafter's "
+        "autocast; auto: bfloat16 where the CPU has AVX512-BF16/AMX kernels or the GPU "
+        f"supports it, float32 elsewhere; {', '.join(DTYPES)}",
+    )
+    target_dtype: str = _f(
+        "auto", f"dtype the frozen target runs in (auto: --dtype); {', '.join(DTYPES)}"
+    )
     trust_remote_code: bool = _f(False, "allow custom modelling code of a hub target")
     target_sharding: str = _f(
         "none",
@@ -243,7 +269,14 @@ class OptimConfig:
     )
     per_device_batch_size: int = _f(8, "sequences per process per micro-batch")
     gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step")
-    mixed_precision: str = _f("no", f"accelerate mixed precision: {', '.join(MIXED_PRECISION)}")
+    mixed_precision: str = _f(
+        "auto",
+        "accelerate mixed precision of the drafter (float32 master weights and optimizer "
+        f"state); auto: bf16 when --dtype is bfloat16, else no; {', '.join(MIXED_PRECISION)}",
+    )
+    threads: int | None = _f(
+        None, "torch CPU threads per process (null: the process's share of the machine's cores)"
+    )
     seed: int = _f(0, "seed of initialisation, data order and sampling")
 
 
@@ -343,9 +376,21 @@ class DistillConfig:
             k: v for name in SECTIONS for k, v in dataclasses.asdict(getattr(self, name)).items()
         }
 
+    def precision(self, device: str) -> RunPrecision:
+        """The run's dtypes on ``device``: ``dtype``'s choice, unless a field names its own."""
+        choice = choose_dtype(self.target.dtype, device)
+        target = self.target.target_dtype
+        mixed = self.optim.mixed_precision
+        return RunPrecision(
+            choice,
+            target_dtype=choice.name if target == "auto" else target,
+            mixed_precision=choice.mixed_precision if mixed == "auto" else mixed,
+        )
+
     def validate(self) -> None:
         """Check values that do not need any file or model; raise naming the fix."""
         checks = [
+            (self.target.dtype, DTYPES, "dtype"),
             (self.target.target_dtype, DTYPES, "target_dtype"),
             (self.drafter.drafter_init, DRAFTER_INITS, "drafter_init"),
             (self.data.data_format, DATA_FORMATS, "data_format"),

@@ -103,6 +103,8 @@ def _plan(config: DistillConfig) -> _Plan:
 
 def _start(config: DistillConfig, plan: _Plan) -> tuple[Accelerator, list[str], Any, str]:
     """The accelerator and the target's folder (a missing demo target built on one process)."""
+    from decode.cpu_threads import set_cpu_threads
+    from decode.precision import announce
     from train.loop import make_accelerator
     from train.target_model import target_location, target_on_main_first
 
@@ -113,9 +115,13 @@ def _start(config: DistillConfig, plan: _Plan) -> tuple[Accelerator, list[str], 
         location, target_name = target_location(plan.target_ref)
 
     reporters = [name for name in config.logging_reporters() if name != "none"]
+    set_cpu_threads(config.optim.threads)
+    precision = config.precision(_device_type())
+    if int(os.environ.get("RANK", "0")) == 0:
+        announce(precision.choice)
     accelerator = make_accelerator(
         gradient_accumulation_steps=config.optim.gradient_accumulation_steps,
-        mixed_precision=config.optim.mixed_precision,
+        mixed_precision=precision.mixed_precision,
         log_with=reporters,
         project_dir=plan.output_dir,
     )
@@ -201,13 +207,21 @@ def _load(
     )
 
 
+def _device_type() -> str:
+    """Where the run will compute, known before the Accelerator exists (it chooses the dtype)."""
+    import torch
+
+    use_cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
+    return "cuda" if torch.cuda.is_available() and not use_cpu else "cpu"
+
+
 def _load_target(config: DistillConfig, location: Any, accelerator: Accelerator) -> Any:
     """The frozen target: whole on the device, whole on the host until it is sharded, or
     (``cache_only``) without its decoder layers."""
     from train.target_model import load_model, load_model_without_layers
 
     remote = config.target.trust_remote_code
-    dtype = config.target.target_dtype
+    dtype = config.precision(accelerator.device.type).target_dtype
     if config.data.target_outputs == "cache_only":
         return load_model_without_layers(location, dtype, remote).to(accelerator.device)
     if config.target.target_sharding == "fsdp" and config.drafter.drafter_init != "target_layers":
@@ -374,6 +388,7 @@ def _summary(
         "target": run.target_name,
         "target_path": run.location,
         "drafter_kind": config.drafter.drafter_kind,
+        **config.precision(run.accelerator.device.type).record(),
         "data": run.description,
         "target_outputs": config.data.target_outputs,
         "on_policy_fraction": config.data.on_policy_fraction,

@@ -366,6 +366,7 @@ def make_accelerator(
             "--mixed_precision fp16 needs a GPU (its loss scaling is a CUDA feature) but this "
             "run is on the CPU: use --mixed_precision bf16 or no"
         )
+    _forget_other_precision(mixed_precision)
     accelerator = Accelerator(
         gradient_accumulation_steps=gradient_accumulation_steps,
         mixed_precision=mixed_precision,
@@ -388,6 +389,18 @@ def make_accelerator(
 
     enable_cpu_fsdp(accelerator)
     return accelerator
+
+
+def _forget_other_precision(mixed_precision: str) -> None:
+    """Let one process run trainings of different precisions one after another (the main job
+    builds the demo target, then distils; tests run many). accelerate keeps one process-wide
+    ``AcceleratorState`` and refuses a second Accelerator with another mixed precision; its
+    per-run part is dropped here, the process group (``PartialState``) is kept."""
+    from accelerate.state import AcceleratorState
+
+    state = AcceleratorState._shared_state
+    if state and str(state.get("_mixed_precision", mixed_precision)) != mixed_precision:
+        AcceleratorState._reset_state(reset_partial_state=False)
 
 
 def build_optimizer(module: torch.nn.Module, config: LoopConfig) -> torch.optim.AdamW:

@@ -18,8 +18,9 @@ from typing import Any
 import yaml
 
 from decode.defaults import NUM_DRAFT_TOKENS, TREE_TOP_K, TREE_TOTAL_TOKENS
+from decode.precision import DTYPE_NAMES
 
-DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
+DTYPES = (*DTYPE_NAMES, "float64")  # float64: exactness tests
 API_KEY_ENV = "DRAFTSMITH_API_KEY"
 # Rows decoded at once (``--max-batch-size``): more requests wait in the queue until one retires.
 MAX_BATCH_SIZE = 32
@@ -64,7 +65,11 @@ class ServeConfig:
     tree_top_k: int = _f(TREE_TOP_K, "children per expanded node of a --tree")
     tree_total_tokens: int = _f(TREE_TOTAL_TOKENS, "nodes kept per --tree")
     trust_remote_code: bool = _f(False, "allow custom modelling code shipped with the target")
-    dtype: str = _f("auto", f"dtype of the target: {', '.join(DTYPES)}")
+    dtype: str = _f(
+        "auto",
+        "dtype of the target (auto: bfloat16 where the CPU has AVX512-BF16/AMX kernels or the "
+        f"GPU supports it, float32 elsewhere): {', '.join(DTYPES)}",
+    )
     device: str = _f("auto", "cpu, cuda, cuda:1 ... (auto: cuda when available)")
     num_threads: int | None = _f(
         None, "torch intra-op CPU threads (default: torch's choice; 1 on a busy machine)"

@@ -14,7 +14,9 @@ from typing import Any
 import torch
 
 from decode import loading
+from decode.cpu_threads import set_cpu_threads
 from decode.drafters.base import Drafter
+from decode.precision import announce, choose_dtype
 from decode.serving.config import ServeConfig
 
 
@@ -46,10 +48,11 @@ def load_components(config: ServeConfig) -> tuple[torch.nn.Module, Any, Drafter]
     """(target, tokenizer, drafter) as ``config`` names them."""
     from decode.drafters.registry import load_drafter
 
-    if config.num_threads is not None:
-        torch.set_num_threads(config.num_threads)
+    set_cpu_threads(config.num_threads)
     device = resolve_device(config.device)
-    target = load_target(config.target, config.dtype, device, config.trust_remote_code)
+    choice = choose_dtype(config.dtype, device)
+    announce(choice)
+    target = load_target(config.target, choice.name, device, config.trust_remote_code)
     tokenizer = load_tokenizer(config.tokenizer or config.target, config.trust_remote_code)
     drafter = load_drafter(config.drafter, target, kind=config.drafter_kind)
     return target, tokenizer, drafter

@@ -13,4 +13,6 @@ from train.demo_target import build_demo_target
 def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny demo target trained for 20 steps, built once per test module."""
     folder = tmp_path_factory.mktemp("t") / "tiny"
-    return build_demo_target(folder, preset="tiny", max_steps=20, progress_bar=False, verbose=False)
+    return build_demo_target(
+        folder, preset="tiny", max_steps=20, progress_bar=False, verbose=False, dtype="float32"
+    )

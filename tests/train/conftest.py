@@ -17,7 +17,9 @@ def tiny_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from train.demo_target import build_demo_target
 
     folder = tmp_path_factory.mktemp("targets") / "tiny"
-    return build_demo_target(folder, preset="tiny", max_steps=60, progress_bar=False, verbose=False)
+    return build_demo_target(
+        folder, preset="tiny", max_steps=60, progress_bar=False, verbose=False, dtype="float32"
+    )
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -97,13 +98,19 @@ def test_force_replaces_a_previous_build(tmp_path: Path, monkeypatch: pytest.Mon
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t"]
 
 
-def test_default_location_is_the_user_cache(
+def test_default_location_is_the_user_cache_keyed_by_preset_and_dtype(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert default_target_path("bench") == tmp_path / "draftsmith" / "targets" / "bench"
+    bench = default_target_path("bench", "float32")
+    assert bench.parent == tmp_path / "draftsmith" / "targets"
+    assert bench.name.startswith("bench-float32-")
+    assert default_target_path("bench", "bfloat16") != bench  # another training dtype
+    changed = {**demo.PRESETS, "bench": replace(demo.PRESETS["bench"], learning_rate=7e-4)}
+    monkeypatch.setattr(demo, "PRESETS", changed)
+    assert default_target_path("bench", "float32") != bench  # a changed preset is a new build
     monkeypatch.delenv("XDG_CACHE_HOME")
-    assert default_target_path() == Path.home() / ".cache" / "draftsmith" / "targets" / "demo"
+    assert default_target_path().parent == Path.home() / ".cache" / "draftsmith" / "targets"
 
 
 def test_unknown_preset_is_explained() -> None:
@@ -112,16 +119,37 @@ def test_unknown_preset_is_explained() -> None:
 
 
 def test_presets_match_the_documented_shapes() -> None:
-    demo_preset, bench = demo.PRESETS["demo"], demo.PRESETS["bench"]
+    demo_preset = demo.PRESETS["demo"]
     assert (demo_preset.num_layers, demo_preset.hidden_size, demo_preset.intermediate_size) == (
-        4,
-        256,
-        688,
+        8,
+        512,
+        1408,
     )
+    assert demo_preset.hidden_size // demo_preset.num_heads == 64  # heads vLLM's CPU path runs
     assert demo_preset.vocab_size == 8192 and demo_preset.block_size == 256
 
-    # The bench target's per-token cost (layer matmuls) is several times the demo's.
-    def layer_flops(p: demo.DemoPreset) -> int:
-        return p.num_layers * (4 * p.hidden_size**2 + 3 * p.hidden_size * p.intermediate_size)
 
-    assert layer_flops(bench) > 3 * layer_flops(demo_preset)
+def test_a_bfloat16_build_trains_under_autocast_and_keeps_float32_weights(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    asked: list[str] = []
+    make = demo.make_accelerator
+
+    def recording(**kwargs: object):
+        asked.append(str(kwargs.get("mixed_precision")))
+        return make(**kwargs)
+
+    monkeypatch.setattr(demo, "make_accelerator", recording)
+    folder = build_demo_target(
+        tmp_path / "t",
+        preset="tiny",
+        max_steps=4,
+        dtype="bfloat16",
+        progress_bar=False,
+        verbose=False,
+    )
+    metrics = load_metrics(folder)
+    assert asked == ["bf16"]
+    assert metrics["dtype"] == "bfloat16" and metrics["dtype_requested"] == "bfloat16"
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}  # the master weights
