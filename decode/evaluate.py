@@ -274,13 +274,7 @@ def evaluate_drafter(
         "draftsmith_plain": speculative_method(target, no_drafter, plain_settings),
         "ours": speculative_method(target, drafter, settings),
     }
-    others = {
-        name: model
-        for name, model in (plain_in_other_dtypes or {}).items()
-        if name != _dtype_name(target)
-    }
-    for name, model in others.items():
-        methods[f"draftsmith_plain_{name}"] = speculative_method(model, no_drafter, plain_settings)
+    methods |= plain_in_dtypes(target, plain_in_other_dtypes, no_drafter, plain_settings)
     peer = hf_peer(drafter, settings) if settings.peer else None
     if peer is not None:
         methods[peer[0]] = plain_method(target, settings, **peer[1])
@@ -294,18 +288,43 @@ def evaluate_drafter(
         peer_result,
         own_plain=results["draftsmith_plain"],
     )
-    plain_rates = {_dtype_name(target): results["draftsmith_plain"].tokens_per_s} | {
-        name: results[f"draftsmith_plain_{name}"].tokens_per_s for name in others
+    return report | fastest_plain(target, results, report["tokens_per_s_speculative"])
+
+
+PLAIN_IN = "draftsmith_plain_"  # + a dtype name: plain decoding of the target in that dtype
+
+
+def plain_in_dtypes(
+    target: torch.nn.Module,
+    copies: dict[str, torch.nn.Module] | None,
+    no_drafter: Drafter,
+    plain_settings: EvalSettings,
+) -> dict[str, Method]:
+    """Draftsmith's plain decoding of ``copies`` (dtype name -> the target in that dtype),
+    the target's own dtype left out (``draftsmith_plain`` measures it)."""
+    return {
+        f"{PLAIN_IN}{name}": speculative_method(model, no_drafter, plain_settings)
+        for name, model in (copies or {}).items()
+        if name != _dtype_name(target)
     }
-    fastest = max(plain_rates, key=plain_rates.__getitem__)
-    rate = report["tokens_per_s_speculative"]
-    report.update(
-        dtype=_dtype_name(target),
-        tokens_per_s_draftsmith_plain_by_dtype=plain_rates,
-        fastest_plain_dtype=fastest,
-        speedup_over_fastest_plain=rate / plain_rates[fastest] if plain_rates[fastest] else 0.0,
-    )
-    return report
+
+
+def fastest_plain(
+    target: torch.nn.Module, results: dict[str, MethodResult], tokens_per_s: float
+) -> dict[str, object]:
+    """Plain decoding's tokens/s per dtype and the speedup over the fastest of them."""
+    rates = {_dtype_name(target): results["draftsmith_plain"].tokens_per_s} | {
+        name.removeprefix(PLAIN_IN): result.tokens_per_s
+        for name, result in results.items()
+        if name.startswith(PLAIN_IN)
+    }
+    fastest = max(rates, key=rates.__getitem__)
+    return {
+        "dtype": _dtype_name(target),
+        "tokens_per_s_draftsmith_plain_by_dtype": rates,
+        "fastest_plain_dtype": fastest,
+        "speedup_over_fastest_plain": tokens_per_s / rates[fastest] if rates[fastest] else 0.0,
+    }
 
 
 def _dtype_name(model: torch.nn.Module) -> str:

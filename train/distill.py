@@ -441,6 +441,7 @@ def _measure_speed(
         prompts=speed.speed_eval_prompt_source,
         ood_prompts=speed.speed_eval_ood_prompts or None,
         adaptive=speed.speed_eval_adaptive,
+        dtype=config.precision("cpu").choice.name,
     )
     keys = (
         "tau",
@@ -451,6 +452,10 @@ def _measure_speed(
         "tokens_per_s_draftsmith_plain",
         "tokens_per_s_speculative",
         "draft_cost_ratio",
+        "verify_cost_ratio",
+        "speedup_over_fastest_plain",
+        "fastest_plain_dtype",
+        "distinct_4gram_share",
     )
     summary = {t: {k: r[k] for k in keys} for t, r in report["by_temperature"].items()}
     for t, r in report.get("hybrid", {}).items():

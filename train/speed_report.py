@@ -34,22 +34,31 @@ def measure_and_report(
     prompts: str = "demo",
     ood_prompts: str | None = None,
     adaptive: bool = False,
+    dtype: str = "auto",
+    plain_also: tuple[str, ...] = ("float32",),
 ) -> dict[str, Any]:
     """Decode the prompts with and without the drafter; return and save the report.
 
     ``report["by_temperature"][t]`` is the drafter's evaluation on ``prompts``;
     ``report["hybrid"][t]`` the hybrid's; ``report["ood"][t]`` both on ``ood_prompts``.
+    The target decodes in ``dtype`` (``decode.precision``); draftsmith's plain decoding is
+    measured in ``plain_also`` too, so every speedup can be stated over the fastest plain
+    decoding draftsmith has for the target (``speedup_over_fastest_plain``).
     """
     from decode.drafters.registry import load_drafter
     from decode.evaluate import encode_prompt, load_target
     from decode.plots import plot_acceptance_by_position, plot_speedups
+    from decode.precision import choose_dtype
     from decode.prompts import load_eval_prompts
 
-    target, tokenizer = load_target(str(target_path))
+    choice = choose_dtype(dtype)
+    target, tokenizer = load_target(str(target_path), dtype=choice.name)
+    copies = {name: load_target(str(target_path), dtype=name)[0] for name in plain_also}
     drafter = load_drafter(drafter_dir, target)
     report: dict[str, Any] = {
         "target": str(target_path),
         "drafter": str(drafter_dir),
+        **choice.record(),
         "held_out_overlap": _overlaps(held_out),
         "prompts": prompts,
         "by_temperature": {},
@@ -61,6 +70,7 @@ def measure_and_report(
         for temperature in temperatures:
             results = _measure(
                 target,
+                copies,
                 drafter,
                 encoded,
                 temperature,
@@ -103,6 +113,7 @@ def measure_and_report(
 
 def _measure(
     target: Any,
+    copies: dict[str, Any],
     drafter: Any,
     prompts: list[Any],
     temperature: float,
@@ -121,8 +132,10 @@ def _measure(
     from decode.drafters.none import NoDrafter
     from decode.evaluate import (
         EvalSettings,
+        fastest_plain,
         hf_peer,
         measure_side_by_side,
+        plain_in_dtypes,
         plain_method,
         speculative_method,
         speculative_report,
@@ -139,15 +152,13 @@ def _measure(
         adaptive=adaptive and not use_tree,
     )
     chain = replace(settings, tree=None, adaptive=adaptive)
+    no_drafter, plain_settings = NoDrafter(drafter.vocab_size), replace(chain, adaptive=False)
     methods = {
         "baseline": plain_method(target, settings),
-        "draftsmith_plain": speculative_method(
-            target,
-            NoDrafter(drafter.vocab_size),
-            replace(chain, adaptive=False),
-        ),
+        "draftsmith_plain": speculative_method(target, no_drafter, plain_settings),
         "drafter": speculative_method(target, drafter, settings),
     }
+    methods |= plain_in_dtypes(target, copies, no_drafter, plain_settings)
     hybrid = HybridDrafter(drafter) if drafter.supports_external_drafts else None
     if hybrid is not None:
         methods["hybrid"] = speculative_method(target, hybrid, chain)
@@ -176,6 +187,8 @@ def _measure(
             results["hybrid"],
             own_plain=results["draftsmith_plain"],
         )
+    for report in reports.values():
+        report |= fastest_plain(target, results, report["tokens_per_s_speculative"])
     return reports
 
 
@@ -183,11 +196,16 @@ def format_summary(report: dict[str, Any]) -> str:
     """The end-of-run table: overlap per position, tau, speedups over draftsmith's own plain
     decoding (the figure that says whether drafting pays) and over HF ``generate``."""
     overlap = " ".join(f"{v:.3f}" for v in report["held_out_overlap"]) or "-"
+    plain = report["by_temperature"][next(iter(report["by_temperature"]))]
+    rates = plain.get("tokens_per_s_draftsmith_plain_by_dtype", {})
     lines = [
+        f"decoding in {report.get('dtype', '?')} ({report.get('dtype_reason', '')}); draftsmith "
+        "plain tokens/s by dtype: " + ", ".join(f"{k} {v:.1f}" for k, v in rates.items()),
         f"held-out overlap per position (training): {overlap}",
         "speedup over draftsmith's own plain decoding (vs ours) and over HF generate (vs HF):",
         f"{'prompts':<10}{'T':>4}  {'method':<18}{'tau':>6}{'pred tau':>9}{'tok/s':>8}"
-        f"{'vs ours':>9}{'vs HF':>8}{'draft/tgt':>10}{'peer vs HF':>22}",
+        f"{'vs ours':>9}{'vs fastest':>11}{'vs HF':>8}{'draft/tgt':>10}{'verify/tgt':>11}"
+        f"{'4-grams':>8}{'peer vs HF':>22}",
     ]
     rows = []
     for temperature, r in report["by_temperature"].items():
@@ -203,8 +221,10 @@ def format_summary(report: dict[str, Any]) -> str:
         lines.append(
             f"{prompts:<10}{temperature:>4}  {r['drafter_kind']:<18}{r['tau']:>6.2f}"
             f"{r['predicted_tau']:>9.2f}{r['tokens_per_s_speculative']:>8.1f}"
-            f"{r['speedup_over_draftsmith_plain']:>8.2f}x{r['speedup']:>7.2f}x"
-            f"{r['draft_cost_ratio']:>10.2f}{peer_text:>22}"
+            f"{r['speedup_over_draftsmith_plain']:>8.2f}x"
+            f"{r.get('speedup_over_fastest_plain', 0.0):>10.2f}x{r['speedup']:>7.2f}x"
+            f"{r['draft_cost_ratio']:>10.2f}{r['verify_cost_ratio']:>11.2f}"
+            f"{r['distinct_4gram_share']:>8.2f}{peer_text:>22}"
         )
     for prompts, temperature, r in rows:
         alphas = " ".join(f"{a:.2f}" for a in r["alpha_per_position"])
