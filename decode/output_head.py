@@ -43,15 +43,25 @@ from decode.projection import Projection, vocab_layout
 # this module is a leaf, so the lean decoder imports it from here.
 LLAMA_FAMILY_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
+# Drafters compute their logits in at least float32: in bfloat16 (8 significant bits) a draft's
+# top two logits often round to one value and argmax then proposes the lower token id rather
+# than the drafter's real first choice (docs/theory.md §7). The target's logits stay in its own
+# dtype: they are the distribution the output follows.
+DRAFT_LOGITS_DTYPE: torch.dtype | None = torch.float32
+
 
 class OutputHead(Projection):
     """``h @ W^T`` in the fastest layout for the dtype and row count (``vocab_layout``)."""
 
-    def __init__(self, weight: torch.Tensor) -> None:  # [V, H]
-        super().__init__(weight, None, vocab_layout)
+    def __init__(
+        self, weight: torch.Tensor, logits_dtype: torch.dtype | None = None
+    ) -> None:  # [V, H]
+        super().__init__(weight, None, vocab_layout, logits_dtype)
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module) -> OutputHead | None:
+    def for_model(
+        cls, model: torch.nn.Module, logits_dtype: torch.dtype | None = None
+    ) -> OutputHead | None:
         """The head of ``model`` when it runs on CPU with a plain linear output, else ``None``."""
         head = model.get_output_embeddings()
         config = getattr(model, "config", None)
@@ -62,4 +72,4 @@ class OutputHead(Projection):
             or head.weight.device.type != "cpu"
         ):
             return None
-        return cls(head.weight)
+        return cls(head.weight, logits_dtype)

@@ -70,22 +70,38 @@ class Projection:
         weight: torch.Tensor,  # [out, in]
         bias: torch.Tensor | None = None,  # [out]
         choose: Callable[[torch.dtype, int], Layout] = layer_layout,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
+        """``compute_dtype`` (e.g. float32 for a bfloat16 drafter's logits) multiplies a copy of
+        the weight in that dtype when the weight's own is narrower, so the output keeps the
+        precision its argmax needs (a float64 weight stays float64)."""
         self.weight = weight
         self.bias = bias
         self._choose = choose
-        # Inference tensors (copies made under inference_mode) have no version and never change.
+        self._compute_dtype = compute_dtype
+        self._converted: Projection | None = None
         self._version = None if weight.is_inference() else weight._version
         self._prepared: dict[Layout, torch.Tensor] = {}
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         if self._version is not None and self._version != self.weight._version:
             self._prepared.clear()
+            self._converted = None
             self._version = self.weight._version
+        if self._compute_dtype is not None and _narrower(self.weight.dtype, self._compute_dtype):
+            return self._in_compute_dtype()(x)
         rows = x.reshape(-1, x.shape[-1]).to(self.weight.dtype)  # [R, in]
         layout = self._choose(self.weight.dtype, rows.shape[0])
         out = self._multiply(layout, rows)  # [R, out]
         return out.view(*x.shape[:-1], out.shape[-1])
+
+    def _in_compute_dtype(self) -> Projection:
+        if self._converted is None:
+            with torch.no_grad():
+                weight = self.weight.detach().to(self._compute_dtype)
+                bias = None if self.bias is None else self.bias.detach().to(self._compute_dtype)
+            self._converted = Projection(weight, bias, self._choose)
+        return self._converted
 
     def _multiply(self, layout: Layout, rows: torch.Tensor) -> torch.Tensor:  # [R, out]
         weight, bias = self.weight.detach(), self.bias
@@ -120,6 +136,10 @@ def onednn_packs(dtype: torch.dtype) -> bool:
     if dtype == torch.bfloat16:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     return False
+
+
+def _narrower(dtype: torch.dtype, than: torch.dtype) -> bool:
+    return dtype.is_floating_point and torch.finfo(dtype).bits < torch.finfo(than).bits
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:  # [out, in] -> oneDNN's blocked layout

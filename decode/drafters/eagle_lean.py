@@ -30,7 +30,7 @@ from decode.drafters.eagle import Eagle3Head, rope_tables
 from decode.drafters.vocab_map import to_target_ids, to_target_probs
 from decode.kv_cache import PreallocatedLayer
 from decode.llama_math import apply_rope, rms_norm
-from decode.output_head import OutputHead
+from decode.output_head import DRAFT_LOGITS_DTYPE, OutputHead
 from decode.projection import Projection
 
 
@@ -60,7 +60,7 @@ class LeanEagle3:
         self.eps = config.rms_norm_eps
         self.rope_theta = config.rope_theta
         self.full_vocab = config.draft_vocab_size == config.target_vocab_size
-        self._output = OutputHead(head.lm_head.weight)
+        self._output = OutputHead(head.lm_head.weight, DRAFT_LOGITS_DTYPE)
         self._parameters = [*head.parameters(), head.d2t]
         self._versions: list[int] = []
         self._weights: _FusedWeights | None = None

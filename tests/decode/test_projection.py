@@ -61,3 +61,15 @@ def test_the_layout_rules_keep_float32_and_pack_bfloat16(monkeypatch: pytest.Mon
     monkeypatch.setattr(projection, "onednn_packs", lambda dtype: False)
     assert projection.layer_layout(torch.bfloat16, 1) == projection.LINEAR
     assert projection.layer_layout(torch.float64, 1) == projection.LINEAR
+
+
+def test_a_compute_dtype_keeps_the_precision_an_argmax_needs() -> None:
+    """Two logits 1/512 apart round to one bfloat16 value; in float32 they stay apart."""
+    weight = torch.zeros(2, 4, dtype=torch.bfloat16)
+    weight[0, 0], weight[1, 0] = 1.0, 1.0
+    weight[1, 1] = 2.0**-9
+    x = torch.tensor([[8.0, 1.0, 0.0, 0.0]], dtype=torch.bfloat16)
+    rounded = Projection(weight)(x)  # 8 and 8 + 2^-9 -> the same bfloat16 value
+    kept = Projection(weight, compute_dtype=torch.float32)(x)
+    assert rounded[0, 0] == rounded[0, 1]
+    assert kept.dtype == torch.float32 and int(kept.argmax()) == 1
