@@ -634,6 +634,9 @@ def _regenerated_rows(
             pad_token_id=tokenizer.pad_token_id,
             device=accelerator.device,
             train_prompt=data.train_prompt_loss,
+            progress=f"regenerate at T={temperature:g}"
+            if accelerator.is_main_process and config.logging.progress_bar
+            else None,
         )
     return rows
 

@@ -110,6 +110,7 @@ def continued_rows(
     device: torch.device,
     batch_size: int = 16,
     train_prompt: bool = False,
+    progress: str | None = None,
 ) -> list[Row]:
     """Prompts (token ids, any lengths below ``length``) continued by the target to ``length``
     tokens in all, or to an eos.
@@ -117,13 +118,17 @@ def continued_rows(
     The target samples at ``temperature`` (greedy at 0) from a generator seeded by ``seed``, so
     every process builds the same set. ``loss_mask`` marks the continuation, and the prompt as
     well when ``train_prompt`` (the prompt is the data's own text, worth learning too).
+    ``progress`` names a progress bar over the batches (None: no bar).
     """
+    from tqdm.auto import tqdm
+
     if any(not 0 < len(prompt) < length for prompt in prompts):
         raise ValueError(f"every prompt needs 1 to {length - 1} tokens to leave room to continue")
     generator = torch.Generator(device).manual_seed(seed)
     sampling = SamplingConfig(temperature=temperature)
     rows: list[Row] = []
-    for start in range(0, len(prompts), batch_size):
+    starts = range(0, len(prompts), batch_size)
+    for start in tqdm(starts, desc=progress, disable=progress is None, dynamic_ncols=True):
         chunk = prompts[start : start + batch_size]
         ids, mask = left_pad(chunk, pad_token_id)  # [B, P]
         out = sample_continuations(

@@ -48,6 +48,8 @@ def measure_and_report(
     from decode.drafters.registry import load_drafter
     from decode.evaluate import encode_prompt, load_target
     from decode.plots import plot_acceptance_by_position, plot_speedups
+    from tqdm.auto import tqdm
+
     from decode.precision import choose_dtype
     from decode.prompts import load_eval_prompts
 
@@ -65,9 +67,12 @@ def measure_and_report(
         "hybrid": {},
     }
     sets = {"held_out": prompts} | ({"ood": ood_prompts} if ood_prompts else {})
+    bar = tqdm(total=len(sets) * len(temperatures), desc="measure", dynamic_ncols=True)
     for name, source in sets.items():
         encoded = [encode_prompt(tokenizer, p) for p in load_eval_prompts(source, num_prompts)]
         for temperature in temperatures:
+            bar.set_postfix_str(f"{name} T={temperature:g}")
+            bar.update()
             results = _measure(
                 target,
                 copies,
@@ -86,6 +91,7 @@ def measure_and_report(
                     report["hybrid"][key] = results["hybrid"]
             else:
                 report.setdefault("ood", {"prompts": source})[key] = results
+    bar.close()
     output = Path(output_dir)
     output.mkdir(parents=True, exist_ok=True)
     write_json_atomic(output / "report.json", report)
