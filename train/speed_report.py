@@ -45,11 +45,11 @@ def measure_and_report(
     measured in ``plain_also`` too, so every speedup can be stated over the fastest plain
     decoding draftsmith has for the target (``speedup_over_fastest_plain``).
     """
+    from tqdm.auto import tqdm
+
     from decode.drafters.registry import load_drafter
     from decode.evaluate import encode_prompt, load_target
     from decode.plots import plot_acceptance_by_position, plot_speedups
-    from tqdm.auto import tqdm
-
     from decode.precision import choose_dtype
     from decode.prompts import load_eval_prompts
 
