@@ -125,6 +125,9 @@ def model_card(
         f"- on-policy fraction: {summary.get('on_policy_fraction', 0.0)}",
         f"- loss: `{summary.get('loss', '?')}` at temperature {summary.get('loss_temperature', 1.0)}",
         f"- steps: {summary.get('steps', '?')}, tokens seen: {summary.get('tokens_seen', '?')}",
+        f"- dtype: {summary.get('dtype', 'float32')} (target in "
+        f"{summary.get('target_dtype', summary.get('dtype', 'float32'))}, mixed precision "
+        f"{summary.get('mixed_precision', 'no')}; weights saved in float32)",
         f"- architecture: {json.dumps(architecture)}",
         *_rope_line(architecture.get("rope")),
     ]

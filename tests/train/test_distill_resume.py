@@ -36,15 +36,18 @@ def _losses(log: Path) -> dict[int, float]:
     return {r["step"]: r["train/loss"] for r in read_metrics_log(log) if "train/loss" in r}
 
 
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
 def test_sigkill_then_resume_replays_the_uninterrupted_losses(
-    tmp_path: Path, tiny_argv: Callable[..., list[str]]
+    tmp_path: Path, tiny_argv: Callable[..., list[str]], dtype: str
 ) -> None:
-    reference = main(tiny_argv(tmp_path / "reference", *FLAGS))
+    flags = (*FLAGS, "--dtype", dtype)  # bfloat16: the target in bfloat16, the drafter autocast
+    reference = main(tiny_argv(tmp_path / "reference", *flags))
+    assert reference["dtype"] == dtype
 
     run = tmp_path / "killed"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen(
-        [sys.executable, str(REPO / "train" / "distill.py"), *tiny_argv(run, *FLAGS)],
+        [sys.executable, str(REPO / "train" / "distill.py"), *tiny_argv(run, *flags)],
         cwd=REPO,
         env=env,
         stdout=subprocess.DEVNULL,
@@ -62,7 +65,7 @@ def test_sigkill_then_resume_replays_the_uninterrupted_losses(
     killed_at = max(_losses(run / "logs" / "metrics.jsonl"))
     assert killed_at < 24
 
-    resumed = main(tiny_argv(run, *FLAGS, "--resume_from_checkpoint", "latest"))
+    resumed = main(tiny_argv(run, *flags, "--resume_from_checkpoint", "latest"))
     expected = _losses(tmp_path / "reference" / "logs" / "metrics.jsonl")
     got = _losses(run / "logs" / "metrics.jsonl")
     assert sorted(got) == list(range(1, 25))

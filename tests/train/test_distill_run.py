@@ -30,6 +30,8 @@ def test_tiny_run_exports_the_drafter_folder(
     card = (drafter / "README.md").read_text()
     assert f"{summary['held_out']['overlap@1']:.4f}" in card
     assert "| draft position | overlap | greedy match |" in card
+    assert summary["dtype"] == "float32" and summary["mixed_precision"] == "no"  # the tiny recipe
+    assert "- dtype: float32 (target in float32, mixed precision no" in card
     model = AutoModelForCausalLM.from_pretrained(drafter)
     target = AutoModelForCausalLM.from_pretrained(tiny_target)
     assert model.config.num_hidden_layers == 1
