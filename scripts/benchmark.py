@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from decode.cpu_threads import set_cpu_threads
 from decode.defaults import NUM_DRAFT_TOKENS, TREE_TOP_K, TREE_TOTAL_TOKENS
 from decode.drafters.base import TreeSpec
 from decode.drafters.hybrid import HybridDrafter
@@ -37,6 +38,7 @@ from decode.evaluate import (
     hf_peer,
     load_target,
     measure_side_by_side,
+    plain_dtypes,
     plain_method,
     speculative_method,
 )
@@ -45,11 +47,13 @@ from decode.plots import (
     plot_speedup_against_draft_length,
     plot_speedups,
 )
+from decode.precision import add_dtype_argument, announce, choose_dtype
 from decode.prompts import load_eval_prompts
 
 # Plain decoding through our own decoder (no drafter): the control that separates what the
 # decoder's forward adds from what drafting adds.
 CONTROL = "draftsmith plain (no drafter)"
+PLAIN_ROW = "draftsmith plain, "  # + a dtype: the control in another dtype
 HYBRID = "draftsmith hybrid: lookup"
 
 
@@ -60,10 +64,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--target", required=True)
     parser.add_argument("--draft-lm", default=None, help="draft_lm drafter folder")
+    parser.add_argument(
+        "--draft-lm-pruned", default=None, help="draft_lm folder with a pruned output vocabulary"
+    )
     parser.add_argument("--eagle3", default=None, help="EAGLE-3 drafter folder")
     parser.add_argument("--medusa", default=None, help="Medusa drafter folder")
     parser.add_argument("--peagle", default=None, help="P-EAGLE drafter folder")
-    parser.add_argument("--prompts", default="demo")
+    parser.add_argument(
+        "--prompts",
+        nargs="+",
+        default=["demo", "ood"],
+        help="prompt sets, each measured in turn ('demo' held-out, 'ood' unseen code, files); "
+        "the first is the headline",
+    )
     parser.add_argument("--num-prompts", type=int, default=6)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--num-draft-tokens", type=int, default=NUM_DRAFT_TOKENS)
@@ -89,8 +102,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="verify with the target's own forward instead of the lean CPU forward (ablation)",
     )
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=None, help="default: every core")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_dtype_argument(parser)
+    parser.add_argument(
+        "--plain-also",
+        default="float32",
+        help="comma-separated dtypes in which draftsmith's plain decoding runs too: every "
+        "speedup is also stated over the fastest plain decoding ('' for none)",
+    )
     parser.add_argument("--json", required=True)
     parser.add_argument("--plots", required=True)
     return parser.parse_args(argv)
@@ -159,7 +179,9 @@ def held_out_overlap(folder: str | None) -> list[float] | None:
     return [results[k] for k in keys] or None
 
 
-def build_methods(args, target, drafters, settings: EvalSettings, meter, peaks, hybrids):
+def build_methods(
+    args, target, drafters, settings: EvalSettings, meter, peaks, hybrids, plain_copies
+):
     """Every method of one temperature; the hybrid drafters built here land in ``hybrids``."""
     tree = TreeSpec(top_k=args.tree_top_k, total_tokens=args.tree_total_tokens)
     methods: dict[str, Method] = {"plain (HF generate)": plain_method(target, settings)}
@@ -169,12 +191,18 @@ def build_methods(args, target, drafters, settings: EvalSettings, meter, peaks, 
     _, kwargs = hf_peer(drafters["ngram"], settings)
     methods["HF prompt lookup"] = plain_method(target, settings, **kwargs)
     methods[CONTROL] = speculative_method(target, drafters["none"], settings)
+    for name, copy in plain_copies.items():
+        methods[f"{PLAIN_ROW}{name}"] = speculative_method(copy, drafters["none"], settings)
     methods["draftsmith n-gram"] = speculative_method(target, drafters["ngram"], settings)
     if "draft_lm" in drafters:
         methods["draftsmith draft LM"] = speculative_method(target, drafters["draft_lm"], settings)
         adaptive = replace(settings, adaptive=True)
         methods["draftsmith draft LM (adaptive N)"] = speculative_method(
             target, drafters["draft_lm"], adaptive
+        )
+    if "draft_lm_pruned" in drafters:
+        methods["draftsmith draft LM, pruned vocabulary"] = speculative_method(
+            target, drafters["draft_lm_pruned"], settings
         )
     if "eagle3" in drafters:
         methods["draftsmith EAGLE-3 chain"] = speculative_method(
@@ -199,6 +227,8 @@ def build_methods(args, target, drafters, settings: EvalSettings, meter, peaks, 
     ):
         if kind in drafters:
             tree_settings = replace(settings, tree=tree)
+            if kind == "eagle3" and settings.temperature > 0:
+                label += " (sampled)"  # root children drawn from q, each continued as a chain
             methods[label] = speculative_method(target, drafters[kind], tree_settings)
             if args.adaptive_tree:  # each round's shape: plain step, chain or tree
                 adaptive = replace(tree_settings, adaptive=True)
@@ -209,10 +239,19 @@ def build_methods(args, target, drafters, settings: EvalSettings, meter, peaks, 
 
 
 def summarise(
-    results: dict[str, MethodResult], peaks: dict[str, tuple], overlaps, usage: dict[str, dict]
+    results: dict[str, MethodResult],
+    peaks: dict[str, tuple],
+    overlaps,
+    usage: dict[str, dict],
+    flop_shares: dict[str, float] | None = None,
 ) -> list[dict]:
     plain = results["plain (HF generate)"]
     control = results[CONTROL]
+    fastest_plain = max(
+        r.tokens_per_s
+        for name, r in results.items()
+        if name == CONTROL or name.startswith(PLAIN_ROW)
+    )
     control_stats = control.stats
     target_step_ms = (
         1000 * control_stats.verify_seconds / max(control_stats.target_forward_passes, 1)
@@ -231,6 +270,9 @@ def summarise(
                 "tokens_per_s": result.tokens_per_s,
                 "speedup": result.tokens_per_s / plain.tokens_per_s if plain.tokens_per_s else 0.0,
                 "speedup_over_draftsmith_plain": result.tokens_per_s / control.tokens_per_s,
+                "speedup_over_fastest_plain": result.tokens_per_s / fastest_plain,
+                "gpu_projected_speedup": gpu_projection(name, stats, flop_shares or {}),
+                "distinct_4gram_share": result.distinct_4gram_share,
                 "draft_step_ms": draft_step_ms,
                 "verify_pass_ms": 1000 * stats.verify_seconds / max(stats.target_forward_passes, 1)
                 if stats
@@ -253,21 +295,79 @@ def summarise(
     return rows
 
 
+# Row name fragments -> the drafter whose cost a row's draft passes carry (longest first).
+ROW_DRAFTERS = (
+    ("draft LM, pruned", "draft_lm_pruned"),
+    ("P-EAGLE", "peagle"),
+    ("EAGLE-3", "eagle3"),
+    ("draft LM", "draft_lm"),
+    ("Medusa", "medusa"),
+)
+
+
+def matmul_params(module: torch.nn.Module, input_embedding: torch.Tensor | None = None) -> int:
+    """Weights a forward multiplies by (2-D parameters), an untied input embedding left out:
+    the FLOPs of one token through ``module`` are twice this."""
+    total = sum(p.numel() for p in module.parameters() if p.ndim == 2)
+    shared = input_embedding is not None and any(
+        p is input_embedding for p in module.parameters() if p is not input_embedding
+    )
+    return total - (input_embedding.numel() if input_embedding is not None and not shared else 0)
+
+
+def flop_shares(target: torch.nn.Module, drafters: dict) -> dict[str, float]:
+    """Each trained drafter's FLOPs per drafted token as a share of one target token's."""
+    embedding = target.get_input_embeddings().weight
+    tied = embedding is target.get_output_embeddings().weight
+    target_flops = matmul_params(target, None if tied else embedding)
+    shares = {}
+    for kind, drafter in drafters.items():
+        module = next(
+            (getattr(drafter, a) for a in ("head", "heads", "model") if hasattr(drafter, a)), None
+        )
+        if isinstance(module, torch.nn.Module):
+            own = getattr(module, "get_input_embeddings", lambda: None)()
+            shares[kind] = matmul_params(module, None if own is None else own.weight) / target_flops
+    return shares
+
+
+def gpu_projection(name: str, stats, shares: dict[str, float]) -> float | None:
+    """A projection, not a measurement: the row's measured tau under a GPU cost profile where a
+    verify pass over <= 64 tokens costs one target step and a draft pass costs the drafter's
+    FLOP share of a step (docs/theory.md §5): ``tau / (1 + passes per round * share)``. A
+    P-EAGLE round is one pass; other drafters pass once per drafted position (a tree level)."""
+    if stats is None or not name.startswith("draftsmith") or not stats.target_forward_passes:
+        return None
+    kind = next((k for fragment, k in ROW_DRAFTERS if fragment in name), None)
+    share = shares.get(kind, 0.0) if kind else 0.0
+    passes = stats.draft_positions / stats.target_forward_passes
+    if kind == "peagle":
+        passes = min(passes, 1.0)
+    return stats.tau / (1.0 + passes * share)
+
+
 def format_rows(rows: list[dict], temperature: float, best: dict) -> str:
     lines = [
-        f"temperature {temperature:g} (vs HF: over HF generate; vs ours: over draftsmith plain)",
-        f"{'method':<40}{'tok/s':>8}{'vs HF':>8}{'vs ours':>8}{'tau':>6}{'pred':>6}"
-        f"{'draft/tgt':>10}{'peak MB':>9}{'+MB':>6}",
+        f"temperature {temperature:g} (vs HF: over HF generate; vs ours: over draftsmith plain "
+        "in the run's dtype; vs fastest: over draftsmith's fastest plain decoding in any dtype; "
+        "GPU proj.: a projection from the measured tau, not a measurement; 4-grams: distinct "
+        "share of the output)",
+        f"{'method':<40}{'tok/s':>8}{'vs HF':>8}{'vs ours':>8}{'vs fastest':>11}{'tau':>6}"
+        f"{'pred':>6}{'draft/tgt':>10}{'GPU proj.':>10}{'4-grams':>8}{'peak MB':>9}{'+MB':>6}",
     ]
     for row in rows:
         predicted = f"{row['predicted_tau']:.2f}" if row["predicted_tau"] else "-"
         peak = f"{row['peak_memory_mb']:.0f}" if row["peak_memory_mb"] else "-"
         extra = f"{row['extra_memory_mb']:.1f}" if row["extra_memory_mb"] is not None else "-"
         cost = f"{row['draft_cost_ratio']:.2f}" if row["draft_cost_ratio"] else "-"
+        gpu = row.get("gpu_projected_speedup")
+        gpu_text = f"{gpu:.2f}x" if gpu else "-"
         lines.append(
             f"{row['method']:<40}{row['tokens_per_s']:>8.1f}{row['speedup']:>7.2f}x"
-            f"{row['speedup_over_draftsmith_plain']:>7.2f}x{row['tau']:>6.2f}{predicted:>6}"
-            f"{cost:>10}{peak:>9}{extra:>6}"
+            f"{row['speedup_over_draftsmith_plain']:>7.2f}x"
+            f"{row.get('speedup_over_fastest_plain', 0.0):>10.2f}x{row['tau']:>6.2f}{predicted:>6}"
+            f"{cost:>10}{gpu_text:>10}{row.get('distinct_4gram_share', 1.0):>8.2f}{peak:>9}"
+            f"{extra:>6}"
         )
         if row["drafter_usage"]:
             usage = row["drafter_usage"]
@@ -291,11 +391,13 @@ def format_rows(rows: list[dict], temperature: float, best: dict) -> str:
 
 def best_against_hf(rows: list[dict]) -> dict:
     """The fastest draftsmith drafting method against the fastest Hugging Face one (plain
-    included), and against draftsmith's own plain decoding (what drafting alone adds)."""
-    drafting = [r for r in rows if r["method"].startswith("draftsmith") and r["method"] != CONTROL]
+    included), and against draftsmith's own fastest plain decoding in any dtype (what drafting
+    alone adds)."""
+    plain = [r for r in rows if r["method"] == CONTROL or r["method"].startswith(PLAIN_ROW)]
+    drafting = [r for r in rows if r["method"].startswith("draftsmith") and r not in plain]
     ours = max(drafting, key=_speed)
     theirs = max((r for r in rows if not r["method"].startswith("draftsmith")), key=_speed)
-    control = next(r for r in rows if r["method"] == CONTROL)
+    control = max(plain, key=_speed)
     ngram = next(r for r in rows if r["method"] == "draftsmith n-gram")
     # Trained drafters; a hybrid counts only where it beats prompt lookup alone.
     trained = [
@@ -309,6 +411,7 @@ def best_against_hf(rows: list[dict]) -> dict:
         "draftsmith": ours["method"],
         "hf": theirs["method"],
         "ratio": ours["tokens_per_s"] / theirs["tokens_per_s"],
+        "fastest_plain": control["method"],
         "over_draftsmith_plain": ours["tokens_per_s"] / control["tokens_per_s"],
         "trained": best_trained["method"] if best_trained else None,
         "trained_over_draftsmith_plain": best_trained["tokens_per_s"] / control["tokens_per_s"]
@@ -323,22 +426,30 @@ def _speed(row: dict) -> float:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    target, tokenizer = load_target(args.target, args.device)
+    set_cpu_threads(args.threads)
+    choice = choose_dtype(args.dtype, args.device)
+    announce(choice)
+    target, tokenizer = load_target(args.target, args.device, choice.name)
+    plain_copies = {
+        name: load_target(args.target, args.device, name)[0]
+        for name in plain_dtypes(args.plain_also, choice.name)
+    }
     drafters = {kind: load_drafter(None, target, kind=kind) for kind in ("none", "ngram")}
     folders = {
         "draft_lm": args.draft_lm,
+        "draft_lm_pruned": args.draft_lm_pruned,
         "eagle3": args.eagle3,
         "medusa": args.medusa,
         "peagle": args.peagle,
     }
     for kind, folder in folders.items():
         if folder:
-            drafters[kind] = load_drafter(folder, target, kind=kind)
+            drafters[kind] = load_drafter(folder, target, kind=kind.removesuffix("_pruned"))
+    shares = flop_shares(target, drafters)
     overlaps = {
         "draftsmith draft LM": held_out_overlap(args.draft_lm),
         "draftsmith draft LM (adaptive N)": held_out_overlap(args.draft_lm),
+        "draftsmith draft LM, pruned vocabulary": held_out_overlap(args.draft_lm_pruned),
         "draftsmith EAGLE-3 chain": held_out_overlap(args.eagle3),
         "draftsmith EAGLE-3 tree": held_out_overlap(args.eagle3),
         "draftsmith EAGLE-3 tree (adaptive)": held_out_overlap(args.eagle3),
@@ -346,46 +457,64 @@ def main(argv: list[str] | None = None) -> dict:
         "draftsmith Medusa tree (adaptive)": held_out_overlap(args.medusa),
         "draftsmith P-EAGLE chain": held_out_overlap(args.peagle),
     }
-    prompts = [
-        encode_prompt(tokenizer, p) for p in load_eval_prompts(args.prompts, args.num_prompts)
-    ]
+    prompt_sets = {
+        source: [encode_prompt(tokenizer, p) for p in load_eval_prompts(source, args.num_prompts)]
+        for source in args.prompts
+    }
+    headline = args.prompts[0]
+    prompts = prompt_sets[headline]
     meter = PeakMemory(torch.device(args.device))
     report: dict = {
         "target": args.target,
+        **choice.record(),
+        "plain_also": list(plain_copies),
         "num_prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,
         "num_draft_tokens": args.num_draft_tokens,
-        "by_temperature": {},
+        "drafter_flop_share": shares,
+        "gpu_profile": "verify of <= 64 tokens = one target step; a draft pass = the drafter's "
+        "FLOP share of a step (a projection from measured tau, not a measurement)",
+        "prompt_sets": {},
     }
     plots = Path(args.plots)
-    for temperature in args.temperatures:
-        settings = EvalSettings(
-            num_draft_tokens=args.num_draft_tokens,
-            max_new_tokens=args.max_new_tokens,
-            temperature=temperature,
-            lean_target=not args.model_forward,
+    for source, encoded in prompt_sets.items():
+        measured = report["prompt_sets"].setdefault(
+            source, {"by_temperature": {}, "best_against_hf": {}}
         )
-        peaks: dict[str, float] = {}
-        hybrids: dict[str, HybridDrafter] = {}  # fresh per temperature: usage counts restart
-        methods = build_methods(args, target, drafters, settings, meter, peaks, hybrids)
-        results = measure_side_by_side(target, methods, prompts)
-        usage = {name: hybrid.usage() for name, hybrid in hybrids.items()}
-        rows = summarise(results, peaks, overlaps, usage)
-        best = best_against_hf(rows)
-        report["by_temperature"][f"{temperature:g}"] = rows
-        report.setdefault("best_against_hf", {})[f"{temperature:g}"] = best
-        print(format_rows(rows, temperature, best), flush=True)
-        suffix = f"t{temperature:g}"
-        plot_acceptance_by_position(
-            {r["method"]: r["alpha_per_position"] for r in rows if r["alpha_per_position"]},
-            plots / f"acceptance_{suffix}.png",
-            f"Acceptance by position (temperature {temperature:g})",
-        )
-        plot_speedups(
-            {r["method"]: r["speedup"] for r in rows},
-            plots / f"speedup_{suffix}.png",
-            f"Speedup per method (temperature {temperature:g})",
-        )
+        for temperature in args.temperatures:
+            settings = EvalSettings(
+                num_draft_tokens=args.num_draft_tokens,
+                max_new_tokens=args.max_new_tokens,
+                temperature=temperature,
+                lean_target=not args.model_forward,
+            )
+            peaks: dict[str, float] = {}
+            hybrids: dict[str, HybridDrafter] = {}  # fresh per run: usage counts restart
+            methods = build_methods(
+                args, target, drafters, settings, meter, peaks, hybrids, plain_copies
+            )
+            results = measure_side_by_side(target, methods, encoded)
+            usage = {name: hybrid.usage() for name, hybrid in hybrids.items()}
+            rows = summarise(results, peaks, overlaps, usage, shares)
+            best = best_against_hf(rows)
+            measured["by_temperature"][f"{temperature:g}"] = rows
+            measured["best_against_hf"][f"{temperature:g}"] = best
+            print(f"prompts: {source}")
+            print(format_rows(rows, temperature, best), flush=True)
+            suffix = f"t{temperature:g}" + ("" if source == headline else f"_{Path(source).stem}")
+            plot_acceptance_by_position(
+                {r["method"]: r["alpha_per_position"] for r in rows if r["alpha_per_position"]},
+                plots / f"acceptance_{suffix}.png",
+                f"Acceptance by position ({source}, temperature {temperature:g})",
+            )
+            plot_speedups(
+                {r["method"]: r["speedup_over_fastest_plain"] for r in rows},
+                plots / f"speedup_{suffix}.png",
+                f"Speedup over the fastest draftsmith plain decoding ({source}, T={temperature:g})",
+            )
+    # The headline set keeps the report's long-standing keys.
+    report["by_temperature"] = report["prompt_sets"][headline]["by_temperature"]
+    report["best_against_hf"] = report["prompt_sets"][headline]["best_against_hf"]
     if args.sweep:
         report["sweep"] = sweep_draft_length(args, target, drafters, prompts)
         plot_speedup_against_draft_length(report["sweep"], plots / "speedup_vs_draft_length.png")

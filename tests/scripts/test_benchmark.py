@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from script_helpers import load_script
 
 
@@ -41,6 +42,10 @@ def test_benchmark_writes_report_and_plots(tiny_pair_dirs, tmp_path) -> None:
             "--sweep",
             "1",
             "2",
+            "--dtype",
+            "float32",  # greedy equality token for token (bfloat16 agrees up to near-ties)
+            "--plain-also",
+            "bfloat16",
             "--json",
             str(tmp_path / "bench.json"),
             "--plots",
@@ -76,10 +81,20 @@ def test_benchmark_writes_report_and_plots(tiny_pair_dirs, tmp_path) -> None:
     assert best["ratio"] == greedy[best["draftsmith"]]["tokens_per_s"] / max(
         row["tokens_per_s"] for name, row in greedy.items() if not name.startswith("draftsmith")
     )
-    assert best["over_draftsmith_plain"] == (
-        greedy[best["draftsmith"]]["tokens_per_s"]
-        / greedy["draftsmith plain (no drafter)"]["tokens_per_s"]
-    )
+    plain_rows = ("draftsmith plain (no drafter)", "draftsmith plain, bfloat16")
+    fastest = max(greedy[name]["tokens_per_s"] for name in plain_rows)
+    assert best["over_draftsmith_plain"] == greedy[best["draftsmith"]]["tokens_per_s"] / fastest
+    assert best["fastest_plain"] in plain_rows
+    assert saved["dtype"] == "float32" and saved["plain_also"] == ["bfloat16"]
+    for name, row in greedy.items():
+        assert row["speedup_over_fastest_plain"] == row["tokens_per_s"] / fastest
+        assert 0.0 < row["distinct_4gram_share"] <= 1.0
+        projected = row["gpu_projected_speedup"]
+        assert (projected is None) == (not name.startswith("draftsmith")), name
+    share = saved["drafter_flop_share"]["peagle"]
+    assert 0.0 < share < 1.0  # a one-layer head against a two-layer target
+    peagle = greedy["draftsmith P-EAGLE chain"]
+    assert peagle["gpu_projected_speedup"] == pytest.approx(peagle["tau"] / (1.0 + share))
     for row in greedy.values():  # linux: the high-water mark, and what the call added to it
         assert row["peak_memory_mb"] > 0 and 0 <= row["extra_memory_mb"] <= row["peak_memory_mb"]
     assert set(saved["sweep"]) == {"ngram", "draft_lm", "peagle"}
