@@ -119,6 +119,11 @@ def _read_json_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
         yield f"{path}[{number}]", record
 
 
+def json_records(path: str | Path) -> list[tuple[str, Any]]:
+    """``(where, record)`` of every record of a local .jsonl/.json file, records as parsed."""
+    return list(_read_json_records(Path(path).expanduser()))
+
+
 def _records(source: str | Path, split: str) -> Iterator[tuple[str, dict[str, Any]]]:
     """Records of a local .jsonl/.json file, or of a ``datasets`` name's split."""
     if isinstance(source, Path) or _looks_local(source):

@@ -15,8 +15,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TypeVar
 
+from data.benchmarks import load_benchmark_prompts
 from data.corpus import load_stdlib_corpus
-from data.sources import load_prompts
 from decode.defaults import DEMO_PROMPT_CHARS
 
 T = TypeVar("T")
@@ -101,9 +101,10 @@ def demo_prompts(num_prompts: int) -> list[str]:
 
 
 def file_prompts(path: str, num_prompts: int) -> list[str | list[dict[str, str]]]:
-    """Prompts from a JSONL/JSON file (``prompt`` or ``messages`` field) or a text file."""
+    """Prompts from a JSONL/JSON file (``prompt`` or ``messages`` field, or a benchmark's own
+    shape: MT-Bench, GSM8K, HumanEval; ``data.benchmarks``) or a text file."""
     if path.endswith((".jsonl", ".json")):
-        return load_prompts(path)[:num_prompts]
+        return load_benchmark_prompts(path, num_prompts)
     file = Path(path)
     if not file.is_file():
         raise FileNotFoundError(f"prompt file {file} does not exist; pass a file or 'demo'")
