@@ -2,8 +2,9 @@
 
 ``accelerate launch`` sets ``OMP_NUM_THREADS=1`` for a process it starts without ``--cpu``,
 so a single-process run would use one core of many. Every command sets its threads here
-instead: the requested count, or the cores available to the process (its CPU affinity)
-divided among the processes of this machine (``LOCAL_WORLD_SIZE``).
+instead: the requested count (``--threads``), else ``DRAFTSMITH_THREADS`` when set (tests
+set it to 1), else the cores available to the process (its CPU affinity) divided among the
+processes of this machine (``LOCAL_WORLD_SIZE``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ def set_cpu_threads(requested: int | None = None) -> int:
     if requested is not None and requested < 1:
         raise ValueError(f"--threads {requested}: give a positive thread count, or leave it out")
     local_processes = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1)
-    threads = requested or max(available_cores() // local_processes, 1)
+    from_env = int(os.environ.get("DRAFTSMITH_THREADS", "0") or 0)
+    threads = requested or from_env or max(available_cores() // local_processes, 1)
     torch.set_num_threads(threads)
     return threads

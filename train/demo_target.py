@@ -107,10 +107,15 @@ PRESETS: dict[str, DemoPreset] = {
 }
 
 
+def user_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/draftsmith`` (``~/.cache/draftsmith`` by default)."""
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache).expanduser() / "draftsmith"
+
+
 def default_targets_dir() -> Path:
     """``$XDG_CACHE_HOME/draftsmith/targets`` (``~/.cache/draftsmith/targets`` by default)."""
-    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(cache).expanduser() / "draftsmith" / "targets"
+    return user_cache_dir() / "targets"
 
 
 def default_target_path(preset: str = "demo", dtype: str = "auto") -> Path:

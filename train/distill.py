@@ -19,6 +19,7 @@ Runs as a script with ``train/`` first on ``sys.path``, so this file imports the
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -604,7 +605,13 @@ def _regenerated_rows(
     the prompts served and evaluated (``definitions``); either way spread over the whole
     training split, and every process builds the same rows from the same seed.
     """
-    from train.distill_data import block_prompts, continued_rows, definition_prompts_of_rows
+    from data.atomic_io import write_json_atomic
+    from train.distill_data import (
+        block_prompts,
+        continued_rows,
+        definition_prompts_of_rows,
+        regenerated_rows_file,
+    )
 
     data = config.data
     if data.train_prompts == "definitions":
@@ -622,6 +629,21 @@ def _regenerated_rows(
         )
     temperatures = data.train_temperatures
     share = data.train_sequences // len(temperatures)
+    cache = regenerated_rows_file(
+        target,
+        {
+            "prompts": prompts,
+            "temperatures": temperatures,
+            "share": share,
+            "seed": config.optim.seed,
+            "block_size": data.block_size,
+            "train_prompt": data.train_prompt_loss,
+        },
+    )
+    if cache is not None and cache.is_file():
+        if accelerator.is_main_process:
+            print(f"reusing the target's continuations from {cache} (same target and prompts)")
+        return json.loads(cache.read_text())
     rows: list[dict[str, Any]] = []
     for index, temperature in enumerate(temperatures):
         rows += continued_rows(
@@ -638,6 +660,8 @@ def _regenerated_rows(
             if accelerator.is_main_process and config.logging.progress_bar
             else None,
         )
+    if cache is not None and accelerator.is_main_process:
+        write_json_atomic(cache, rows, indent=None)
     return rows
 
 

@@ -12,8 +12,11 @@ served (:func:`definition_prompts_of_rows`), continued by the target (:func:`con
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -153,3 +156,28 @@ def continued_rows(
 def held_out_rows(held_out: Sequence[Row], num_sequences: int) -> list[Row]:
     """The first ``num_sequences`` held-out rows as they are (``eval_source: data``)."""
     return [dict(held_out[i]) for i in range(min(num_sequences, len(held_out)))]
+
+
+def regenerated_rows_file(target: torch.nn.Module, settings: dict[str, Any]) -> Path | None:
+    """Where the target's continuations for ``settings`` are kept between runs, or None.
+
+    Regenerating a recipe's data costs minutes (the whole target samples every row), and runs
+    of one target with one recipe (the benchmark's drafters, the ablation's seeds) would
+    otherwise repeat it. The file name hashes everything the rows depend on: the settings (the
+    prompts' ids among them), the target's folder and the size and time of its weight files,
+    and the dtype it runs in. A target without a local folder is not cached.
+    """
+    folder = Path(str(getattr(target, "name_or_path", "") or ""))
+    weights = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    if not weights:
+        return None
+    from train.demo_target import user_cache_dir
+
+    stamp = [(w.name, w.stat().st_size, w.stat().st_mtime_ns) for w in weights]
+    dtype = str(next(target.parameters()).dtype)
+    blob = json.dumps(
+        {"target": str(folder.resolve()), "weights": stamp, "dtype": dtype, **settings},
+        sort_keys=True,
+    )
+    key = hashlib.sha256(blob.encode()).hexdigest()[:16]
+    return user_cache_dir() / "regenerated" / f"{key}.json"

@@ -104,3 +104,30 @@ def test_a_run_trains_on_definition_prompts_continued_by_the_target(
     # More sequences than the data has prompts of that form: said, not silent.
     main(tiny_argv(tmp_path / "many", *flags, "--train_sequences", "100000"))
     assert "definitions prompts of the 100000 asked" in capsys.readouterr().out
+
+
+def test_regenerated_rows_are_keyed_by_target_weights_dtype_and_settings(
+    tiny_target: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from train.distill_data import regenerated_rows_file
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    copy = tmp_path / "target"
+    shutil.copytree(tiny_target, copy)
+    target = AutoModelForCausalLM.from_pretrained(copy)
+    settings = {"prompts": [[1, 2, 3]], "temperatures": [0.0, 1.0], "seed": 0}
+    path = regenerated_rows_file(target, settings)
+    assert path is not None and path.parent == tmp_path / "cache" / "draftsmith" / "regenerated"
+    assert regenerated_rows_file(target, dict(settings)) == path
+    assert regenerated_rows_file(target, {**settings, "seed": 1}) != path
+    assert regenerated_rows_file(target.to(torch.bfloat16), settings) != path
+    target.to(torch.float32)
+    weights = next(copy.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes())  # rewritten in place: a new modification time
+    assert regenerated_rows_file(target, settings) != path
+    target.name_or_path = ""  # no local folder: nothing to key on, nothing cached
+    assert regenerated_rows_file(target, settings) is None
