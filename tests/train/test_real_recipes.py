@@ -127,3 +127,46 @@ def test_recipe_runs_exports_and_reloads(
         drafted = AutoModelForCausalLM.from_pretrained(folder)
         assert drafted.config.vocab_size == target.config.vocab_size
         assert drafted.config.rope_parameters["rope_type"] == "llama3"
+
+
+@pytest.mark.slow  # two CPU ranks through accelerate launch
+def test_the_70b_recipe_shards_its_target_over_two_ranks_exports_and_reloads(
+    tmp_path: Path,
+) -> None:
+    """configs/llama3.3-70b-eagle3.yaml: Llama-3.3-70B's facts (80 layers and 8192 wide in
+    truth, 4 x 64 here) sharded over 2 CPU ranks (--target_sharding fsdp from the recipe)."""
+    import os
+    import subprocess
+    import sys
+
+    from real_targets import LLAMA33_70B
+
+    from decode.drafters.eagle import Eagle3Head
+
+    target_folder = save_scaled_target(LLAMA33_70B, tmp_path / "target")
+    data = chat_file(tmp_path / "chat.jsonl", reasoning=False)
+    repo = CONFIGS.parent
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "HF_HUB_OFFLINE": "1"}
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+        str(repo / "train" / "distill.py"), "--config", str(CONFIGS / "llama3.3-70b-eagle3.yaml"),
+        "--target", str(target_folder), "--dataset", str(data),
+        "--output_dir", str(tmp_path / "run"), "--block_size", "128",
+        "--validation_fraction", "0.25", "--eval_sequences", "2", "--max_steps", "2",
+        "--warmup_steps", "1", "--per_device_batch_size", "1", "--gradient_accumulation_steps", "1",
+        "--eval_every", "0", "--checkpoint_every", "0", "--report_to", "none",
+        "--progress_bar", "false", "--target_dtype", "float32", "--mixed_precision", "no",
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True, timeout=1500)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert "frozen target (fsdp)" in done.stdout + done.stderr
+    folder = tmp_path / "run" / "drafter"
+    context = json.loads((target_folder / "config.json").read_text())["max_position_embeddings"]
+    for fmt in ("vllm", "sglang"):
+        head = Eagle3Head.from_pretrained(folder / fmt)
+        assert head.config.draft_vocab_size == 32000
+        assert head.config.max_position_embeddings == context == 131072
+    from train.export_formats import read_speculators_eagle3
+
+    assert read_speculators_eagle3(folder / "speculators").config.rope_theta == 500000.0
