@@ -10,7 +10,9 @@ which file under docs/results/. The tables are written from what the tools saved
 job's ``summary.json`` (copied to ``docs/results/main_job.json`` by ``--main-job``), the
 benchmark's ``--json`` file and the ablation tool's ``ablation.json`` files (their Markdown is
 ``train.ablation_report``'s own). ``--check`` also lists result figures (speedups, tau,
-spreads, gains) typed outside the marked sections, so every figure has a source file.
+spreads, gains) typed outside the marked sections, so every figure has a source file; fenced
+blocks (commands, example output) and text between ``<!-- quoted -->`` and ``<!-- /quoted -->``
+(figures quoted from a published source the text names) are exempt.
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ FIGURE = re.compile(
     r"|\d+(\.\d+)? tok(ens)?/s\b"  # a throughput
 )
 """A result figure: these belong inside marked sections only."""
+EXEMPT = re.compile(r"<!-- quoted -->\n.*?<!-- /quoted -->|^```.*?^```", re.DOTALL | re.MULTILINE)
+"""Quoted published figures and fenced blocks, where the figure check does not look."""
 
 
 # --------------------------------------------------------------------------- small formats
@@ -338,8 +342,8 @@ def rewrite(text: str, cache: dict[str, str]) -> str:
 
 
 def unmarked_figures(text: str) -> list[str]:
-    """Lines holding a result figure outside every marked section."""
-    outside = MARKER.sub("", text)
+    """Lines holding a result figure outside every marked section and every exempt block."""
+    outside = EXEMPT.sub("", MARKER.sub("", text))
     return [line.strip() for line in outside.splitlines() if FIGURE.search(line)]
 
 

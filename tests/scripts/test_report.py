@@ -54,6 +54,13 @@ def test_figures_outside_sections_are_flagged(line: str) -> None:
     assert report.unmarked_figures(inside) == []
 
 
+def test_quoted_figures_and_fenced_blocks_are_exempt() -> None:
+    quoted = "<!-- quoted -->\n| EAGLE-3 paper | tau 3.49 |\n<!-- /quoted -->\n"
+    fenced = "```text\nmtbench  80  3.21  2.31x\n```\n"
+    assert report.unmarked_figures(quoted + fenced) == []
+    assert report.unmarked_figures(quoted + fenced + "it gives 2.31x\n") == ["it gives 2.31x"]
+
+
 @pytest.mark.parametrize(
     "line",
     [
