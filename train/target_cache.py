@@ -375,4 +375,6 @@ def _finish(
     if output is not None and hasattr(output, "out_features"):
         vocab = int(output.out_features)
     write_manifest(folder, shards, k, vocab, dtype, hidden_layer_ids, hidden_shape, key=wanted)
+    for leftover in folder.glob(".shard-*.tmp-*"):  # a part being written when a process died
+        leftover.unlink()
     (folder / BUILD_FILE).unlink(missing_ok=True)

@@ -9,6 +9,7 @@ reproduces online training.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -59,6 +60,23 @@ def _stored_first_tokens(folder: Path) -> list[int]:
     return firsts
 
 
+def _kill_workers(folder: Path) -> None:
+    """SIGKILL the worker processes building ``folder`` (found by their command lines)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if (
+            any(part.endswith(b"cache_worker.py") for part in command)
+            and str(folder).encode() in command
+        ):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(entry.name), signal.SIGKILL)
+
+
 def _assert_same_cache(folder: Path, reference: Path) -> None:
     a, b = TargetCache(folder), TargetCache(reference)
     assert len(a) == len(b) == CACHE_SEQUENCES
@@ -95,6 +113,7 @@ def test_killed_two_rank_build_resumes_without_losing_or_duplicating(tmp_path: P
         assert slow.poll() is None, "the slow build ended before it could be killed"
         time.sleep(0.05)
     os.killpg(slow.pid, signal.SIGKILL)
+    _kill_workers(folder)  # torchrun starts its workers in sessions of their own
     slow.wait()
     kept = len(list(folder.glob("shard-*.safetensors")))
     assert 3 <= kept < PARTS and not (folder / CACHE_FILE).exists()
@@ -107,8 +126,11 @@ def test_killed_two_rank_build_resumes_without_losing_or_duplicating(tmp_path: P
     ]
     assert len(written) == 2 and sum(written) == PARTS - kept  # only the missing parts
     firsts = _stored_first_tokens(folder)
+    lost = len(set(range(CACHE_SEQUENCES)) - set(firsts))
+    print(f"killed with {kept}/{PARTS} parts; the rerun wrote {sum(written)}; lost {lost}, "
+          f"duplicated {len(firsts) - len(set(firsts))}")  # fmt: skip
     assert sorted(firsts) == list(range(CACHE_SEQUENCES))  # 0 lost, 0 duplicated
-    assert not (folder / BUILD_FILE).exists()
+    assert not (folder / BUILD_FILE).exists() and not list(folder.glob(".shard-*"))
     _build(tmp_path / "reference")  # one process, the whole target: the same bytes
     # (each rank read only its share of the weights: the outputs are still bitwise equal)
     _assert_same_cache(folder, tmp_path / "reference")
@@ -176,7 +198,11 @@ def test_drafter_trained_from_a_full_cache_reproduces_online_training(
 ) -> None:
     """k = V = 512 in float32: the cache holds the whole distribution, so the cache-only run
     (no target layers) trains and evaluates like the online one."""
-    common = ("--max_steps", "10", "--eval_every", "5", "--eval_source", "data")
+    common = (
+        "--max_steps", "10", "--eval_every", "5", "--eval_source", "data",
+        "--max_train_sequences", "40",  # the rows a cached run reads: the same for the online one
+        "--target_dtype", "float32", "--mixed_precision", "no",
+    )  # fmt: skip
     online = main(tiny_argv(tmp_path / "online", *common))
     cache = ("--cache_top_k", "512", "--cache_dtype", "float32", "--cache_dir", str(tmp_path / "c"))
     built = main(tiny_argv(tmp_path / "cache", *common, "--target_outputs", "cache", *cache))
