@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import socket
@@ -102,6 +103,12 @@ def stop_server(process: subprocess.Popen) -> None:
         process.wait()
 
 
+def saved_dtype(folder: Path) -> str:
+    """The dtype a model folder was saved in (its config.json), as a --dtype value."""
+    config = json.loads((Path(folder) / "config.json").read_text())
+    return str(config.get("dtype") or config.get("torch_dtype") or "float32")
+
+
 @contextlib.contextmanager
 def serving(target: Path, log: Path, *flags: str) -> Iterator[str]:
     """decode/serve.py serving ``target`` (no drafter unless ``flags`` name one) on a free
@@ -113,6 +120,8 @@ def serving(target: Path, log: Path, *flags: str) -> Iterator[str]:
     ]  # fmt: skip
     if "--drafter-kind" not in flags and "--drafter" not in flags:
         command += ["--drafter-kind", "none"]
+    if "--dtype" not in flags:  # the references run in the saved dtype: compare like with like
+        command += ["--dtype", saved_dtype(target)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     with log.open("w") as sink:
         process = subprocess.Popen(

@@ -32,6 +32,7 @@ from serve_helpers import (
     metric,
     openai_error,
     parse_prometheus,
+    saved_dtype,
     stop_server,
     tail,
     wait_for_health,
@@ -135,7 +136,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         "--max-queue", str(MAX_QUEUE), "--max-batch-size", str(MAX_BATCH_SIZE),
         "--max-tokens-limit", str(MAX_TOKENS_LIMIT), "--max-context-length", str(MAX_CONTEXT),
         "--max-request-bytes", str(MAX_REQUEST_BYTES), "--num-threads", "1",
-        "--log-level", "warning",
+        "--log-level", "warning", "--dtype", saved_dtype(root / "target"),
     ]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("DRAFTSMITH_API_KEY", None)
