@@ -219,6 +219,8 @@ def test_training_decoder_and_exports_of_a_scaled_llama31_head_agree(
         )
         exported = json.loads((folder / "config.json").read_text())
         assert engine_rope(exported, fmt)[2] >= target["max_position_embeddings"]
+        card = (folder / "README.md").read_text()  # the folder states its rope and context
+        assert "theta 500000" in card and "`max_position_embeddings` 131072" in card
         assert _max_diff(engine_cos_sin(exported, fmt, positions), training) <= TOLERANCE, fmt
     # Hugging Face's reader of the vLLM/SGLang folder (SpecForge and transformers-based tools).
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
