@@ -487,10 +487,12 @@ def _concrete_dtype(requested: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.engine_side:
+    # The engine's own Python runs this file without draftsmith's packages: it needs nothing
+    # of the parser, whose --dtype comes from decode.precision.
+    if "--engine-side" in (sys.argv[1:] if argv is None else argv):
         engine_side_main()
         return 0
+    args = build_parser().parse_args(argv)
     job = build_job(args)
     engine_python = args.engine_python
     if engine_python is None and not engine_importable(job["engine"]):
