@@ -45,7 +45,12 @@ FOLLOW_UPS = (  # the 150-step runs after the grid, each its own results file
     "recipe_draft_lm",
 )
 DOCUMENTS = ("README.md", "docs/guides/*.md")
-HEADLINE = ("plain (HF generate)", "HF prompt lookup", "draftsmith plain (no drafter)")
+HEADLINE = (
+    "plain (HF generate)",
+    "HF prompt lookup",
+    "draftsmith plain (no drafter)",
+    "draftsmith plain, float32",
+)
 """Benchmark rows the README's table always shows (the references), beside each temperature's
 best draftsmith method and best trained drafter; a saved benchmark must hold all three."""
 
@@ -152,8 +157,10 @@ def _by_method(bench: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
 
 
 SPEEDUPS = (
-    "vs ours: over draftsmith's own plain decoding (no drafter, the control); vs HF: over HF "
-    "`generate`."
+    "vs ours: over draftsmith's own plain decoding in the run's dtype (no drafter, the "
+    "control); vs fastest plain: over draftsmith's fastest plain decoding in any dtype; vs HF: "
+    "over HF `generate`; 4-grams: the share of distinct 4-grams of the output (1 = no "
+    "repetition; greedy text that repeats itself inflates T=0 figures)."
 )
 
 
@@ -170,7 +177,14 @@ def bench_table(bench: dict[str, Any]) -> str:
     temperatures = list(bench["by_temperature"])
     header = ["method"]
     for t in temperatures:
-        header += [f"T={t} tok/s", f"T={t} vs ours", f"T={t} vs HF", f"T={t} tau"]
+        header += [
+            f"T={t} tok/s",
+            f"T={t} vs ours",
+            f"T={t} vs fastest plain",
+            f"T={t} vs HF",
+            f"T={t} tau",
+            f"T={t} GPU projection",
+        ]
     header.append(f"draft/target step (T={temperatures[-1]})")
     rows = []
     for method, by_t in _by_method(bench).items():
@@ -181,11 +195,13 @@ def bench_table(bench: dict[str, Any]) -> str:
                 [
                     _f(r["tokens_per_s"], 1),
                     _x(r["speedup_over_draftsmith_plain"]),
+                    _x(r.get("speedup_over_fastest_plain", r["speedup_over_draftsmith_plain"])),
                     _x(r["speedup"]),
                     _f(r["tau"]),
+                    _x(r["gpu_projected_speedup"]) if r.get("gpu_projected_speedup") else "-",
                 ]
                 if r
-                else ["-"] * 4
+                else ["-"] * 6
             )
         last = by_t.get(temperatures[-1])
         row.append(_f(last["draft_cost_ratio"] if last else None))
@@ -238,7 +254,7 @@ def headline_table(bench: dict[str, Any], summary: dict[str, Any]) -> str:
     best = bench["best_against_hf"].values()
     wanted = {*HEADLINE, *(b[k] for b in best for k in ("draftsmith", "trained"))}
     temperatures = list(bench["by_temperature"])
-    columns = ("vs ours", "vs HF", "tau")
+    columns = ("vs fastest plain", "vs HF", "tau", "4-grams")
     header = ["run", "method"] + [f"T={t} {c}" for t in temperatures for c in columns]
     rows = []
     for method, by_t in methods.items():
@@ -261,9 +277,14 @@ def _speed_tau(by_t: dict[str, dict[str, Any]], temperatures: list[str]) -> list
     for t in temperatures:
         r = by_t.get(t)
         cells += (
-            [_x(r["speedup_over_draftsmith_plain"]), _x(r["speedup"]), _f(r["tau"])]
+            [
+                _x(r.get("speedup_over_fastest_plain", r["speedup_over_draftsmith_plain"])),
+                _x(r["speedup"]),
+                _f(r["tau"]),
+                _f(r["distinct_4gram_share"]) if "distinct_4gram_share" in r else "-",
+            ]
             if r
-            else ["-"] * 3
+            else ["-"] * 4
         )
     return cells
 
@@ -314,7 +335,11 @@ SECTIONS: dict[str, Callable[[], str]] = {
     "main-job": lambda: main_job_table(_read(MAIN_JOB)),
     "bench-demo": lambda: bench_table(_read(BENCH_DEMO)),
     "bench-demo-sweep": lambda: bench_sweep(_read(BENCH_DEMO)),
-    "cost-model": lambda: cost_model(_read(BENCH_DEMO)),
+    "cost-model": lambda: "\n\n".join(
+        cost_model(_read(BENCH_DEMO), method)
+        for method in ("draftsmith EAGLE-3 chain", "draftsmith P-EAGLE chain")
+        if method in _by_method(_read(BENCH_DEMO))
+    ),
     "bench-bench": lambda: bench_table(_read(BENCH_BENCH)),
     "ablation60": lambda: ablation_tables(ABLATION60),
     "ablation150": lambda: ablation_tables(ABLATION150),
