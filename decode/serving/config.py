@@ -39,7 +39,9 @@ class ServeConfig:
         None, "drafter folder written by training (not needed for ngram or none)"
     )
     drafter_kind: str | None = _f(
-        None, "registry key (draft_lm, ngram, medusa, eagle3, none); default: read from the folder"
+        None,
+        "registry key (draft_lm, ngram, medusa, eagle3, peagle, hybrid, none); default: read "
+        "from the folder",
     )
     tokenizer: str | None = _f(None, "tokenizer folder (default: the target folder)")
     served_model_name: str | None = _f(None, "the `model` clients ask for (default: folder name)")
