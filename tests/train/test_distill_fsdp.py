@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from train.config import parse_config
+from train.demo_target import default_target_path
 from train.distributed import enable_cpu_fsdp, format_report, parallel_report
 from train.losses import build_loss
 from train.objectives import get_objective_class
@@ -208,7 +209,8 @@ def test_a_waiting_rank_goes_on_once_the_main_rank_has_built(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_target: Path
 ) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    folder = tmp_path / "draftsmith" / "targets" / "tiny"
+    folder = default_target_path("tiny")  # keyed by the preset's settings and dtype
+    assert folder.parent == tmp_path / "draftsmith" / "targets"
     folder.parent.mkdir(parents=True)
     shutil.copytree(tiny_target, folder)
     rank = _Rank(main=False)
