@@ -62,7 +62,8 @@ def draft_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
-@pytest.mark.slow  # 20-70 s each on 2 shared cores: vocabularies of 128,256 and 151,936
+# 8-18 s each on an idle 2-core machine (vocabularies of 128,256 and 151,936): in CI, since
+# every recipe must run, export and reload there.
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_recipe_runs_exports_and_reloads(
     recipe: str, request: pytest.FixtureRequest, draft_folder: Path, tmp_path: Path
