@@ -105,5 +105,7 @@ def test_dtype_names_come_from_one_table() -> None:
     assert loading.resolve_dtype("bfloat16") is torch.bfloat16
     assert loading.resolve_dtype("auto") is choose_dtype("auto").dtype
     assert loading.resolve_dtype(torch.float16) is torch.float16
-    with pytest.raises(ValueError, match="--dtype 'fp32' is not valid; choose one of auto, float32"):
+    with pytest.raises(
+        ValueError, match="--dtype 'fp32' is not valid; choose one of auto, float32"
+    ):
         loading.resolve_dtype("fp32")
