@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -29,7 +30,13 @@ from decode.cpu_threads import set_cpu_threads
 from decode.defaults import NUM_DRAFT_TOKENS, TREE_TOP_K, TREE_TOTAL_TOKENS
 from decode.drafters.base import Drafter, TreeSpec
 from decode.engine import SpeculativeDecoder
-from decode.precision import DTYPE_NAMES, add_dtype_argument, announce, choose_dtype
+from decode.precision import (
+    DTYPE_NAMES,
+    DtypeChoice,
+    add_dtype_argument,
+    announce,
+    choose_dtype,
+)
 from decode.sampling import SamplingConfig
 from decode.stats import DecodeStats, predicted_speedup
 
@@ -61,6 +68,20 @@ def load_target(path: str, device: str = "cpu", dtype: str = "float32", trust_re
         path, dtype, device=device, trust_remote_code=trust_remote_code, flag="--target"
     )
     return model, loading.load_tokenizer(path, trust_remote_code, flag="--target")
+
+
+def load_targets_for(args: argparse.Namespace) -> tuple[DtypeChoice, Any, Any, dict[str, Any]]:
+    """A command's threads and dtype (``--threads``, ``--dtype``, ``--device``), the target in
+    that dtype with its tokenizer, and the target again in each ``--plain-also`` dtype."""
+    set_cpu_threads(args.threads)
+    choice = choose_dtype(args.dtype, args.device)
+    announce(choice)
+    target, tokenizer = load_target(args.target, args.device, choice.name)
+    copies = {
+        name: load_target(args.target, args.device, name)[0]
+        for name in plain_dtypes(args.plain_also, choice.name)
+    }
+    return choice, target, tokenizer, copies
 
 
 def plain_dtypes(names: str, run_dtype: str) -> list[str]:
@@ -589,14 +610,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     from decode.prompts import load_eval_prompts
 
     args = build_parser().parse_args(argv)
-    set_cpu_threads(args.threads)
-    choice = choose_dtype(args.dtype, args.device)
-    announce(choice)
-    target, tokenizer = load_target(args.target, args.device, choice.name)
-    plain_also = {
-        name: load_target(args.target, args.device, name)[0]
-        for name in plain_dtypes(args.plain_also, choice.name)
-    }
+    choice, target, tokenizer, plain_also = load_targets_for(args)
     check_same_tokenizer(tokenizer, args.drafter)
     drafter = load_drafter(args.drafter, target, kind=args.drafter_kind)
     prompts = (

@@ -25,7 +25,6 @@ from pathlib import Path
 
 import torch
 
-from decode.cpu_threads import set_cpu_threads
 from decode.defaults import NUM_DRAFT_TOKENS, TREE_TOP_K, TREE_TOTAL_TOKENS
 from decode.drafters.base import TreeSpec
 from decode.drafters.hybrid import HybridDrafter
@@ -36,9 +35,8 @@ from decode.evaluate import (
     MethodResult,
     encode_prompt,
     hf_peer,
-    load_target,
+    load_targets_for,
     measure_side_by_side,
-    plain_dtypes,
     plain_method,
     speculative_method,
 )
@@ -47,7 +45,7 @@ from decode.plots import (
     plot_speedup_against_draft_length,
     plot_speedups,
 )
-from decode.precision import add_dtype_argument, announce, choose_dtype
+from decode.precision import add_dtype_argument
 from decode.prompts import load_eval_prompts
 
 # Plain decoding through our own decoder (no drafter): the control that separates what the
@@ -426,14 +424,7 @@ def _speed(row: dict) -> float:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    set_cpu_threads(args.threads)
-    choice = choose_dtype(args.dtype, args.device)
-    announce(choice)
-    target, tokenizer = load_target(args.target, args.device, choice.name)
-    plain_copies = {
-        name: load_target(args.target, args.device, name)[0]
-        for name in plain_dtypes(args.plain_also, choice.name)
-    }
+    choice, target, tokenizer, plain_copies = load_targets_for(args)
     drafters = {kind: load_drafter(None, target, kind=kind) for kind in ("none", "ngram")}
     folders = {
         "draft_lm": args.draft_lm,
