@@ -36,7 +36,7 @@ from transformers import DynamicCache
 from decode.kv_cache import AttentionLayout, PreallocatedLayer
 from decode.llama_math import apply_rope, rms_norm
 from decode.output_head import LLAMA_FAMILY_MODEL_TYPES
-from decode.projection import Projection
+from decode.projection import Projection, fused_projection
 
 # Rope types whose angles are a fixed function of the position (computed once by the model's
 # rope init function); other known types depend on the call (see ``_angles_depend_on_call``).
@@ -241,28 +241,14 @@ def _fuse(layer: torch.nn.Module) -> _LayerWeights:
     k_norm = getattr(attention, "k_norm", None)
     return _LayerWeights(
         input_norm=layer.input_layernorm.weight.detach(),
-        qkv=_fused((attention.q_proj, attention.k_proj, attention.v_proj)),
+        qkv=fused_projection((attention.q_proj, attention.k_proj, attention.v_proj)),
         q_norm=None if q_norm is None else q_norm.weight.detach(),
         k_norm=None if k_norm is None else k_norm.weight.detach(),
-        out=_fused((attention.o_proj,)),
+        out=fused_projection((attention.o_proj,)),
         post_norm=layer.post_attention_layernorm.weight.detach(),
-        gate_up=_fused((mlp.gate_proj, mlp.up_proj)),
-        down=_fused((mlp.down_proj,)),
+        gate_up=fused_projection((mlp.gate_proj, mlp.up_proj)),
+        down=fused_projection((mlp.down_proj,)),
     )
-
-
-def _fused(linears: tuple[torch.nn.Linear, ...]) -> Projection:
-    """The linears' outputs side by side: one product of their stacked weights."""
-    weight = torch.cat([m.weight.detach() for m in linears])  # [sum out, in]
-    if all(m.bias is None for m in linears):
-        return Projection(weight)
-    bias = torch.cat(
-        [
-            m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features)
-            for m in linears
-        ]
-    )
-    return Projection(weight, bias)
 
 
 def _attention_mask(

@@ -123,6 +123,21 @@ class Projection:
         return self._prepared[layout]
 
 
+def fused_projection(linears: tuple[torch.nn.Linear, ...]) -> Projection:
+    """The linears' outputs side by side (q/k/v, gate/up): one product of their stacked
+    weights, a copy that no later update of the modules reaches (callers rebuild on change)."""
+    weight = torch.cat([m.weight.detach() for m in linears])  # [sum out, in]
+    if all(m.bias is None for m in linears):
+        return Projection(weight)
+    bias = torch.cat(
+        [
+            m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features)
+            for m in linears
+        ]
+    )
+    return Projection(weight, bias)
+
+
 def onednn_packs(dtype: torch.dtype) -> bool:
     """oneDNN's prepacked inner product is built into this torch and serves ``dtype``."""
     if not (

@@ -31,7 +31,7 @@ from decode.drafters.vocab_map import to_target_ids, to_target_probs
 from decode.kv_cache import PreallocatedLayer
 from decode.llama_math import apply_rope, rms_norm
 from decode.output_head import DRAFT_LOGITS_DTYPE, OutputHead
-from decode.projection import Projection
+from decode.projection import Projection, fused_projection
 
 
 @dataclass
@@ -80,18 +80,14 @@ class LeanEagle3:
         layer = head.midlayer
         attention, mlp = layer.self_attn, layer.mlp
         return _FusedWeights(
-            fc=Projection(head.fc.weight.detach().clone()),
+            fc=fused_projection((head.fc,)),
             input_norm=layer.input_layernorm.weight.detach(),
             hidden_norm=layer.hidden_norm.weight.detach(),
-            qkv=Projection(
-                torch.cat(
-                    [attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight]
-                ).detach()
-            ),
-            out=Projection(attention.o_proj.weight.detach().clone()),
+            qkv=fused_projection((attention.q_proj, attention.k_proj, attention.v_proj)),
+            out=fused_projection((attention.o_proj,)),
             post_norm=layer.post_attention_layernorm.weight.detach(),
-            gate_up=Projection(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach()),
-            down=Projection(mlp.down_proj.weight.detach().clone()),
+            gate_up=fused_projection((mlp.gate_proj, mlp.up_proj)),
+            down=fused_projection((mlp.down_proj,)),
             final_norm=head.norm.weight.detach(),
             draft_to_target=head.draft_to_target_ids.clone(),
         )
