@@ -50,9 +50,11 @@ HEADLINE = (
     "HF prompt lookup",
     "draftsmith plain (no drafter)",
     "draftsmith plain, float32",
+    "draftsmith EAGLE-3 chain",
 )
-"""Benchmark rows the README's table always shows (the references), beside each temperature's
-best draftsmith method and best trained drafter; a saved benchmark must hold all three."""
+"""Benchmark rows the README's table always shows (the references and the kind the main job
+trains), beside each temperature's best draftsmith method and best trained drafter; a saved
+benchmark must hold all of them."""
 
 MARKER = re.compile(r"(<!-- report:([\w-]+) -->\n)(.*?)(<!-- /report:\2 -->)", re.DOTALL)
 FIGURE = re.compile(
