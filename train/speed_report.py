@@ -72,7 +72,6 @@ def measure_and_report(
         encoded = [encode_prompt(tokenizer, p) for p in load_eval_prompts(source, num_prompts)]
         for temperature in temperatures:
             bar.set_postfix_str(f"{name} T={temperature:g}")
-            bar.update()
             results = _measure(
                 target,
                 copies,
@@ -84,6 +83,7 @@ def measure_and_report(
                 tree,
                 adaptive,
             )
+            bar.update()  # a cell counts once measured
             key = f"{temperature:g}"
             if name == "held_out":
                 report["by_temperature"][key] = results["drafter"]
