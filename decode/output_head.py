@@ -23,8 +23,9 @@ measurements of the three layouts and of oneDNN's prepacked inner product (media
 | 64 / 128 | 9,613 / 15,755 | 7,462 / 13,765 | 5,551 / 8,952 |
 
 So in float32 up to 3 rows use the transposed copy, 4-8 rows multiply ``W`` by ``h^T``, and
-more rows (long chains, trees, prefills) use the packed weight; bfloat16 has its own rule
-(``decode.projection.vocab_layout``, measured there). The model itself is untouched: its
+more rows (long chains, trees, prefills) use the packed weight. On CPUs with AMX tiles the
+packed weight wins from 2 rows on and one row keeps the transposed copy; bfloat16 has its own
+rule (both in ``decode.projection.vocab_layout``, measured there). The model itself is untouched: its
 decoder runs (through ``get_decoder()`` or ``LeanDecoder``) and only the final matrix product
 is done here, for architectures whose logits are exactly ``lm_head(h)`` (no soft-capping or
 scaling).

@@ -49,10 +49,19 @@ def test_layouts_follow_in_place_weight_updates() -> None:
 
 def test_the_layout_rules_keep_float32_and_pack_bfloat16(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(projection, "onednn_packs", lambda dtype: True)
+    monkeypatch.setattr(projection, "packs_few_float32_rows", lambda: False)
     assert projection.layer_layout(torch.float32, 5) == projection.TRANSPOSED
-    assert [projection.vocab_layout(torch.float32, r) for r in (1, 5, 13)] == [
+    assert [projection.vocab_layout(torch.float32, r) for r in (1, 3, 5, 13)] == [
+        projection.TRANSPOSED,
         projection.TRANSPOSED,
         projection.WEIGHT_FIRST,
+        projection.PACKED,
+    ]
+    monkeypatch.setattr(projection, "packs_few_float32_rows", lambda: True)  # an AMX CPU
+    assert [projection.vocab_layout(torch.float32, r) for r in (1, 2, 5, 13)] == [
+        projection.TRANSPOSED,
+        projection.PACKED,
+        projection.PACKED,
         projection.PACKED,
     ]
     assert projection.layer_layout(torch.bfloat16, 1) == projection.PACKED
