@@ -33,6 +33,7 @@ BENCH_DEMO = RESULTS / "bench_demo.json"
 BENCH_BENCH = RESULTS / "bench" / "bench_bench.json"
 ABLATION60 = RESULTS / "ablation" / "ablation.json"
 ABLATION150 = RESULTS / "ablation150" / "ablation.json"
+ABLATION_PEAGLE = RESULTS / "ablation_peagle" / "ablation.json"
 FOLLOW_UPS = (  # the 150-step runs after the grid, each its own results file
     "learning_rate0.002",
     "regenerated4000",
@@ -345,6 +346,7 @@ SECTIONS: dict[str, Callable[[], str]] = {
     "bench-bench": lambda: bench_table(_read(BENCH_BENCH)),
     "ablation60": lambda: ablation_tables(ABLATION60),
     "ablation150": lambda: ablation_tables(ABLATION150),
+    "ablation-peagle": lambda: ablation_tables(ABLATION_PEAGLE),
     "ablation-follow-ups": follow_ups_table,
 }
 """Section name -> the function that writes its text from docs/results/."""
