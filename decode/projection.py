@@ -153,8 +153,11 @@ def fused_projection(linears: tuple[torch.nn.Linear, ...]) -> Projection:
     return Projection(weight, bias)
 
 
+@functools.cache
 def onednn_packs(dtype: torch.dtype) -> bool:
-    """oneDNN's prepacked inner product is built into this torch and serves ``dtype``."""
+    """oneDNN's prepacked inner product is built into this torch and serves ``dtype``.
+
+    A property of the torch build and the CPU, asked before every product: answered once."""
     if not (
         torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
