@@ -23,7 +23,7 @@ Every cell of the grid (the product of the ``--grid`` axes) is trained once per 
   ``--dataset <file>``), ``samples`` (``--train_source target_samples``: corpus prompts
   continued by the target as the recipe's ``--train_prompts``, ``--train_sequences`` and
   ``--train_temperatures`` say, as the recipe itself trains; regenerated at the start of each
-  run), ``onpolicy`` (``--on_policy_fraction``, default 0.5: that share of
+  run, once per grid with ``--samples-seed`` and cached between runs), ``onpolicy`` (``--on_policy_fraction``, default 0.5: that share of
   batches is continued by the drafter itself and scored by the target; only the ``draft_lm``
   objective samples on-policy, and only a loss with a target term learns from it, so other
   kinds and a plain ``ce`` skip these cells and the JSON says why);
@@ -136,6 +136,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--regenerated", type=Path, default=None, help="use this JSONL for data=regenerated"
     )
+    parser.add_argument(
+        "--samples-seed",
+        type=int,
+        default=None,
+        help="data=samples: continue the prompts with this seed in every run, so the target "
+        "regenerates once per grid and the seeds vary the training alone (default: each run's "
+        "seed, a regeneration per seed)",
+    )
     parser.add_argument("--regen-prompts", type=int, default=default("regen_prompts"))
     parser.add_argument("--regen-prompt-tokens", type=int, default=default("regen_prompt_tokens"))
     parser.add_argument("--regen-new-tokens", type=int, default=default("regen_new_tokens"))
@@ -182,6 +190,7 @@ def settings_from(args: argparse.Namespace) -> GridSettings:
         num_draft_tokens=args.num_draft_tokens,
         on_policy_fraction=args.on_policy_fraction,
         regenerated=args.regenerated,
+        samples_seed=args.samples_seed,
         regen_prompts=args.regen_prompts,
         regen_prompt_tokens=args.regen_prompt_tokens,
         regen_new_tokens=args.regen_new_tokens,

@@ -70,6 +70,7 @@ RESERVED = {
     "train_source": "data=samples (the target's own text) or data=corpus",
     "on_policy_fraction": "data=onpolicy and --on-policy-fraction",
     "seed": "--seeds",
+    "train_samples_seed": "--samples-seed",
     "output_dir": "--output",
 }
 
@@ -98,6 +99,9 @@ class GridSettings:
     num_draft_tokens: int = NUM_DRAFT_TOKENS  # chain length for every kind
     on_policy_fraction: float = 0.5  # data=onpolicy
     regenerated: Path | None = None  # data=regenerated: this JSONL (else written per grid)
+    # data=samples: the seed of the target's continuations, shared by every run (so the grid
+    # regenerates them once and its seeds vary the training alone); None: each run's own seed.
+    samples_seed: int | None = None
     regen_prompts: int = 1000
     regen_prompt_tokens: int = 32
     # A prompt/response record is one training row (never packed with another), so prompt +
@@ -131,6 +135,8 @@ class GridSettings:
         # grid resumes from another clone or after its folder moved, not after a recipe changed.
         out["recipes"] = {kind: recipe_digest(path) for kind, path in sorted(self.recipes.items())}
         out["temperatures"] = [float(t) for t in self.temperatures]
+        if self.samples_seed is None:  # grids written before the setting existed
+            del out["samples_seed"]
         out["regenerated"] = (
             "<output>/data/regenerated.jsonl"
             if self.regenerated is None
@@ -269,6 +275,8 @@ def run_argv(
     # ``samples``: corpus prompts continued by the target as the recipe's --train_prompts,
     # --train_sequences and --train_temperatures say, regenerated at the start of each run.
     argv += ["--train_source", "target_samples" if "samples" in sources else "data"]
+    if "samples" in sources and settings.samples_seed is not None:
+        argv += ["--train_samples_seed", str(settings.samples_seed)]
     if "regenerated" in sources:
         argv += ["--dataset", str(settings.regenerated_file)]
     if "onpolicy" in sources:

@@ -206,6 +206,11 @@ class DataConfig:
     train_prompt_loss: bool = _f(
         True, "target_samples: train on the prompt's tokens too, not only the continuation"
     )
+    train_samples_seed: int | None = _f(
+        None,
+        "target_samples: seed of the target's continuations (null: --seed); fixing it lets runs "
+        "of different seeds share one regeneration (the ablation's --samples-seed)",
+    )
     train_temperatures: list[float] = field(
         default_factory=lambda: [0.0, 1.0],
         metadata={"help": "target_samples: temperatures the target continues at (0: greedy)"},

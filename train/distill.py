@@ -629,13 +629,14 @@ def _regenerated_rows(
         )
     temperatures = data.train_temperatures
     share = data.train_sequences // len(temperatures)
+    seed = config.optim.seed if data.train_samples_seed is None else data.train_samples_seed
     cache = regenerated_rows_file(
         target,
         {
             "prompts": prompts,
             "temperatures": temperatures,
             "share": share,
-            "seed": config.optim.seed,
+            "seed": seed,
             "block_size": data.block_size,
             "train_prompt": data.train_prompt_loss,
         },
@@ -651,7 +652,7 @@ def _regenerated_rows(
             prompts[index * share : (index + 1) * share] or prompts[:share],
             length=data.block_size,
             temperature=temperature,
-            seed=config.optim.seed + 777 + index,
+            seed=seed + 777 + index,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
             device=accelerator.device,

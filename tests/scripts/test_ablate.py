@@ -60,6 +60,14 @@ def test_grid_axes_map_to_real_recipe_flags(tmp_path: Path) -> None:
     samples = ablation.run_argv({"kind": "eagle3", "data": "samples"}, 0, settings, tmp_path)
     assert parse_config(samples).data.train_source == "target_samples"
     assert parse_config(samples).data.dataset == "stdlib"
+    assert parse_config(samples).data.train_samples_seed is None  # each run's seed
+    shared = dataclasses.replace(settings, samples_seed=3)
+    for seed in (0, 1):
+        argv = ablation.run_argv({"kind": "eagle3", "data": "samples"}, seed, shared, tmp_path)
+        assert parse_config(argv).data.train_samples_seed == 3
+        assert parse_config(argv).optim.seed == seed
+    corpus = ablation.run_argv({"kind": "eagle3", "data": "corpus"}, 0, shared, tmp_path)
+    assert parse_config(corpus).data.train_samples_seed is None
     hard_labels = {"kind": "draft_lm", "data": "onpolicy", "loss": "ce"}
     with pytest.raises(ablation.Skip, match="own guesses"):
         ablation.run_argv(hard_labels, 0, settings, tmp_path / "ce")

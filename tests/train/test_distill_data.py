@@ -106,6 +106,26 @@ def test_a_run_trains_on_definition_prompts_continued_by_the_target(
     assert "definitions prompts of the 100000 asked" in capsys.readouterr().out
 
 
+def test_a_fixed_samples_seed_shares_one_regeneration_between_training_seeds(
+    tmp_path: Path,
+    tiny_argv: Callable[..., list[str]],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from train.distill import main
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    flags = ["--train_source", "target_samples", "--train_prompts", "blocks"]
+    flags += ["--block_size", "64", "--train_sequences", "4", "--train_temperatures", "1.0"]
+    flags += ["--max_steps", "1", "--train_samples_seed", "5"]
+    main(tiny_argv(tmp_path / "a", *flags, "--seed", "0"))
+    assert "reusing the target's continuations" not in capsys.readouterr().out
+    main(tiny_argv(tmp_path / "b", *flags, "--seed", "1"))  # another training seed: same rows
+    assert "reusing the target's continuations" in capsys.readouterr().out
+    main(tiny_argv(tmp_path / "c", *flags[:-1], "6", "--seed", "1"))  # another samples seed
+    assert "reusing the target's continuations" not in capsys.readouterr().out
+
+
 def test_regenerated_rows_are_keyed_by_target_weights_dtype_and_settings(
     tiny_target: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
