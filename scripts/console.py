@@ -22,6 +22,7 @@ COMMANDS: dict[str, str] = {
     "build-demo-target": "scripts.build_demo_target",
     "load-test": "scripts.load_test",
     "report": "scripts.report",
+    "parallel-ceiling": "scripts.parallel_ceiling",
 }
 """``draftsmith-<key>`` runs module ``COMMANDS[key]``."""
 
@@ -69,3 +70,7 @@ def load_test() -> None:
 
 def report() -> None:
     run("report")
+
+
+def parallel_ceiling() -> None:
+    run("parallel-ceiling")

@@ -114,7 +114,9 @@ class DrafterConfig:
     )
     drafter_num_layers: int = _f(1, "layers of a draft LM built from the target's config")
     drafter_hidden_size: int | None = _f(None, "hidden size (default: the target's)")
-    drafter_intermediate_size: int | None = _f(None, "MLP size (default: the target's)")
+    drafter_intermediate_size: int | None = _f(
+        None, "MLP size of a draft LM or an EAGLE-3/P-EAGLE head's layer (default: the target's)"
+    )
     drafter_num_heads: int | None = _f(None, "attention heads (default: the target's)")
     drafter_init: str = _f(
         "embeddings",
@@ -448,6 +450,8 @@ class DistillConfig:
             "medusa_num_layers": self.drafter.medusa_num_layers,
         }
         positive["max_steps"] = self.optim.max_steps
+        if self.drafter.drafter_intermediate_size is not None:
+            positive["drafter_intermediate_size"] = self.drafter.drafter_intermediate_size
         for name, value in positive.items():
             if value < 1:
                 raise ValueError(f"--{name} must be >= 1, got {value}")

@@ -143,3 +143,19 @@ def test_trained_head_decodes_the_targets_greedy_output(tmp_path: Path) -> None:
     objective.save_drafter(tmp_path / "drafter")
     assert (tmp_path / "drafter" / "drafter.json").is_file()
     assert_decodes_greedy_output(target, [tmp_path / "drafter"], "peagle", [None])
+
+
+def test_a_recipe_widens_the_heads_mlp_and_the_head_still_decodes_exactly(tmp_path: Path) -> None:
+    from train.config import parse_config
+    from train.objectives.eagle3 import recipe_head
+
+    target = tiny_llama(num_layers=2, dtype=torch.float32)
+    config = parse_config(["--drafter_kind", "peagle", "--drafter_intermediate_size", "96"])
+    config.drafter.draft_vocab_size = None  # the tiny target's whole vocabulary
+    head = recipe_head(config, target, PEagleHead, num_depths=DEPTHS)
+    assert head.midlayer.mlp.gate_proj.out_features == 96 != target.config.intermediate_size
+    objective = bind(PEagleObjective(head, target, build_loss("fkl"), unroll_steps=DEPTHS))
+    objective.save_drafter(tmp_path / "drafter")
+    assert_decodes_greedy_output(target, [tmp_path / "drafter"], "peagle", [None])
+    with pytest.raises(ValueError, match="--drafter_intermediate_size must be >= 1"):
+        parse_config(["--drafter_kind", "peagle", "--drafter_intermediate_size", "0"])

@@ -100,6 +100,8 @@ def recipe_head(
         overrides["draft_vocab_size"] = drafter.draft_vocab_size
     if drafter.aux_hidden_state_layer_ids:
         overrides["aux_hidden_state_layer_ids"] = tuple(drafter.aux_hidden_state_layer_ids)
+    if drafter.drafter_intermediate_size is not None:
+        overrides["intermediate_size"] = drafter.drafter_intermediate_size
     head_config = head_type.config_type.for_target(target.config, **overrides)
     # nn.Module initialises from the global RNG: fork it so that only the seed matters.
     with torch.random.fork_rng(devices=[]):
