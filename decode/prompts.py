@@ -29,12 +29,21 @@ OOD_PACKAGES = ("transformers", "torch", "accelerate", "safetensors", "huggingfa
 
 def definition_prompts(text: str, chars: int = DEMO_PROMPT_CHARS) -> Iterator[str]:
     """The code just before each ``def``/``class`` line of ``text``: the ``chars`` characters up
-    to and including the line (lines closer than ``chars`` to the start give none)."""
+    to and including the line, its line break left out (lines closer than ``chars`` to the
+    start give none).
+
+    A prompt ends where a token ends in the text it was cut from. Byte-level BPE and
+    SentencePiece vocabularies attach whitespace to the token after it (``"\n   "``,
+    ``" return"``), so a prompt ending in the line break would end in a lone ``"\n"`` token,
+    which in real code comes before a blank line or a top-level statement, never a body: the
+    model would answer with blank lines. Ending at the colon, the model writes the body.
+    """
     offset = 0
     for line in text.splitlines(keepends=True):
         offset += len(line)
-        if line.lstrip().startswith(("def ", "class ")) and offset > chars:
-            yield text[offset - chars : offset]
+        end = offset - (len(line) - len(line.rstrip()))  # after the line's last visible char
+        if line.lstrip().startswith(("def ", "class ")) and end > chars:
+            yield text[end - chars : end]
 
 
 def in_turn(lists: Sequence[Sequence[T]]) -> list[T]:

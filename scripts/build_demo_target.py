@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-DEFAULT_PROMPT = "import os\n\n\ndef "
+DEFAULT_PROMPT = "import os\n\n\ndef"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     import httpx
 
 PROMPTS = (
-    "import os\n\n\ndef ",
+    "import os\n\n\ndef",
     "class Config:\n    def __init__(self",
     "def read_lines(path):\n    with open(path) as f:\n",
     "import sys\nimport json\n\n\ndef main(argv",

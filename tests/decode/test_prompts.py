@@ -22,7 +22,7 @@ CODE = (
 
 def _ends_with_definition(prompt: str) -> bool:
     last = prompt.splitlines()[-1].lstrip()
-    return prompt.endswith("\n") and last.startswith(("def ", "class "))
+    return prompt == prompt.rstrip() and last.startswith(("def ", "class "))
 
 
 def test_definition_prompts_end_at_each_def_or_class_line_with_a_fixed_length() -> None:
@@ -33,10 +33,26 @@ def test_definition_prompts_end_at_each_def_or_class_line_with_a_fixed_length() 
         "def method(self):",
     ]
     assert all(len(p) == 20 and CODE.find(p) >= 0 for p in prompts)
+    assert all(p.endswith(":") for p in prompts)  # the line break is the next token's
+
+
+def test_a_prompt_ends_where_the_tokenizer_ends_a_token_in_the_full_text() -> None:
+    """Cut from real code, a prompt's tokens are a prefix of the full text's tokens: the
+    model sees the boundary it saw in training (a lone line-break token it never did)."""
+    from tiny_models import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    code = "x = 1\n\n\ndef add(a, b):\n    return a + b\n"
+    (prompt,) = definition_prompts(code, chars=len("\n\n\ndef add(a, b):"))
+    full = tokenizer(code[code.index(prompt) :], add_special_tokens=False)["input_ids"]
+    cut = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    assert full[: len(cut)] == cut
+    with_break = tokenizer(prompt + "\n", add_special_tokens=False)["input_ids"]
+    assert full[: len(with_break)] != with_break  # what the old cut gave the model
 
 
 def test_definitions_too_close_to_the_start_give_no_prompt() -> None:
-    first_end = CODE.index("def first():\n") + len("def first():\n")
+    first_end = CODE.index("def first():") + len("def first():")
     prompts = list(definition_prompts(CODE, chars=first_end))
     assert [p.splitlines()[-1].strip() for p in prompts] == ["class Second:", "def method(self):"]
 

@@ -78,7 +78,7 @@ def test_definition_prompts_end_on_a_def_line_and_spread_over_the_rows() -> None
     prompts = definition_prompts_of_rows(rows, tokenizer, count=3, chars=30, max_tokens=200)
     assert len(prompts) == 3
     texts = [tokenizer.decode(ids) for ids in prompts]
-    end = CODE.index("def add(a, b):\n") + len("def add(a, b):\n")
+    end = CODE.index("def add(a, b):") + len("def add(a, b):")
     assert texts == [CODE[end - 30 : end]] * 3  # the first definition past 30 characters
     # A prompt longer than max_tokens is dropped; no prompt at all is an error naming the fix.
     with pytest.raises(ValueError, match="--train_prompts blocks"):
