@@ -103,8 +103,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit(f"--prompts {args.prompts}: no text prompt to continue")
     contexts = contexts_of(target, tokenizer, prompts, args)
     ceilings = parallel_ceilings(target, contexts, args.depths, args.top_k, args.beam)
+    folder = Path(str(getattr(target, "name_or_path", "") or args.target))
     result = {
-        "target": name,
+        "target": folder.name or args.target,  # a folder's or hub id's last part, no home path
         "dtype": choice.name,
         "prompts": args.prompts,
         "contexts": len(contexts),

@@ -34,6 +34,9 @@ BENCH_BENCH = RESULTS / "bench" / "bench_bench.json"
 ABLATION60 = RESULTS / "ablation" / "ablation.json"
 ABLATION150 = RESULTS / "ablation150" / "ablation.json"
 ABLATION_PEAGLE = RESULTS / "ablation_peagle" / "ablation.json"
+ABLATION_PEAGLE_WEIGHTS = RESULTS / "ablation_peagle_weights" / "ablation.json"
+ABLATION_RETUNE = RESULTS / "ablation_retune" / "ablation.json"
+PARALLEL_CEILING = RESULTS / "parallel_ceiling_demo.json"
 FOLLOW_UPS = (  # the 150-step runs after the grid, each its own results file
     "learning_rate0.002",
     "regenerated4000",
@@ -330,6 +333,35 @@ def follow_ups_table(folder: Path = RESULTS / "ablation150") -> str:
     return "\n".join(_table(header + [f"tau T={t}" for t in temperatures], rows))
 
 
+# --------------------------------------------------------------------------- P-EAGLE's cap
+
+
+def ceiling_table(result: dict[str, Any]) -> str:
+    """``draftsmith-parallel-ceiling``'s figures: the cap per depth and per chain length."""
+    rows = [
+        [
+            str(d["depth"]),
+            _f(d["ceiling"], 3),
+            f"[{d['lower']:.3f}, {d['upper']:.3f}]",
+            _f(d["mixture"], 3),
+            _f(d["coverage"], 3),
+        ]
+        for d in result["depths"]
+    ]
+    header = ["depth", "cap", "cap over all paths", "forward-KL optimum", "beam coverage"]
+    caps = ", ".join(
+        f"N = {n}: {tau:.2f} (a chain: {int(n) + 1})" for n, tau in result["tau_cap"].items()
+    )
+    intro = (
+        f"Target `{result['target']}` in {result['dtype']}, {result['contexts']} contexts of T = 1 text "
+        f"({result['prompts']} prompts), paths extended by their top {result['top_k']} tokens, "
+        f"{result['beam']} kept per depth."
+    )
+    return "\n".join(
+        [intro, "", *_table(header, rows), "", f"Tokens per verify pass at the caps: {caps}."]
+    )
+
+
 # --------------------------------------------------------------------------- sections
 
 SECTIONS: dict[str, Callable[[], str]] = {
@@ -347,6 +379,9 @@ SECTIONS: dict[str, Callable[[], str]] = {
     "ablation60": lambda: ablation_tables(ABLATION60),
     "ablation150": lambda: ablation_tables(ABLATION150),
     "ablation-peagle": lambda: ablation_tables(ABLATION_PEAGLE),
+    "ablation-peagle-weights": lambda: ablation_tables(ABLATION_PEAGLE_WEIGHTS),
+    "ablation-retune": lambda: ablation_tables(ABLATION_RETUNE),
+    "parallel-ceiling": lambda: ceiling_table(_read(PARALLEL_CEILING)),
     "ablation-follow-ups": follow_ups_table,
 }
 """Section name -> the function that writes its text from docs/results/."""
