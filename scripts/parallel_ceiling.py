@@ -23,14 +23,13 @@ from typing import Any
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from decode.precision import add_dtype_argument
+    from train.target_model import add_target_arguments
 
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         epilog="example: draftsmith-parallel-ceiling --target demo --prompts demo --depths 4",
     )
-    parser.add_argument("--target", default="demo", help="demo/bench/tiny, a folder or a hub id")
-    add_dtype_argument(parser, "--target-dtype", subject="the target")
+    add_target_arguments(parser)
     parser.add_argument("--prompts", default="demo", help="demo (held-out), ood, or a file")
     parser.add_argument("--num-prompts", type=int, default=6)
     parser.add_argument("--new-tokens", type=int, default=64, help="T = 1 tokens per prompt")

@@ -33,14 +33,13 @@ from typing import Any
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from decode.precision import add_dtype_argument
+    from train.target_model import add_target_arguments
 
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         epilog="example: draftsmith-regenerate --prompts stdlib-defs --output outputs/defs.jsonl",
     )
-    parser.add_argument("--target", default="demo", help="demo/bench/tiny, a folder or a hub id")
-    add_dtype_argument(parser, "--target-dtype", subject="the target")
+    add_target_arguments(parser)
     parser.add_argument(
         "--prompts", required=True, help="prompts file, datasets name, stdlib or stdlib-defs"
     )

@@ -28,6 +28,15 @@ class TargetRef(str):
         return ref
 
 
+def add_target_arguments(parser: Any) -> None:
+    """``--target`` (what :func:`resolve_target` reads) and its ``--dtype``/``--target-dtype``,
+    for the scripts that load a target alone."""
+    from decode.precision import add_dtype_argument
+
+    parser.add_argument("--target", default="demo", help="demo/bench/tiny, a folder or a hub id")
+    add_dtype_argument(parser, "--target-dtype", subject="the target")
+
+
 def resolve_target(spec: str) -> TargetRef:
     """Classify ``--target`` without loading anything; raise if it cannot be a model."""
     if spec in DEMO_TARGET_PRESETS:
