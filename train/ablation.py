@@ -297,6 +297,19 @@ def run_argv(
     return argv
 
 
+def short_budget(measured: dict[str, Any], settings: GridSettings) -> str | None:
+    """A warning when a run with a step cap stopped on a time box first: the recipe's own
+    ``max_minutes`` still binds unless ``--max-minutes`` replaces it, and a slow or shared
+    machine then gives the cells of one grid different budgets."""
+    if settings.max_steps is None or measured.get("stop_reason") != "max_minutes":
+        return None
+    return (
+        f"warning: stopped on its time box after {measured.get('steps')} of "
+        f"{settings.max_steps} steps, so the grid's budgets differ; pass --max-minutes "
+        "above any run's length to make the step cap the budget"
+    )
+
+
 def _check_on_policy_loss(loss: str | None, recipe: Path) -> None:
     """On-policy batches carry the drafter's own samples: hard labels there teach nothing."""
     from train.losses import build_loss  # torch: imported when first needed
@@ -548,6 +561,8 @@ def run_grid(
                 **measured,
             }
             new_runs += 1
+            if budget_note := short_budget(measured, settings):
+                log(f"[ablate] {key}: {budget_note}")
             save_results(path, results, baselines, skipped, failed)
         if stopped:
             break

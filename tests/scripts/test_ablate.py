@@ -429,3 +429,12 @@ def test_plot_styles_follow_the_axes_so_one_loss_reads_alike_across_data_and_kin
     assert len({next(iter(c)) for c in by_loss.values()}) == 3
     assert all(len(markers) == 1 for markers in by_data.values())
     assert by_data["corpus"] != by_data["regenerated"]
+
+
+def test_a_run_stopped_by_its_time_box_before_the_step_cap_is_flagged(tmp_path: Path) -> None:
+    settings = ablation.GridSettings(output=tmp_path, recipes={}, max_steps=100)
+    early = {"stop_reason": "max_minutes", "steps": 59}
+    assert "after 59 of 100 steps" in ablation.short_budget(early, settings)
+    assert ablation.short_budget({"stop_reason": "max_steps", "steps": 100}, settings) is None
+    no_cap = dataclasses.replace(settings, max_steps=None)
+    assert ablation.short_budget(early, no_cap) is None  # the time box is the budget
