@@ -111,18 +111,22 @@ def context_ceilings(
     """Depths 2..``depths`` of one context by beam expansion (module docstring)."""
     paths = context[None]  # [J, L + level]
     weights = torch.ones(1, dtype=torch.float64)  # [J] joint probability of each path
+    probs = _next_probs(target, paths)  # [J, V]: the law after each path
     figures = []
     for _ in range(depths - 1):
-        probs = _next_probs(target, paths)  # [J, V]
         top_p, top_ids = probs.topk(min(top_k, probs.shape[1]), dim=-1)  # [J, K]
         joint = (weights[:, None] * top_p.double()).flatten()  # [J * K]
         keep = joint.topk(min(beam, joint.numel())).indices
         parents = keep // top_p.shape[1]
         paths = torch.cat((paths[parents], top_ids.flatten()[keep][:, None]), dim=1)
         weights = joint[keep]
-        law = _next_probs(target, paths)  # [J', V]: p(. | c, y)
+        probs = _next_probs(target, paths)  # [J', V]: p(. | c, y), extended at the next depth
         figures.append(
-            (best_shared_overlap(law, weights), mixture_overlap(law, weights), float(weights.sum()))
+            (
+                best_shared_overlap(probs, weights),
+                mixture_overlap(probs, weights),
+                float(weights.sum()),
+            )
         )
     return figures
 
