@@ -23,10 +23,11 @@ Every cell of the grid (the product of the ``--grid`` axes) is trained once per 
   ``--dataset <file>``), ``samples`` (``--train_source target_samples``: corpus prompts
   continued by the target as the recipe's ``--train_prompts``, ``--train_sequences`` and
   ``--train_temperatures`` say, as the recipe itself trains; regenerated at the start of each
-  run, once per grid with ``--samples-seed`` and cached between runs), ``onpolicy`` (``--on_policy_fraction``, default 0.5: that share of
-  batches is continued by the drafter itself and scored by the target; only the ``draft_lm``
-  objective samples on-policy, and only a loss with a target term learns from it, so other
-  kinds and a plain ``ce`` skip these cells and the JSON says why);
+  run, once per grid with ``--samples-seed`` and cached between runs), ``onpolicy``
+  (``--on_policy_fraction``, default 0.5: that share of batches is continued by the drafter
+  itself and scored by the target; only the ``draft_lm`` objective samples on-policy, and only
+  a loss with a target term learns from it, so other kinds and a plain ``ce`` skip these cells
+  and the JSON says why);
 - any other recipe field (``loss_temperature=0.5,1``), passed as ``--<field> <value>``.
 
 A run's held-out set comes from its own data (held-out prompts of that data continued by the
