@@ -321,6 +321,8 @@ def _gather_slots(
     tensor: torch.Tensor,  # [B, heads, S, d]
     index: torch.Tensor,  # [B, P] slot indices
 ) -> torch.Tensor:  # [B, heads, P, d]
+    if index.shape[0] == 1:  # one row: a plain index_select, half the cost of gather on CPU
+        return tensor.index_select(2, index[0])
     return tensor.gather(
         2, index[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[3])
     )

@@ -34,7 +34,7 @@ log-probability for ``depth`` levels, re-rank all candidates and keep the best `
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import pairwise
 
 import torch
@@ -50,6 +50,7 @@ class TreeProposal:
     parents: torch.Tensor  # [B, M] int64, -1 = the root (pending token), else an earlier node
     depths: torch.Tensor  # [B, M] int64, 1 for the root's children
     draft_probs: torch.Tensor | None = None  # [B, M, V] the q each node was drawn from; None: top-k
+    _mask: torch.Tensor | None = field(default=None, init=False, repr=False)  # [B, M+1, M+1]
 
     def __post_init__(self) -> None:
         check_parents(self.parents)
@@ -73,7 +74,10 @@ class TreeProposal:
         return torch.cat((pending[:, None], self.tokens), dim=1)
 
     def attention_mask(self) -> torch.Tensor:  # [B, M + 1, M + 1] bool
-        return tree_attention_mask(self.parents)
+        """``tree_attention_mask`` of the parents, computed once (verification reuses it)."""
+        if self._mask is None:
+            self._mask = tree_attention_mask(self.parents)
+        return self._mask
 
     def positions(self, start: torch.Tensor) -> torch.Tensor:  # [B] -> [B, M + 1]
         return tree_positions(self.depths, start)
@@ -111,33 +115,31 @@ def check_parents(parents: torch.Tensor) -> None:
 
 
 def tree_depths(parents: torch.Tensor) -> torch.Tensor:  # [..., M] -> [..., M] int64
-    """Depth of each node (1 for the root's children)."""
-    check_parents(parents)
-    depths = torch.zeros_like(parents)
-    for m in range(parents.shape[-1]):
-        parent = parents[..., m]
-        parent_depth = depths.gather(-1, parent.clamp(min=0)[..., None]).squeeze(-1)
-        depths[..., m] = torch.where(parent < 0, 1, parent_depth + 1)
-    return depths
+    """Depth of each node (1 for the root's children): the number of its ancestors, itself
+    included, below the root."""
+    return tree_attention_mask(parents)[..., 1:, 1:].sum(-1)
 
 
 def tree_attention_mask(parents: torch.Tensor) -> torch.Tensor:  # [..., M] -> [..., M+1, M+1]
     """``mask[i, j]``: tree-space entry i may attend to j (j is i itself or an ancestor).
 
     Index 0 is the root, which every node sees. Built as the transitive closure of the
-    parent relation: one boolean product per tree level, not one step per node.
+    parent relation by repeated squaring: after s boolean products every entry sees its
+    ancestors up to 2^s levels up, so ceil(log2(M + 1)) products close any tree of M nodes
+    (a handful of small products, not one step per node or per level).
     """
     check_parents(parents)
     size = parents.shape[-1] + 1
     batch_shape = parents.shape[:-1]
     parent_of = torch.zeros((*batch_shape, size, size), dtype=torch.bool, device=parents.device)
     parent_of[..., 1:, :].scatter_(-1, (parents + 1)[..., None], True)  # node -> its parent
-    mask = torch.eye(size, dtype=torch.bool, device=parents.device).expand_as(parent_of) | parent_of
-    levels = int(tree_depths(parents).max()) if parents.numel() else 0
-    step = parent_of.to(torch.float32)
-    for _ in range(levels - 1):  # extend every path by one more ancestor per pass
-        mask = mask | ((mask.to(torch.float32) @ step) > 0)
-    return mask
+    reach = torch.eye(size, dtype=torch.bool, device=parents.device).expand_as(parent_of)
+    reach = (reach | parent_of).to(torch.float32)  # self or parent: paths of length <= 1
+    span = 1
+    while span < size - 1:  # the longest path (root to deepest node) has size - 1 edges
+        reach = ((reach @ reach) > 0).to(torch.float32)  # paths of length <= 2 * span
+        span *= 2
+    return reach > 0
 
 
 def tree_positions(
@@ -300,6 +302,7 @@ def build_dynamic_tree(
     tokens = torch.cat(all_tokens, 1)
     scores = torch.cat(all_scores, 1)
     parents = torch.cat(all_parents, 1)
+    depths = torch.cat([torch.full_like(level, d) for d, level in enumerate(all_tokens, 1)], 1)
     # Stable sort: among equal scores, earlier candidates (ancestors) win.
     order = torch.sort(-scores, dim=1, stable=True).indices[:, :total_tokens]
     kept = torch.sort(order, dim=1).values  # creation order is topological
@@ -310,7 +313,7 @@ def build_dynamic_tree(
     if (remapped[kept_parents >= 0] < 0).any():
         raise RuntimeError("dynamic tree lost an ancestor; scores must be log-probabilities")
     return TreeProposal(
-        tokens=tokens.gather(1, kept), parents=remapped, depths=tree_depths(remapped)
+        tokens=tokens.gather(1, kept), parents=remapped, depths=depths.gather(1, kept)
     )
 
 
@@ -384,19 +387,38 @@ def verify_tree_greedy(
     tree: TreeProposal,
     target_logits: torch.Tensor,  # [B, M + 1, V] the verify pass over [root, nodes]
 ) -> TreeVerification:
-    """Follow the child equal to the target's argmax; emit the argmax where none matches."""
+    """Follow the child equal to the target's argmax; emit the argmax where none matches.
+
+    The walk is computed in one pass over all nodes, not level by level: node m matches when
+    its token is the argmax at its parent, and the walk takes the first matching sibling (in
+    index order), so node m is on the accepted path exactly when it and every ancestor are
+    their siblings' first match. Those nodes form one chain from the root, at most one per
+    depth.
+    """
     _check_verify_shapes(tree, target_logits)
+    batch, nodes = tree.tokens.shape
+    device = tree.tokens.device
     choice = target_logits.argmax(-1)  # [B, M + 1]
-
-    def accept(
-        current: torch.Tensor, child: torch.Tensor, token: torch.Tensor, state: None
-    ) -> tuple[torch.Tensor, None]:
-        return token == choice.gather(1, current[:, None]).squeeze(1), state
-
-    def finish(current: torch.Tensor, state: None) -> torch.Tensor:
-        return choice.gather(1, current[:, None]).squeeze(1)
-
-    return _walk(tree, accept, finish, state=None, reset=None)
+    max_depth = int(tree.depths.max()) if nodes else 0
+    matches = tree.tokens == choice.gather(1, tree.parents + 1)  # [B, M]
+    earlier = torch.ones(nodes, nodes, dtype=torch.bool, device=device).tril(-1)  # [M, M]
+    same_parent = tree.parents[:, :, None] == tree.parents[:, None, :]  # [B, M, M]
+    shadowed = (same_parent & earlier & matches[:, None, :]).any(-1)  # an earlier sibling matched
+    taken = matches & ~shadowed  # [B, M]
+    ancestors = tree.attention_mask()[:, 1:, 1:]  # [B, M, M] m sees itself and its ancestors
+    on_path = ~(ancestors & ~taken[:, None, :]).any(-1)  # [B, M]
+    # One accepted node per depth: scatter node m into column depth(m) - 1; nodes off the
+    # path go to a spare last column that is dropped.
+    column = torch.where(on_path, tree.depths - 1, max_depth)  # [B, M]
+    nodes_index = torch.arange(nodes, device=device).expand(batch, -1)
+    accepted_nodes = torch.full((batch, max_depth + 1), -1, dtype=torch.long, device=device)
+    accepted_nodes = accepted_nodes.scatter(1, column, nodes_index)[:, :max_depth]  # [B, D]
+    num_accepted = on_path.sum(1)  # [B]
+    current = torch.zeros(batch, dtype=torch.long, device=device)  # the path's end, tree space
+    if max_depth:
+        last = accepted_nodes.gather(1, (num_accepted - 1).clamp(min=0)[:, None]).squeeze(1)
+        current = torch.where(num_accepted > 0, last + 1, current)
+    return _verification(tree, accepted_nodes, choice.gather(1, current[:, None]).squeeze(1))
 
 
 def verify_tree_stochastic(
@@ -447,15 +469,15 @@ def _check_verify_shapes(tree: TreeProposal, scores: torch.Tensor) -> None:
 
 def _walk(
     tree: TreeProposal,
-    accept: Callable[..., tuple[torch.Tensor, torch.Tensor | None]],
+    accept: Callable[..., tuple[torch.Tensor, torch.Tensor]],
     finish: Callable[..., torch.Tensor],
-    state: torch.Tensor | None,  # [B, V] the distribution still in play, or None (greedy)
-    reset: torch.Tensor | None,  # [B, M + 1, V] fresh distribution at each tree-space entry
+    state: torch.Tensor,  # [B, V] the distribution still in play
+    reset: torch.Tensor,  # [B, M + 1, V] fresh distribution at each tree-space entry
 ) -> TreeVerification:
-    """Shared walk: try children in order, move down on acceptance, stop when none is taken.
+    """The sampled walk: try children in order, move down on acceptance, stop when none is taken.
 
     ``accept(current, child, token, state) -> (accepted [B], state after a rejection)``;
-    ``state`` ([B, V] or None) is replaced by ``reset[:, child + 1]`` when a row moves down.
+    ``state`` ([B, V]) is replaced by ``reset[:, child + 1]`` when a row moves down.
     """
     batch, nodes = tree.tokens.shape
     device = tree.tokens.device
@@ -475,25 +497,29 @@ def _walk(
             token = tree.tokens[rows, child.clamp(min=0)]
             accepted, rejected_state = accept(current, child, token, state)
             accepted = accepted & trying
-            if state is not None:
-                keep = (~trying | accepted)[:, None]
-                state = torch.where(keep, state, rejected_state)
+            keep = (~trying | accepted)[:, None]
+            state = torch.where(keep, state, rejected_state)
             moved_to = torch.where(accepted, child, moved_to)
         moved = moved_to >= 0
         accepted_nodes[:, level] = moved_to
         current = torch.where(moved, moved_to + 1, current)
-        if state is not None:
-            state = torch.where(moved[:, None], reset[rows, current], state)
+        state = torch.where(moved[:, None], reset[rows, current], state)
         active = active & moved
         if not active.any():
             break
-    num_accepted = (accepted_nodes >= 0).sum(1)
-    accepted_tokens = torch.where(
-        accepted_nodes >= 0, tree.tokens.gather(1, accepted_nodes.clamp(min=0)), 0
-    )
+    return _verification(tree, accepted_nodes, finish(current, state))
+
+
+def _verification(
+    tree: TreeProposal,
+    accepted_nodes: torch.Tensor,  # [B, D] the accepted path's nodes, -1 padded
+    next_tokens: torch.Tensor,  # [B]
+) -> TreeVerification:
     return TreeVerification(
         accepted_nodes=accepted_nodes,
-        num_accepted=num_accepted,
-        accepted_tokens=accepted_tokens,
-        next_tokens=finish(current, state),
+        num_accepted=(accepted_nodes >= 0).sum(1),
+        accepted_tokens=torch.where(
+            accepted_nodes >= 0, tree.tokens.gather(1, accepted_nodes.clamp(min=0)), 0
+        ),
+        next_tokens=next_tokens,
     )

@@ -301,3 +301,74 @@ def test_dynamic_tree_keeps_the_best_candidates_with_their_ancestors() -> None:
         assert all(path[:-1] in paths for path in paths if len(path) > 1)
     with pytest.raises(ValueError, match="total_tokens"):
         build_dynamic_tree(root, expand, top_k=2, depth=2, total_tokens=7)
+
+
+def _random_tree(generator: torch.Generator, nodes: int) -> torch.Tensor:  # [M] parents
+    """Parents of a random tree in topological order (each node under the root or earlier)."""
+    return torch.tensor(
+        [int(torch.randint(-1, m, (1,), generator=generator)) for m in range(nodes)],
+        dtype=torch.long,
+    )
+
+
+def _reference_depths(parents: list[int]) -> list[int]:
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+    return depths
+
+
+def _reference_greedy_walk(
+    tokens: list[int], parents: list[int], choice: list[int]
+) -> tuple[list[int], int]:
+    """The definition: from the root, take the first child (index order) whose token is the
+    argmax at the current entry; stop where none is. Returns (path nodes, next token)."""
+    path, current = [], -1
+    while True:
+        children = [m for m, p in enumerate(parents) if p == current]
+        taken = [m for m in children if tokens[m] == choice[current + 1]]
+        if not taken:
+            return path, choice[current + 1]
+        current = taken[0]
+        path.append(current)
+
+
+def test_depths_and_mask_of_random_and_deep_trees_match_their_definition() -> None:
+    generator = torch.Generator().manual_seed(0)
+    shapes = [_random_tree(generator, nodes) for nodes in (1, 2, 5, 13, 40)]
+    shapes.append(torch.arange(-1, 63))  # a chain of 64: the deepest closure
+    for parents in shapes:
+        depths = _reference_depths(parents.tolist())
+        assert tree_depths(parents).tolist() == depths
+        mask = tree_attention_mask(parents)
+        for node, parent in enumerate(parents.tolist()):
+            ancestors = {0, node + 1}
+            while parent >= 0:
+                ancestors.add(parent + 1)
+                parent = int(parents[parent])
+            assert mask[node + 1].nonzero().flatten().tolist() == sorted(ancestors)
+
+
+def test_greedy_verification_equals_the_walk_on_random_trees() -> None:
+    """Duplicate siblings included: the first matching sibling is the one followed."""
+    generator = torch.Generator().manual_seed(1)
+    vocab = 3  # few tokens: many matches and many duplicate siblings
+    for nodes in (1, 4, 9, 17, 30):
+        parents = torch.stack([_random_tree(generator, nodes) for _ in range(6)])  # [B, M]
+        depths = torch.stack([torch.tensor(_reference_depths(p.tolist())) for p in parents])
+        tokens = torch.randint(0, vocab, (6, nodes), generator=generator)
+        logits = torch.randn(6, nodes + 1, vocab, generator=generator)
+        result = verify_tree_greedy(TreeProposal(tokens, parents, depths), logits)
+        choice = logits.argmax(-1)
+        for row in range(6):
+            path, next_token = _reference_greedy_walk(
+                tokens[row].tolist(), parents[row].tolist(), choice[row].tolist()
+            )
+            width = int(depths.max())  # the batch's deepest level
+            assert result.accepted_nodes[row].tolist()[: len(path)] == path
+            assert result.accepted_nodes[row].tolist()[len(path) :] == [-1] * (width - len(path))
+            assert int(result.num_accepted[row]) == len(path)
+            assert result.accepted_tokens[row, : len(path)].tolist() == [
+                int(tokens[row, m]) for m in path
+            ]
+            assert int(result.next_tokens[row]) == next_token
