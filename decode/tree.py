@@ -434,28 +434,30 @@ def verify_tree_stochastic(
 
     def accept(
         current: torch.Tensor, child: torch.Tensor, token: torch.Tensor, p: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> torch.Tensor:  # [B] bool
         p_token = p.gather(1, token[:, None]).squeeze(1)
         uniform = torch.rand(batch, generator=generator, device=p.device, dtype=p.dtype)
         if draft_probs is None:
-            accepted = uniform < p_token
-            residual = p.scatter(1, token[:, None], 0.0)
+            return uniform < p_token
+        q_token = draft_probs[rows, child.clamp(min=0), token].to(p.dtype)  # [B]
+        # u < p/q; q(token) > 0 as token ~ q (a zero would accept for free: refuse it)
+        return (uniform * q_token < p_token) & (q_token > 0)
+
+    def residual(child: torch.Tensor, token: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """What remains of p after the child's rejection, renormalised: [B, V]."""
+        if draft_probs is None:
+            left = p.scatter(1, token[:, None], 0.0)
         else:
-            q = draft_probs[rows, child.clamp(min=0)].to(p.dtype)  # [B, V]
-            q_token = q.gather(1, token[:, None]).squeeze(1)
-            # u < p/q; q(token) > 0 as token ~ q (a zero would accept for free: refuse it)
-            accepted = (uniform * q_token < p_token) & (q_token > 0)
-            residual = (p - q).clamp(min=0)
-        mass = residual.sum(-1, keepdim=True)
+            left = (p - draft_probs[rows, child.clamp(min=0)].to(p.dtype)).clamp(min=0)
+        mass = left.sum(-1, keepdim=True)
         # mass == 0 only when p is within rounding of the rejected law; keep p then.
-        residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p)
-        return accepted, residual
+        return torch.where(mass > 0, left / mass.clamp(min=1e-30), p)
 
     def finish(current: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         return sample(p, generator)
 
     start = target_probs[:, 0].clone()
-    return _walk(tree, accept, finish, state=start, reset=target_probs)
+    return _walk(tree, accept, residual, finish, state=start, reset=target_probs)
 
 
 def _check_verify_shapes(tree: TreeProposal, scores: torch.Tensor) -> None:
@@ -469,15 +471,17 @@ def _check_verify_shapes(tree: TreeProposal, scores: torch.Tensor) -> None:
 
 def _walk(
     tree: TreeProposal,
-    accept: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    accept: Callable[..., torch.Tensor],
+    residual: Callable[..., torch.Tensor],
     finish: Callable[..., torch.Tensor],
     state: torch.Tensor,  # [B, V] the distribution still in play
     reset: torch.Tensor,  # [B, M + 1, V] fresh distribution at each tree-space entry
 ) -> TreeVerification:
     """The sampled walk: try children in order, move down on acceptance, stop when none is taken.
 
-    ``accept(current, child, token, state) -> (accepted [B], state after a rejection)``;
-    ``state`` ([B, V]) is replaced by ``reset[:, child + 1]`` when a row moves down.
+    ``accept(current, child, token, state) -> accepted [B]``; a row that rejects its child
+    continues with ``residual(child, token, state)`` ([B, V], computed only when some row
+    rejected), and ``state`` is replaced by ``reset[:, child + 1]`` when a row moves down.
     """
     batch, nodes = tree.tokens.shape
     device = tree.tokens.device
@@ -495,10 +499,10 @@ def _walk(
             if not trying.any():
                 continue
             token = tree.tokens[rows, child.clamp(min=0)]
-            accepted, rejected_state = accept(current, child, token, state)
-            accepted = accepted & trying
-            keep = (~trying | accepted)[:, None]
-            state = torch.where(keep, state, rejected_state)
+            accepted = accept(current, child, token, state) & trying
+            rejected = trying & ~accepted
+            if rejected.any():
+                state = torch.where(rejected[:, None], residual(child, token, state), state)
             moved_to = torch.where(accepted, child, moved_to)
         moved = moved_to >= 0
         accepted_nodes[:, level] = moved_to
