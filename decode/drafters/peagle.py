@@ -191,6 +191,9 @@ class PEagleDrafter(Eagle3Drafter):
         self._embed = lambda ids: self.head.embed(embedding, ids)
         self.lookahead = head.config.num_depths  # the width the mask rows are prepared for
         self._ahead: torch.Tensor | None = None  # [B, R, V_draft] logits of mask rows 2..R+1
+        # fc(mask_hidden) [1, 1, H] and the fused weights it was computed with: a constant of
+        # the weights, so a round does not stream fc's weight again to recompute it.
+        self._fused_mask: tuple[object, torch.Tensor] | None = None
 
     @classmethod
     def from_pretrained(cls, path: str | Path, target: nn.Module) -> PEagleDrafter:
@@ -286,7 +289,10 @@ class PEagleDrafter(Eagle3Drafter):
         return self.lean.draft_logits(prenorm)
 
     def _mask_inputs(self, batch: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        fused = self.lean.fuse(self.head.mask_hidden[None, None])  # [1, 1, H]
+        weights = self.lean.weights()  # rebuilt whenever a head parameter changes in place
+        if self._fused_mask is None or self._fused_mask[0] is not weights:
+            self._fused_mask = (weights, self.lean.fuse(self.head.mask_hidden[None, None]))
+        fused = self._fused_mask[1]  # [1, 1, H]
         shape = (batch, rows, fused.shape[-1])
         return fused.expand(shape), self.head.mask_embed.to(fused.dtype).expand(shape)
 

@@ -120,7 +120,7 @@ def test_drafter_matches_recomputation_round_after_round(draft_vocab_size: int) 
     committed = prefill_prompts(drafter, target, [11, 17])  # the mask token's id is committed too
     widths = [3, 3, 4, 1, 2, 4, 4, 0, 3]  # a round wider than the last runs its own mask pass
     schedule = [[0, 2], [3, 0], [0, 4], [1, 0], [2, 1], [0, 0], [4, 1], [0, 0], [1, 3]]
-    for width, accepted in zip(widths, schedule, strict=True):
+    for round_index, (width, accepted) in enumerate(zip(widths, schedule, strict=True)):
         proposal = drafter.propose(width, sampling, generator)
         assert proposal.tokens.shape == (2, width)
         for row in range(2):
@@ -134,6 +134,9 @@ def test_drafter_matches_recomputation_round_after_round(draft_vocab_size: int) 
         num_accepted = torch.tensor(accepted).clamp(max=width)
         next_tokens = torch.randint(3, 64, (2,), generator=generator)
         rows = [committed[r] + proposal.tokens[r].tolist() for r in range(2)]
+        if round_index == 4:  # the mask rows' inputs follow an in-place change of the head
+            with torch.no_grad():
+                head.mask_hidden.mul_(-1.0)
         drafter.commit(num_accepted, next_tokens, scratch_pass(target, rows, width + 1))
         extend_committed(committed, proposal.tokens, num_accepted, next_tokens)
     greedy = drafter.propose(3, SamplingConfig(), None)
