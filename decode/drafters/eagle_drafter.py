@@ -122,7 +122,7 @@ class Eagle3Drafter(Drafter):
             valid=valid,
             has_holes=not bool(valid.all()),
             hidden=last,
-            logits=self.lean.draft_logits(last),
+            logits=self._first_logits(last),
             next_pos=positions[:, -1] + 1,
         )
 
@@ -405,7 +405,7 @@ class Eagle3Drafter(Drafter):
         state.has_holes = state.has_holes or fewest < most
         rows = torch.arange(drafts.shape[0], device=drafts.device)
         state.hidden = prenorm[rows, num_accepted]
-        state.logits = self.lean.draft_logits(state.hidden)
+        state.logits = self._first_logits(state.hidden)
         state.next_pos = next_pos
         state.drafts = None
         if state.has_holes:
@@ -437,6 +437,11 @@ class Eagle3Drafter(Drafter):
         """One head pass over newly committed entries (P-EAGLE adds its mask rows here)."""
         del seen, next_pos  # a chain drafts from the last output alone
         return self.lean.step(fused, embeds, positions, cache, visible)
+
+    def _first_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, H] -> [B, V_draft]
+        """The first draft position's logits, from the last committed entry's output (P-EAGLE
+        projects its mask rows in the same product)."""
+        return self.lean.draft_logits(hidden)
 
     def _compact(self, live: int) -> None:
         """Drop holes: keep each row's valid entries in order, right-aligned in ``live`` slots."""

@@ -191,6 +191,7 @@ class PEagleDrafter(Eagle3Drafter):
         self._embed = lambda ids: self.head.embed(embedding, ids)
         self.lookahead = head.config.num_depths  # the width the mask rows are prepared for
         self._ahead: torch.Tensor | None = None  # [B, R, V_draft] logits of mask rows 2..R+1
+        self._ahead_prenorm: torch.Tensor | None = None  # [B, R, H] those rows before the output
         # fc(mask_hidden) [1, 1, H] and the fused weights it was computed with: a constant of
         # the weights, so a round does not stream fc's weight again to recompute it.
         self._fused_mask: tuple[object, torch.Tensor] | None = None
@@ -253,7 +254,7 @@ class PEagleDrafter(Eagle3Drafter):
         """The committed entries and the next round's mask rows in one block."""
         rows = self.lookahead - 1
         if rows < 1:
-            self._ahead = None
+            self._ahead = self._ahead_prenorm = None
             return super()._committed_pass(fused, embeds, positions, cache, visible, seen, next_pos)
         batch, width = positions.shape
         if visible is None:
@@ -270,8 +271,18 @@ class PEagleDrafter(Eagle3Drafter):
             torch.cat((block, self._mask_visibility(seen, rows)), 1),
         )
         cache.crop(-rows)
-        self._ahead = self.lean.draft_logits(prenorm[:, width:])
+        self._ahead_prenorm = prenorm[:, width:]  # projected with the first position's output
         return prenorm[:, :width]
+
+    def _first_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, H] -> [B, V_draft]
+        """Depth 1's logits and the mask rows' (kept for the next ``propose``) in one product:
+        the draft vocabulary's weight is streamed once per round, not twice."""
+        ahead, self._ahead_prenorm = self._ahead_prenorm, None
+        if ahead is None:
+            return super()._first_logits(hidden)
+        logits = self.lean.draft_logits(torch.cat((hidden[:, None], ahead), 1))  # [B, 1 + R, V]
+        self._ahead = logits[:, 1:]
+        return logits[:, 0]
 
     def _mask_pass(self, rows: int) -> torch.Tensor:  # [B, R, V_draft]
         """Mask rows 2..rows+1 alone, after the committed cache (a wider round than prepared)."""
