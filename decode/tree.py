@@ -369,12 +369,17 @@ def sampled_tree_layout(lengths: Sequence[int]) -> tuple[torch.Tensor, torch.Ten
 
 
 # -- verification ----------------------------------------------------------------------------
+def _earlier_siblings(parents: torch.Tensor) -> torch.Tensor:  # [B, M] -> [B, M, M] bool
+    """``[b, m, j]``: node j has m's parent and comes before m (siblings are tried in order)."""
+    nodes = parents.shape[1]
+    earlier = torch.ones(nodes, nodes, dtype=torch.bool, device=parents.device).tril(-1)
+    return (parents[:, :, None] == parents[:, None, :]) & earlier
+
+
 def _children_table(parents: torch.Tensor) -> torch.Tensor:  # [B, M] -> [B, M + 1, C] (-1 pad)
     """Children of each tree-space entry, in sibling (index) order."""
     batch, nodes = parents.shape
-    earlier = torch.ones(nodes, nodes, dtype=torch.bool, device=parents.device).tril(-1)
-    same_parent = parents[:, :, None] == parents[:, None, :]
-    rank = (same_parent & earlier).sum(-1)  # [B, M] position among siblings
+    rank = _earlier_siblings(parents).sum(-1)  # [B, M] position among siblings
     width = int(rank.max()) + 1 if nodes else 1
     table = torch.full((batch, nodes + 1, width), -1, dtype=torch.long, device=parents.device)
     node_index = torch.arange(nodes, device=parents.device).expand(batch, -1)
@@ -401,9 +406,8 @@ def verify_tree_greedy(
     choice = target_logits.argmax(-1)  # [B, M + 1]
     max_depth = int(tree.depths.max()) if nodes else 0
     matches = tree.tokens == choice.gather(1, tree.parents + 1)  # [B, M]
-    earlier = torch.ones(nodes, nodes, dtype=torch.bool, device=device).tril(-1)  # [M, M]
-    same_parent = tree.parents[:, :, None] == tree.parents[:, None, :]  # [B, M, M]
-    shadowed = (same_parent & earlier & matches[:, None, :]).any(-1)  # an earlier sibling matched
+    # an earlier sibling matched: the walk never tries this node
+    shadowed = (_earlier_siblings(tree.parents) & matches[:, None, :]).any(-1)  # [B, M]
     taken = matches & ~shadowed  # [B, M]
     ancestors = tree.attention_mask()[:, 1:, 1:]  # [B, M, M] m sees itself and its ancestors
     on_path = ~(ancestors & ~taken[:, None, :]).any(-1)  # [B, M]
