@@ -442,6 +442,33 @@ class PreallocatedLayer(DynamicLayer):
         self.values = self._value_buffer[:, :, :length]
 
 
+class PreallocatedStack:
+    """The ``PreallocatedLayer``s of a multi-layer drafter, cropped, reordered and merged
+    together: every layer holds the same slots."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.layers = [PreallocatedLayer() for _ in range(num_layers)]
+
+    def get_seq_length(self) -> int:
+        return self.layers[0].get_seq_length()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        for layer in self.layers:
+            layer.crop(tokens_to_remove)
+
+    def keep_slots(self, start: int, index: torch.Tensor) -> None:  # index [B, P]
+        for layer in self.layers:
+            layer.keep_slots(start, index)
+
+    def select_slots(self, rows: torch.Tensor, index: torch.Tensor) -> None:  # [R], [R, L]
+        for layer in self.layers:
+            layer.select_slots(rows, index)
+
+    def merge_rows(self, other: PreallocatedStack, slots: int) -> None:
+        for mine, theirs in zip(self.layers, other.layers, strict=True):
+            mine.merge_rows(theirs, slots)
+
+
 def _left_pad_slots(states: torch.Tensor, slots: int) -> torch.Tensor:
     """[B, heads, S, d] -> [B, heads, slots, d] with zeros in front (finite: masked slots must
     not hold NaN, which a zero attention weight would still spread)."""

@@ -51,8 +51,18 @@ class LeanOutput:
     hidden_states: tuple[torch.Tensor, ...] | None = None
 
 
+@dataclass(frozen=True)
+class AttentionShape:
+    """A layer's attention heads and its norms' epsilon."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+
+
 @dataclass
-class _LayerWeights:
+class LayerWeights:
     input_norm: torch.Tensor  # [H]
     qkv: Projection  # H -> (Q + 2 KV) * D
     q_norm: torch.Tensor | None  # [D] (Qwen3)
@@ -76,16 +86,19 @@ class LeanDecoder:
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         config = model.config
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        self.eps = config.rms_norm_eps
+        num_heads = config.num_attention_heads
+        self.shape = AttentionShape(
+            num_heads=num_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_heads,
+            eps=config.rms_norm_eps,
+        )
         self.layout = AttentionLayout.for_model(model)
         rope_type = _rope_parameters(config).get("rope_type", "default")
         self._rope_per_call = _angles_depend_on_call(rope_type)
         self._parameters = list(model.get_decoder().parameters())
         self._versions: list[int] = []
-        self._layers: list[_LayerWeights] = []
+        self._layers: list[LayerWeights] = []
         self._cos = self._sin = torch.empty(0)  # [P, D] rotary tables, grown on demand
 
     @classmethod
@@ -112,44 +125,13 @@ class LeanDecoder:
         for weights, cache_layer, mask in zip(layers, cache.layers, masks, strict=True):
             if not isinstance(cache_layer, PreallocatedLayer):
                 raise TypeError("LeanDecoder needs a cache of PreallocatedLayer (kv_cache.py)")
-            x = x + self._attention(weights, x, cos, sin, mask, cache_layer)
-            x = x + self._mlp(weights, x)
+            x = decoder_layer(weights, x, cos, sin, mask, cache_layer, self.shape)
             if hidden_states is not None:
                 hidden_states.append(x)
-        x = rms_norm(x, decoder.norm.weight, self.eps)
+        x = rms_norm(x, decoder.norm.weight, self.shape.eps)
         if hidden_states is not None:
             hidden_states[-1] = x  # as Hugging Face reports it: the last entry is normed
         return LeanOutput(x, None if hidden_states is None else tuple(hidden_states))
-
-    def _attention(
-        self,
-        weights: _LayerWeights,
-        x: torch.Tensor,  # [B, W, H]
-        cos: torch.Tensor,  # [B, 1, W, D]
-        sin: torch.Tensor,  # [B, 1, W, D]
-        mask: torch.Tensor | None,  # [B, 1, W, S + W] bool
-        cache_layer: PreallocatedLayer,
-    ) -> torch.Tensor:  # [B, W, H]
-        batch, width, _ = x.shape
-        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = weights.qkv(rms_norm(x, weights.input_norm, self.eps))
-        q, k, v = qkv.view(batch, width, heads + 2 * kv_heads, dim).split(
-            (heads, kv_heads, kv_heads), dim=2
-        )  # [B, W, heads, D] each
-        if weights.q_norm is not None:
-            q, k = rms_norm(q, weights.q_norm, self.eps), rms_norm(k, weights.k_norm, self.eps)
-        q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, Q, W, D]
-        k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, KV, W, D]
-        keys, values = cache_layer.update(k, v.transpose(1, 2))  # [B, KV, S + W, D]
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, enable_gqa=kv_heads != heads
-        )  # [B, Q, W, D]
-        out = out.transpose(1, 2).reshape(batch, width, heads * dim)
-        return weights.out(out)
-
-    def _mlp(self, weights: _LayerWeights, x: torch.Tensor) -> torch.Tensor:  # [B, W, H]
-        gate, up = weights.gate_up(rms_norm(x, weights.post_norm, self.eps)).chunk(2, dim=-1)
-        return weights.down(F.silu(gate) * up)  # gate, up: [B, W, I] each
 
     def _layer_masks(
         self,
@@ -190,11 +172,11 @@ class LeanDecoder:
             self._cos, self._sin = cos[0], sin[0]
         return self._cos[positions][:, None], self._sin[positions][:, None]
 
-    def _current_layers(self) -> list[_LayerWeights]:
+    def _current_layers(self) -> list[LayerWeights]:
         versions = [p._version for p in self._parameters]
         if versions != self._versions:
             with torch.no_grad():
-                self._layers = [_fuse(layer) for layer in self.model.get_decoder().layers]
+                self._layers = [fuse_layer(layer) for layer in self.model.get_decoder().layers]
             self._versions = versions
         return self._layers
 
@@ -233,13 +215,53 @@ def _angles_depend_on_call(rope_type: str) -> bool:
     return "dynamic" in rope_type or rope_type == "longrope"
 
 
-def _fuse(layer: torch.nn.Module) -> _LayerWeights:
-    """One decoder layer's weights, with q/k/v and gate/up concatenated into one product each
-    (``decode.projection`` lays each out for the dtype)."""
+def decoder_layer(
+    weights: LayerWeights,
+    x: torch.Tensor,  # [B, W, H] the residual stream
+    cos: torch.Tensor,  # [B, 1, W, D]
+    sin: torch.Tensor,  # [B, 1, W, D]
+    mask: torch.Tensor | None,  # [B, 1, W, S + W] bool
+    cache_layer: PreallocatedLayer,
+    shape: AttentionShape,
+    normed: torch.Tensor | None = None,  # [B, W, in] the attention's input; None: n(x)
+) -> torch.Tensor:  # [B, W, H]
+    """One pre-norm Llama block over the cache and the block's entries:
+
+        h   = x + W_o . attn(rope(W_q a), rope(W_k a), W_v a)     a = n(x), q/k/v in one product
+        out = h + W_down (silu(W_gate n(h)) * W_up n(h))         gate and up in one product
+
+    The block's keys and values are appended to ``cache_layer``. ``normed`` replaces ``n(x)``
+    as the attention's input: EAGLE-3's first layer reads ``[n(E[tok]), n(g)]`` (2H wide) with
+    the feature ``g`` as its residual stream."""
+    if normed is None:
+        normed = rms_norm(x, weights.input_norm, shape.eps)
+    batch, width, _ = normed.shape
+    heads, kv_heads, dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
+    q, k, v = (
+        weights.qkv(normed)
+        .view(batch, width, heads + 2 * kv_heads, dim)
+        .split((heads, kv_heads, kv_heads), dim=2)
+    )  # [B, W, heads, D] each
+    if weights.q_norm is not None:
+        q, k = rms_norm(q, weights.q_norm, shape.eps), rms_norm(k, weights.k_norm, shape.eps)
+    q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, Q, W, D]
+    k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, KV, W, D]
+    keys, values = cache_layer.update(k, v.transpose(1, 2))  # [B, KV, S + W, D]
+    attended = F.scaled_dot_product_attention(
+        q, keys, values, attn_mask=mask, enable_gqa=kv_heads != heads
+    )  # [B, Q, W, D]
+    x = x + weights.out(attended.transpose(1, 2).reshape(batch, width, heads * dim))
+    gate, up = weights.gate_up(rms_norm(x, weights.post_norm, shape.eps)).chunk(2, dim=-1)
+    return x + weights.down(F.silu(gate) * up)  # gate, up: [B, W, I] each
+
+
+def fuse_layer(layer: torch.nn.Module) -> LayerWeights:
+    """One decoder layer's weights (Hugging Face's module names), with q/k/v and gate/up
+    concatenated into one product each (``decode.projection`` lays each out for the dtype)."""
     attention, mlp = layer.self_attn, layer.mlp
     q_norm = getattr(attention, "q_norm", None)
     k_norm = getattr(attention, "k_norm", None)
-    return _LayerWeights(
+    return LayerWeights(
         input_norm=layer.input_layernorm.weight.detach(),
         qkv=fused_projection((attention.q_proj, attention.k_proj, attention.v_proj)),
         q_norm=None if q_norm is None else q_norm.weight.detach(),

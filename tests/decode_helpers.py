@@ -84,27 +84,49 @@ def chi_square_p_value(
     return float(torch.special.gammaincc(torch.tensor(dof / 2.0), statistic / 2.0))
 
 
-def tiny_eagle_drafter(target: torch.nn.Module):
+def tiny_eagle_drafter(target: torch.nn.Module, num_layers: int = 1):
     """A random EAGLE-3 head on the target's own LM head, so drafts are sometimes right."""
     from decode.drafters.eagle import Eagle3Config, Eagle3Head
     from decode.drafters.eagle_drafter import Eagle3Drafter
 
     torch.manual_seed(0)
-    head = Eagle3Head(Eagle3Config.for_target(target.config)).double()
+    config = Eagle3Config.for_target(target.config, num_hidden_layers=num_layers)
+    head = Eagle3Head(config).double()
     with torch.no_grad():  # reuse the target's head so drafts are sometimes right
         head.lm_head.weight.copy_(target.get_output_embeddings().weight)
+    _quiet_later_layers(head)
     return Eagle3Drafter(head, target)
 
 
-def tiny_peagle_drafter(target: torch.nn.Module, num_depths: int = 3):
+def _quiet_later_layers(head: torch.nn.Module) -> None:
+    """Give a multi-layer head's later layers small random outputs (they start at zero: not
+    zero, so their math is exercised; small, so a random head's drafts are still accepted)."""
+    randomize_later_layers(head, scale=0.02)
+
+
+def randomize_later_layers(head: torch.nn.Module, scale: float = 0.2) -> None:
+    """Random ``o_proj`` / ``down_proj`` in a head's later layers, which initialise to zero (an
+    identity layer would hide a mistake in its math from an exactness test)."""
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for layer in head.layers.values():
+            for weight in (layer.self_attn.o_proj.weight, layer.mlp.down_proj.weight):
+                noise = torch.randn(weight.shape, generator=generator, dtype=torch.float64)
+                weight.copy_(noise * scale)
+
+
+def tiny_peagle_drafter(target: torch.nn.Module, num_depths: int = 3, num_layers: int = 1):
     """A random P-EAGLE head on the target's own LM head, so drafts are sometimes right."""
     from decode.drafters.peagle import PEagleConfig, PEagleDrafter, PEagleHead
 
     torch.manual_seed(0)
-    config = PEagleConfig.for_target(target.config, num_depths=num_depths)
+    config = PEagleConfig.for_target(
+        target.config, num_depths=num_depths, num_hidden_layers=num_layers
+    )
     head = PEagleHead(config).to(target.dtype)
     with torch.no_grad():
         head.lm_head.weight.copy_(target.get_output_embeddings().weight)
+    _quiet_later_layers(head)
     return PEagleDrafter(head, target)
 
 

@@ -60,10 +60,13 @@ def fit_eagle3(
     steps: int = 60,
     unroll: int = 3,
     seed: int = 0,
+    num_layers: int = 1,
 ) -> Eagle3Head:
     """An EAGLE-3 head trained by test-time unrolling on ``corpus`` (cross-entropy)."""
     torch.manual_seed(seed)
-    config = Eagle3Config.for_target(target.config, draft_vocab_size=draft_vocab_size)
+    config = Eagle3Config.for_target(
+        target.config, draft_vocab_size=draft_vocab_size, num_hidden_layers=num_layers
+    )
     head = Eagle3Head(config).float()
     vocab = target.config.vocab_size
     if config.draft_vocab_size != vocab:
@@ -102,6 +105,7 @@ def fit_peagle(
     draft_vocab_size: int | None = None,
     steps: int = 60,
     depths: int = 3,
+    num_layers: int = 1,
 ):
     """A P-EAGLE head trained on ``corpus`` through its own objective (forward KL, every
     anchor kept), its mask token the corpus's rarest."""
@@ -113,7 +117,10 @@ def fit_peagle(
 
     torch.manual_seed(0)
     config = PEagleConfig.for_target(
-        target.config, draft_vocab_size=draft_vocab_size, num_depths=depths
+        target.config,
+        draft_vocab_size=draft_vocab_size,
+        num_depths=depths,
+        num_hidden_layers=num_layers,
     )
     objective = PEagleObjective(
         PEagleHead(config).float(), target, build_loss("fkl"), unroll_steps=depths, cod_ratio=1.0

@@ -112,7 +112,10 @@ class DrafterConfig:
     drafter_path: str | None = _f(
         None, "initialise from this causal-LM folder instead of building from the target config"
     )
-    drafter_num_layers: int = _f(1, "layers of a draft LM built from the target's config")
+    drafter_num_layers: int = _f(
+        1,
+        "decoder layers of a draft LM built from the target's config, or of an EAGLE-3/P-EAGLE head",
+    )
     drafter_hidden_size: int | None = _f(None, "hidden size (default: the target's)")
     drafter_intermediate_size: int | None = _f(
         None, "MLP size of a draft LM or an EAGLE-3/P-EAGLE head's layer (default: the target's)"

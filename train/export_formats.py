@@ -1,10 +1,14 @@
 """Write trained heads in the folder layouts that vLLM and SGLang load, with a card each.
 
 EAGLE-3 (``LlamaForCausalLMEagle3``; vLLM ``llama_eagle3.py``, SGLang ``llama_eagle3.py``):
-a Llama-style ``config.json`` with ``num_hidden_layers = 1``, ``vocab_size`` = the target's,
-``draft_vocab_size`` and the aux layer ids, and ``model.safetensors`` with ``fc.weight``,
-``midlayer.*``, ``norm.weight``, ``lm_head.weight``; no ``embed_tokens`` (both engines share the
-target's). A pruned draft vocabulary adds ``d2t`` (int64 offsets: target_id = draft_id +
+a Llama-style ``config.json`` with ``num_hidden_layers`` (the head's layers), ``vocab_size`` =
+the target's, ``draft_vocab_size`` and the aux layer ids, and ``model.safetensors`` with
+``fc.weight``, ``midlayer.*``, ``norm.weight``, ``lm_head.weight``; no ``embed_tokens`` (both
+engines share the target's). A multi-layer head adds ``layers.{i}.*`` (i >= 1, plain Llama
+layers over H inputs) and ``layers.{i}.hidden_norm.weight`` (ones): vLLM builds that norm in
+every layer, uses only the first layer's, and refuses a checkpoint that leaves a parameter
+unloaded. SGLang serves single-layer EAGLE-3 heads only (its ``LlamaForCausalLMEagle3`` raises
+otherwise), so ``fmt="sglang"`` refuses the others. A pruned draft vocabulary adds ``d2t`` (int64 offsets: target_id = draft_id +
 d2t[draft_id]) and ``t2d`` (bool). A full-vocabulary head writes neither: vLLM then builds no
 ``draft_id_to_target_id`` parameter and refuses a ``d2t`` tensor, and SGLang treats a missing
 map as the identity.
@@ -71,7 +75,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from data.atomic_io import atomic_folder
-from decode.drafters.eagle import EAGLE3_ARCHITECTURE, Eagle3Config, Eagle3Head
+from decode.drafters.eagle import (
+    EAGLE3_ARCHITECTURE,
+    Eagle3Config,
+    Eagle3Head,
+    check_layer_count,
+)
 from decode.drafters.medusa import MEDUSA_ARCHITECTURE, MedusaHeads
 from decode.drafters.peagle import PEagleConfig, PEagleHead
 
@@ -95,6 +104,12 @@ def engine_aux_ids(head: Eagle3Head, fmt: str) -> dict[str, list[int]]:
             "layer order, so this head cannot be served; retrain with distinct ids"
         )
     if fmt == "sglang":
+        if head.config.num_hidden_layers != 1:
+            raise ValueError(
+                f"this head has {head.config.num_hidden_layers} layers; SGLang serves "
+                "single-layer EAGLE-3 heads only: export it with --export_format vllm (or "
+                "speculators), or retrain with --drafter_num_layers 1"
+            )
         if ids[0] == 0:
             raise ValueError(
                 f"aux ids {ids} read the embedding output (id 0), which SGLang's Llama cannot "
@@ -110,7 +125,7 @@ def engine_aux_ids(head: Eagle3Head, fmt: str) -> dict[str, list[int]]:
 
 
 def _llama_layer_config(config: Eagle3Config, dtype: torch.dtype) -> dict[str, Any]:
-    """The single Llama decoder layer's fields, as transformers' ``LlamaConfig`` spells them."""
+    """The head's Llama decoder layers' fields, as transformers' ``LlamaConfig`` spells them."""
     return {
         "model_type": "llama",
         "hidden_act": "silu",
@@ -119,7 +134,7 @@ def _llama_layer_config(config: Eagle3Config, dtype: torch.dtype) -> dict[str, A
         "num_attention_heads": config.num_attention_heads,
         "num_key_value_heads": config.num_key_value_heads,
         "head_dim": config.head_dim,
-        "num_hidden_layers": 1,
+        "num_hidden_layers": config.num_hidden_layers,
         "rms_norm_eps": config.rms_norm_eps,
         "rope_theta": config.rope_theta,
         "rope_scaling": None,
@@ -210,6 +225,10 @@ def eagle3_engine_tensors(
         if fmt == "speculators" and name.startswith("midlayer."):
             name = "layers.0." + name.removeprefix("midlayer.")
         tensors[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+    for index in head.layers:  # vLLM's unused hidden_norm of each later layer (module docstring)
+        tensors[f"layers.{index}.hidden_norm.weight"] = torch.ones(
+            head.config.hidden_size, dtype=dtype
+        )
     return tensors
 
 
@@ -314,6 +333,7 @@ def read_speculators_peagle(folder: str | Path) -> PEagleHead:
     table = state.pop("embed_tokens.weight")
     state["mask_embed"] = table[head_config.mask_token_id]
     state["mask_hidden"] = state["mask_hidden"].reshape(-1)
+    check_layer_count(head_config, state)
     head = PEagleHead(head_config)
     head._load_weights(state)
     return head
@@ -322,6 +342,7 @@ def read_speculators_peagle(folder: str | Path) -> PEagleHead:
 def read_speculators_eagle3(folder: str | Path) -> Eagle3Head:
     """Load a speculators-format EAGLE-3 folder (as written by :func:`export_eagle3`)."""
     _, config, state = _read_speculators(folder, "eagle3")
+    check_layer_count(config, state)
     head = Eagle3Head(config)
     head._load_weights(state)
     return head
@@ -358,6 +379,7 @@ def _read_speculators(
         rms_norm_eps=layer.get("rms_norm_eps", 1e-6),
         rope_theta=layer.get("rope_theta", 10000.0),
         max_position_embeddings=layer.get("max_position_embeddings", 4096),
+        num_hidden_layers=layer.get("num_hidden_layers", 1),
     )
     state = {
         ("midlayer." + k.removeprefix("layers.0.") if k.startswith("layers.0.") else k): v
@@ -418,6 +440,11 @@ def rope_statement(config: Eagle3Config) -> str:
     )
 
 
+def _layers(config: Eagle3Config) -> str:
+    count = config.num_hidden_layers
+    return "one decoder layer" if count == 1 else f"{count} decoder layers"
+
+
 def eagle3_card(head: Eagle3Head, fmt: str, config: dict[str, Any]) -> str:
     """README.md of an EAGLE-3 engine folder: which engine, how to run it, what it reads."""
     c = head.config
@@ -430,7 +457,7 @@ def eagle3_card(head: Eagle3Head, fmt: str, config: dict[str, Any]) -> str:
     lines = [
         f"# EAGLE-3 head for {ENGINE_OF_FORMAT[fmt]}",
         "",
-        f"Written by draftsmith in the `{fmt}` layout. Target: a "
+        f"Written by draftsmith in the `{fmt}` layout: {_layers(c)}. Target: a "
         f"{c.target_num_hidden_layers}-layer model of width {c.hidden_size}; draft vocabulary: "
         f"{vocab}.",
         "",
@@ -502,7 +529,7 @@ def peagle_card(head: PEagleHead, config: dict[str, Any]) -> str:
         [
             "# P-EAGLE head for vLLM (speculators format)",
             "",
-            f"Written by draftsmith: EAGLE-3's layer over the {c.target_num_hidden_layers}-layer "
+            f"Written by draftsmith: EAGLE-3's {_layers(c)} over the {c.target_num_hidden_layers}-layer "
             f"target's hidden states {list(c.aux_hidden_state_layer_ids)} (0 = embedding "
             f"output), drafting {c.num_depths} tokens per round in one pass: depth 1 from the "
             f"last committed token, depths 2-{c.num_depths} from mask token {c.mask_token_id} "

@@ -2,13 +2,18 @@
 ``decode.drafters.eagle_drafter``).
 
 EAGLE-3 (Li et al., 2025) drafts from the target's own features. For target position t let
-``g_t = fc(cat(h^low_t, h^mid_t, h^high_t))`` fuse three of the target's hidden states. One
+``g_t = fc(cat(h^low_t, h^mid_t, h^high_t))`` fuse three of the target's hidden states. A
 Llama decoder layer reads the *pair* (feature, next token):
 
     x_t   = cat(input_layernorm(E[x_{t+1}]), hidden_norm(g_t))       # [2H]
     r_t   = g_t + o_proj(attention(q/k/v_proj(x_t), causal over t))  # residual is g_t
     h_t   = r_t + mlp(post_attention_layernorm(r_t))                 # "pre-norm" output
     logits_t = lm_head(norm(h_t))                                    # predicts x_{t+2}
+
+A head of ``num_hidden_layers`` = L > 1 layers (vLLM's multi-layer EAGLE-3, which P-EAGLE's
+published heads use: Hui et al. 2026) runs L - 1 plain pre-norm Llama layers over H inputs after
+that first one, ``h <- h + attn(n(h)); h <- h + mlp(n(h))``, each with its own attention over
+the same entries; ``h_t`` is then the last layer's output, which a chain feeds back.
 
 ``E`` is the target's embedding (not stored by the head). Drafting further steps feeds the
 head its own output: the entry at position t+k is (h from step k-1, the token drafted at step
@@ -20,6 +25,7 @@ Weight names and shapes follow the reference EAGLE-3 checkpoints that vLLM
 projections over 2H inputs, ``hidden_norm``, ``input_layernorm``, ``post_attention_layernorm``,
 ``mlp.{gate,up,down}_proj``), ``norm.weight``, ``lm_head.weight`` [V_draft, H], ``d2t`` [V_draft]
 int64 (target_id = draft_id + d2t[draft_id]) and ``t2d`` [V_target] bool; no ``embed_tokens``.
+Layers after the first are ``layers.{i}.*`` (i = 1..L-1), as vLLM names them.
 
 Hidden-state indexing convention (stored as ``aux_hidden_state_layer_ids``): an id ``i`` selects
 ``output_hidden_states[i]`` of the Hugging Face target, whose tuple holds the embeddings at index
@@ -87,8 +93,12 @@ class Eagle3Config:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
+    num_hidden_layers: int = 1  # the head's decoder layers (the first reads 2H inputs)
 
     def __post_init__(self) -> None:
+        layers = self.num_hidden_layers
+        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+            raise ValueError(f"num_hidden_layers must be an integer >= 1, got {layers!r}")
         if self.draft_vocab_size is None:
             self.draft_vocab_size = self.target_vocab_size
         if self.aux_hidden_state_layer_ids is None:
@@ -238,9 +248,10 @@ def rope_tables(
 
 
 class _Attention(nn.Module):
-    """Grouped-query self-attention over 2H inputs (embedding and feature side by side)."""
+    """Grouped-query self-attention over ``width``-wide inputs (2H in the first layer: embedding
+    and feature side by side; H in later layers)."""
 
-    def __init__(self, config: Eagle3Config) -> None:
+    def __init__(self, config: Eagle3Config, width: int) -> None:
         super().__init__()
         hidden, dim = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -249,14 +260,14 @@ class _Attention(nn.Module):
             dim,
         )
         self.rope_theta = config.rope_theta
-        self.q_proj = nn.Linear(2 * hidden, self.num_heads * dim, bias=False)
-        self.k_proj = nn.Linear(2 * hidden, self.num_kv_heads * dim, bias=False)
-        self.v_proj = nn.Linear(2 * hidden, self.num_kv_heads * dim, bias=False)
+        self.q_proj = nn.Linear(width, self.num_heads * dim, bias=False)
+        self.k_proj = nn.Linear(width, self.num_kv_heads * dim, bias=False)
+        self.v_proj = nn.Linear(width, self.num_kv_heads * dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * dim, hidden, bias=False)
 
     def forward(
         self,
-        x: torch.Tensor,  # [B, T, 2H]
+        x: torch.Tensor,  # [B, T, width]
         positions: torch.Tensor,  # [B, T]
         past: tuple[torch.Tensor, torch.Tensor] | None,  # keys, values [B, KV, S, D]
         visible: torch.Tensor,  # [B, T, S + T] bool, True where a query may attend
@@ -291,15 +302,19 @@ class _MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+# Keys and values of one layer: [B, KV, S, D] each.
+LayerKV = tuple[torch.Tensor, torch.Tensor]
+
+
 class _MidLayer(nn.Module):
-    """EAGLE-3's single decoder layer; names match ``midlayer.*`` in the reference weights."""
+    """EAGLE-3's first decoder layer; names match ``midlayer.*`` in the reference weights."""
 
     def __init__(self, config: Eagle3Config) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = _RMSNorm(config.hidden_size, eps)
         self.hidden_norm = _RMSNorm(config.hidden_size, eps)
-        self.self_attn = _Attention(config)
+        self.self_attn = _Attention(config, 2 * config.hidden_size)
         self.post_attention_layernorm = _RMSNorm(config.hidden_size, eps)
         self.mlp = _MLP(config.hidden_size, config.intermediate_size)
 
@@ -313,6 +328,38 @@ class _MidLayer(nn.Module):
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(hidden)), dim=-1)
         attended, new_kv = self.self_attn(x, positions, past, visible)
+        residual = hidden + attended
+        return residual + self.mlp(self.post_attention_layernorm(residual)), new_kv
+
+
+class _DecoderLayer(nn.Module):
+    """A later layer of a multi-layer head: the plain pre-norm Llama block over H inputs
+    (Touvron et al. 2023), with Hugging Face's module names (``decode.lean_decoder`` fuses it).
+
+    Its two residual branches end in zero matrices at initialisation (``o_proj``, ``down_proj``;
+    the "skip-init" of De & Smith 2020), so a fresh L-layer head computes what its first layer
+    alone does and training grows the later layers from there instead of from random noise on
+    the features the first layer passes on."""
+
+    def __init__(self, config: Eagle3Config) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.input_layernorm = _RMSNorm(config.hidden_size, eps)
+        self.self_attn = _Attention(config, config.hidden_size)
+        self.post_attention_layernorm = _RMSNorm(config.hidden_size, eps)
+        self.mlp = _MLP(config.hidden_size, config.intermediate_size)
+        with torch.no_grad():
+            self.self_attn.o_proj.weight.zero_()
+            self.mlp.down_proj.weight.zero_()
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [B, T, H] the previous layer's output
+        positions: torch.Tensor,  # [B, T]
+        past: LayerKV | None,
+        visible: torch.Tensor,  # [B, T, S + T] bool
+    ) -> tuple[torch.Tensor, LayerKV]:
+        attended, new_kv = self.self_attn(self.input_layernorm(hidden), positions, past, visible)
         residual = hidden + attended
         return residual + self.mlp(self.post_attention_layernorm(residual)), new_kv
 
@@ -364,6 +411,10 @@ class Eagle3Head(nn.Module):
         num_aux = len(config.aux_hidden_state_layer_ids)
         self.fc = nn.Linear(num_aux * hidden, hidden, bias=False)
         self.midlayer = _MidLayer(config)
+        # Keyed "1".."L-1" so that the weights are named layers.{i}.* as vLLM names them.
+        self.layers = nn.ModuleDict(
+            {str(i): _DecoderLayer(config) for i in range(1, config.num_hidden_layers)}
+        )
         self.norm = _RMSNorm(hidden, config.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
@@ -435,20 +486,30 @@ class Eagle3Head(nn.Module):
         hidden: torch.Tensor,  # [B, T, H] fused features (step 0) or previous outputs (step k)
         embeds: torch.Tensor,  # [B, T, H] target embeddings of the token paired with each entry
         positions: torch.Tensor,  # [B, T] rotary positions
-        past: tuple[torch.Tensor, torch.Tensor] | None = None,  # [B, KV, S, D] each
+        past: Sequence[LayerKV] | None = None,  # per layer: keys, values [B, KV, S, D]
         visible: torch.Tensor | None = None,  # [B, T, S + T] bool; None = see all past + causal
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:  # [B, T, H] pre-norm, new k/v
-        """Run the decoder layer; returns the pre-norm output and the block's keys/values."""
+    ) -> tuple[torch.Tensor, list[LayerKV]]:  # [B, T, H] pre-norm, the block's k/v per layer
+        """Run the decoder layers; returns the last one's pre-norm output and, per layer, the
+        block's keys/values."""
+        layers = self.config.num_hidden_layers
+        if past is not None and len(past) != layers:
+            raise ValueError(f"past holds {len(past)} layers' keys/values, the head has {layers}")
         if visible is None:
             batch, length = hidden.shape[:2]
             past_valid = None
             if past is not None:
                 past_valid = torch.ones(
-                    batch, past[0].shape[2], dtype=torch.bool, device=hidden.device
+                    batch, past[0][0].shape[2], dtype=torch.bool, device=hidden.device
                 )
             block = torch.ones(batch, length, dtype=torch.bool, device=hidden.device)
             visible = block_visibility(past_valid, block)
-        return self.midlayer(hidden, embeds, positions, past, visible)
+        pasts = [None] * layers if past is None else list(past)
+        hidden, first = self.midlayer(hidden, embeds, positions, pasts[0], visible)
+        new = [first]
+        for layer, layer_past in zip(self.layers.values(), pasts[1:], strict=True):
+            hidden, kv = layer(hidden, positions, layer_past, visible)
+            new.append(kv)
+        return hidden, new
 
     def compute_logits(self, prenorm: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., V_draft]
         return self.lm_head(self.norm(prenorm))
@@ -479,15 +540,21 @@ class Eagle3Head(nn.Module):
         causal = block_visibility(None, valid)  # [B, T, T]
         hidden = self.fuse(aux_hidden)
         embeds = next_embeds
-        keys: list[torch.Tensor] = []
-        values: list[torch.Tensor] = []
+        steps_kv: list[list[LayerKV]] = []  # per step, per layer
         outputs = []
         for k in range(steps):
-            past = None if k == 0 else (torch.cat(keys, 2), torch.cat(values, 2))
+            past = None
+            if k:
+                past = [
+                    (
+                        torch.cat([s[i][0] for s in steps_kv], 2),
+                        torch.cat([s[i][1] for s in steps_kv], 2),
+                    )
+                    for i in range(self.config.num_hidden_layers)
+                ]
             visible = causal if k == 0 else torch.cat([causal, *([eye] * k)], dim=-1)
-            prenorm, (key, value) = self.forward(hidden, embeds, base_pos + k, past, visible)
-            keys.append(key)
-            values.append(value)
+            prenorm, kv = self.forward(hidden, embeds, base_pos + k, past, visible)
+            steps_kv.append(kv)
             outputs.append(self.compute_logits(prenorm))
             hidden = prenorm
             embeds = torch.cat((embeds[:, 1:], torch.zeros_like(embeds[:, :1])), dim=1)
@@ -512,12 +579,17 @@ class Eagle3Head(nn.Module):
             config = cls.config_type.from_dict(raw)
         else:
             config = config_from_engine_dict(raw, target_num_hidden_layers)
+        check_layer_count(config, state)
         head = cls(config)
         head._load_weights(state)
         return head
 
     def _load_weights(self, state: dict[str, torch.Tensor]) -> None:
-        state = {k.removeprefix("model."): v for k, v in state.items() if "embed_tokens" not in k}
+        state = {
+            k.removeprefix("model."): v
+            for k, v in state.items()
+            if "embed_tokens" not in k and not _unused_engine_norm(k.removeprefix("model."))
+        }
         if "d2t" not in state:  # engines treat a missing map as the identity
             state["d2t"] = torch.zeros(self.config.draft_vocab_size, dtype=torch.long)
         if "t2d" not in state:
@@ -544,6 +616,32 @@ class Eagle3Head(nn.Module):
         self.set_vocab_maps(self.d2t.clone(), self.t2d.clone())
 
 
+def check_layer_count(config: Eagle3Config, state: dict[str, torch.Tensor]) -> None:
+    """Refuse a config whose layer count the weights do not hold, before building the head (a
+    hostile ``num_hidden_layers`` would otherwise allocate that many layers first)."""
+    later = {
+        parts[1]
+        for parts in (name.removeprefix("model.").split(".") for name in state)
+        if len(parts) > 2 and parts[0] == "layers" and parts[1] != "0"
+    }
+    count = config.num_hidden_layers
+    if later != {str(i) for i in range(1, min(count, len(later) + 1))} or len(later) != count - 1:
+        raise ValueError(
+            f"the config declares {count} decoder layer(s) but the weights hold later layers "
+            f"{sorted(later)} (expected 1 .. {count - 1}): the folder's config.json and "
+            "model.safetensors do not belong together"
+        )
+
+
+def _unused_engine_norm(name: str) -> bool:
+    """vLLM builds a ``hidden_norm`` in every layer of a multi-layer head but uses only the
+    first layer's, so exports carry ``layers.{i}.hidden_norm.weight`` (i >= 1) for its loader."""
+    parts = name.split(".")
+    return (
+        len(parts) == 4 and parts[0] == "layers" and parts[1] != "0" and parts[2] == "hidden_norm"
+    )
+
+
 def config_from_engine_dict(
     raw: dict[str, Any], target_num_hidden_layers: int | None
 ) -> Eagle3Config:
@@ -567,10 +665,6 @@ def config_from_engine_dict(
                 "target_num_hidden_layers=<target config.num_hidden_layers>"
             )
         depth = max(ids) + 1
-    if raw.get("num_hidden_layers", 1) != 1:
-        raise ValueError(
-            f"only single-layer EAGLE-3 heads are supported, got {raw['num_hidden_layers']}"
-        )
     return Eagle3Config(
         hidden_size=raw["hidden_size"],
         num_attention_heads=raw["num_attention_heads"],
@@ -586,4 +680,5 @@ def config_from_engine_dict(
             "rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta", 10000.0)
         ),
         max_position_embeddings=raw.get("max_position_embeddings", 4096),
+        num_hidden_layers=raw.get("num_hidden_layers", 1),
     )

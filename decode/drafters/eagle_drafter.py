@@ -18,7 +18,7 @@ from torch import nn
 from decode.drafters.base import Drafter, DraftProposal, TargetPass, TreeSpec
 from decode.drafters.eagle import Eagle3Head, block_visibility, positions_from_mask
 from decode.drafters.eagle_lean import LeanEagle3
-from decode.kv_cache import PreallocatedLayer, pad_front
+from decode.kv_cache import PreallocatedStack, pad_front
 from decode.sampling import SamplingConfig, logits_to_probs, sample, select_tokens
 from decode.tree import (
     Frontier,
@@ -32,7 +32,7 @@ from decode.tree import (
 
 @dataclass
 class _DrafterState:
-    cache: PreallocatedLayer  # [B, KV, S, D] committed entries (padding and holes in `valid`)
+    cache: PreallocatedStack  # per layer [B, KV, S, D]: committed entries (holes in `valid`)
     valid: torch.Tensor  # [B, S] bool
     has_holes: bool  # some committed slot of some row is invalid (padding or a hole)
     hidden: torch.Tensor  # [B, H] pre-norm output of each row's last committed entry
@@ -106,7 +106,7 @@ class Eagle3Drafter(Drafter):
         next_ids = torch.cat((input_ids[:, 1:], pending[:, None]), dim=1)
         positions = positions_from_mask(attention_mask)
         fused = self.lean.fuse(self.head.gather_aux(hidden_states))
-        cache = PreallocatedLayer()
+        cache = PreallocatedStack(self.head.config.num_hidden_layers)
         prenorm = self._committed_pass(
             fused,
             self._embed(next_ids),
@@ -429,7 +429,7 @@ class Eagle3Drafter(Drafter):
         fused: torch.Tensor,  # [B, W, H] fused target features of the new committed entries
         embeds: torch.Tensor,  # [B, W, H] embeddings of their paired tokens
         positions: torch.Tensor,  # [B, W]
-        cache: PreallocatedLayer,  # the block's keys/values are appended
+        cache: PreallocatedStack,  # the block's keys/values are appended
         visible: torch.Tensor | None,  # [B, W, S + W] bool, or None: every slot
         seen: torch.Tensor,  # [B, S + W] bool: the valid committed entries after this block
         next_pos: torch.Tensor,  # [B] position of the entry after this block

@@ -1,6 +1,6 @@
 """The EAGLE-3 head's forward for decoding: fused products over a preallocated KV cache.
 
-A drafted token costs one pass of the head's single layer plus its output projection. Run as
+A drafted token costs one pass of the head's layers plus its output projection. Run as
 ``nn.Module`` calls with a concatenated cache, that is ~40 small operators and a cache copy per
 step (~2-4 ms on 2 CPU cores for a 256-wide head, as much as half a target step). This module
 computes the same mathematics as :class:`decode.drafters.eagle.Eagle3Head` (docs/theory.md §1:
@@ -9,12 +9,13 @@ a draft step must cost a small fraction of a target step for drafting to pay):
     x   = [n_in(E[tok]), n_hid(g)] @ W_qkv              (q, k, v in one product over 2H)
     r   = g + attn(rope(q), rope(k), v) @ W_o
     h   = r + W_down (silu(W_gate n(r)) * W_up n(r))     (gate, up in one product)
+    h  <- layer_i(h), i = 1..L-1                         (a multi-layer head's later layers)
     z   = n_out(h) @ W_head                              (the pruned draft vocabulary only)
 
 with the head's own weights (copied once into the fused layouts, rebuilt when a weight changes
 in place), rotary tables computed once in float64 as the head computes them, and keys/values
-written into a :class:`decode.kv_cache.PreallocatedLayer` that drafting appends to and crops
-back (never a concatenation of the whole cache). Logits stay in the draft vocabulary
+written into a :class:`decode.kv_cache.PreallocatedStack` (one layer per head layer) that
+drafting appends to and crops back (never a concatenation of the whole cache). Logits stay in the draft vocabulary
 (``V_draft``, e.g. 2048 of 8192): sampling and top-k run there and only the chosen ids are
 mapped to the target's (``target_id = draft_id + d2t[draft_id]``).
 """
@@ -24,12 +25,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from decode.drafters.eagle import Eagle3Head, rope_tables
 from decode.drafters.vocab_map import to_target_ids, to_target_probs
-from decode.kv_cache import PreallocatedLayer
-from decode.llama_math import apply_rope, rms_norm
+from decode.kv_cache import PreallocatedStack
+from decode.lean_decoder import AttentionShape, LayerWeights, decoder_layer, fuse_layer
+from decode.llama_math import rms_norm
 from decode.output_head import DRAFT_LOGITS_DTYPE, OutputHead
 from decode.projection import Projection, fused_projection
 
@@ -37,13 +38,9 @@ from decode.projection import Projection, fused_projection
 @dataclass
 class _FusedWeights:
     fc: Projection  # A * H -> H
-    input_norm: torch.Tensor  # [H]
     hidden_norm: torch.Tensor  # [H]
-    qkv: Projection  # 2H -> (Q + 2 KV) * D
-    out: Projection  # Q * D -> H
-    post_norm: torch.Tensor  # [H]
-    gate_up: Projection  # H -> 2 I
-    down: Projection  # I -> H
+    first: LayerWeights  # the first layer (its input_norm normalises the embeddings; qkv 2H ->)
+    later: list[LayerWeights]  # layers 1..L-1 of a multi-layer head
     final_norm: torch.Tensor  # [H]
     draft_to_target: torch.Tensor  # [V_draft] int64 target ids of the draft vocabulary
 
@@ -54,10 +51,12 @@ class LeanEagle3:
     def __init__(self, head: Eagle3Head) -> None:
         self.head = head
         config = head.config
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.eps = config.rms_norm_eps
+        self.shape = AttentionShape(
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            eps=config.rms_norm_eps,
+        )
         self.rope_theta = config.rope_theta
         self.full_vocab = config.draft_vocab_size == config.target_vocab_size
         self._output = OutputHead(head.lm_head.weight, DRAFT_LOGITS_DTYPE)
@@ -77,17 +76,11 @@ class LeanEagle3:
     @torch.no_grad()
     def _fuse(self) -> _FusedWeights:
         head = self.head
-        layer = head.midlayer
-        attention, mlp = layer.self_attn, layer.mlp
         return _FusedWeights(
             fc=fused_projection((head.fc,)),
-            input_norm=layer.input_layernorm.weight.detach(),
-            hidden_norm=layer.hidden_norm.weight.detach(),
-            qkv=fused_projection((attention.q_proj, attention.k_proj, attention.v_proj)),
-            out=fused_projection((attention.o_proj,)),
-            post_norm=layer.post_attention_layernorm.weight.detach(),
-            gate_up=fused_projection((mlp.gate_proj, mlp.up_proj)),
-            down=fused_projection((mlp.down_proj,)),
+            hidden_norm=head.midlayer.hidden_norm.weight.detach(),
+            first=fuse_layer(head.midlayer),
+            later=[fuse_layer(layer) for layer in head.layers.values()],
             final_norm=head.norm.weight.detach(),
             draft_to_target=head.draft_to_target_ids.clone(),
         )
@@ -102,39 +95,25 @@ class LeanEagle3:
         hidden: torch.Tensor,  # [B, T, H] fused features or the previous step's outputs
         embeds: torch.Tensor,  # [B, T, H] target embeddings of the paired tokens
         positions: torch.Tensor,  # [B, T]
-        cache: PreallocatedLayer,  # keys/values of earlier entries; the block's are appended
+        cache: PreallocatedStack,  # keys/values of earlier entries; the block's are appended
         visible: torch.Tensor | None,  # [B, T, S + T] bool; None: every entry sees every slot
     ) -> torch.Tensor:  # [B, T, H] pre-norm outputs
-        """One pass of the head's decoder layer over a block of entries."""
-        w = self.weights()
-        batch, width, _ = hidden.shape
-        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        """One pass of the head's decoder layers over a block of entries."""
+        w, eps = self.weights(), self.shape.eps
         x = torch.cat(
-            (rms_norm(embeds, w.input_norm, self.eps), rms_norm(hidden, w.hidden_norm, self.eps)),
+            (rms_norm(embeds, w.first.input_norm, eps), rms_norm(hidden, w.hidden_norm, eps)),
             dim=-1,
         )  # [B, T, 2H]
-        q, k, v = (
-            w.qkv(x)
-            .view(batch, width, heads + 2 * kv_heads, dim)
-            .split((heads, kv_heads, kv_heads), dim=2)
-        )  # [B, T, heads, D] each
         cos, sin = self._rotary(positions, x.dtype)  # [B, 1, T, D]
-        q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, Q, T, D]
-        k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, KV, T, D]
-        keys, values = cache.update(k, v.transpose(1, 2))  # [B, KV, S + T, D]
-        attended = F.scaled_dot_product_attention(
-            q,
-            keys,
-            values,
-            attn_mask=None if visible is None else visible[:, None],
-            enable_gqa=kv_heads != heads,
-        )  # [B, Q, T, D]
-        residual = hidden + w.out(attended.transpose(1, 2).reshape(batch, width, heads * dim))
-        gate, up = w.gate_up(rms_norm(residual, w.post_norm, self.eps)).chunk(2, dim=-1)
-        return residual + w.down(F.silu(gate) * up)
+        mask = None if visible is None else visible[:, None]  # [B, 1, T, S + T]
+        layers = cache.layers
+        h = decoder_layer(w.first, hidden, cos, sin, mask, layers[0], self.shape, normed=x)
+        for weights, cache_layer in zip(w.later, layers[1:], strict=True):
+            h = decoder_layer(weights, h, cos, sin, mask, cache_layer, self.shape)
+        return h
 
     def draft_logits(self, prenorm: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., V_draft]
-        return self._output(rms_norm(prenorm, self.weights().final_norm, self.eps))
+        return self._output(rms_norm(prenorm, self.weights().final_norm, self.shape.eps))
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:  # [...] -> [...] int64
         return to_target_ids(draft_ids, self._draft_to_target())
@@ -154,6 +133,8 @@ class LeanEagle3:
         if needed > self._cos.shape[0] or self._cos.dtype != dtype:
             size = max(needed, 2 * self._cos.shape[0], 256)
             table = torch.arange(size, device=positions.device)[None]  # [1, P]
-            cos, sin = rope_tables(table, self.head_dim, self.rope_theta, dtype)  # [1, 1, P, D]
+            cos, sin = rope_tables(
+                table, self.shape.head_dim, self.rope_theta, dtype
+            )  # [1, 1, P, D]
             self._cos, self._sin = cos[0, 0], sin[0, 0]
         return self._cos[positions][:, None], self._sin[positions][:, None]

@@ -2,7 +2,7 @@
 
 P-EAGLE (parallel EAGLE; Hui et al. 2026, the ``peagle`` model of vllm-project/speculators,
 served by vLLM's parallel drafting) keeps EAGLE-3's architecture (``decode.drafters.eagle``:
-fused target features, one decoder layer, the pruned LM head and its d2t/t2d maps) but does
+fused target features, its decoder layer(s), the pruned LM head and its d2t/t2d maps) but does
 not feed the head its own drafts. For the anchor t (the last committed entry, the pair
 ``(g_t, x_{t+1})``) depth 1 is EAGLE-3's ordinary row, and every deeper depth k = 2..N is a
 *mask row*: a learned token embedding ``m_e`` (the ``mask_token_id`` placeholder) and learned
@@ -47,7 +47,7 @@ from torch import nn
 from decode.drafters.base import Drafter, DraftProposal
 from decode.drafters.eagle import Eagle3Config, Eagle3Head, positions_from_mask
 from decode.drafters.eagle_drafter import Eagle3Drafter
-from decode.kv_cache import PreallocatedLayer
+from decode.kv_cache import PreallocatedStack
 from decode.sampling import SamplingConfig, select_tokens
 
 
@@ -246,7 +246,7 @@ class PEagleDrafter(Eagle3Drafter):
         fused: torch.Tensor,  # [B, W, H]
         embeds: torch.Tensor,  # [B, W, H]
         positions: torch.Tensor,  # [B, W]
-        cache: PreallocatedLayer,
+        cache: PreallocatedStack,
         visible: torch.Tensor | None,  # [B, W, S + W] bool, or None: every slot
         seen: torch.Tensor,  # [B, S + W] bool: the committed entries once this block is in
         next_pos: torch.Tensor,  # [B] position of the next entry after this block

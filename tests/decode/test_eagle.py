@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from decode_helpers import randomize_later_layers
 from head_helpers import (
     PROMPTS,
     check_from_pretrained_names_the_problem,
@@ -39,6 +40,7 @@ def _head(target: torch.nn.Module, seed: int = 0, **overrides) -> Eagle3Head:
         for name, param in head.named_parameters():
             if name.endswith("norm.weight"):
                 param.uniform_(0.5, 1.5)
+    randomize_later_layers(head)
     return head
 
 
@@ -168,10 +170,11 @@ def test_pruned_vocab_logits_map_back_to_target_ids() -> None:
         head.set_vocab_maps(swapped, t2d)
 
 
-def test_unroll_step_k_matches_drafting_k_tokens_past_each_position() -> None:
+@pytest.mark.parametrize("head_layers", [1, 2])
+def test_unroll_step_k_matches_drafting_k_tokens_past_each_position(head_layers: int) -> None:
     """Training-time test sees at (step k, position t) what the drafter sees when drafting."""
     target = tiny_llama(num_layers=4)
-    head = _head(target)
+    head = _head(target, num_hidden_layers=head_layers)
     generator = torch.Generator().manual_seed(2)
     batch, length, steps = 2, 6, 3
     aux = torch.randn(batch, length, 3 * 32, generator=generator, dtype=torch.float64)
@@ -191,17 +194,18 @@ def test_unroll_step_k_matches_drafting_k_tokens_past_each_position() -> None:
             pos = torch.arange(length - start)[None]
             prenorm, kv = head(g, emb, pos)
             for t in range(length - start - steps + 1):
-                keys, values = kv[0][:, :, : t + 1], kv[1][:, :, : t + 1]
+                past = [(k[:, :, : t + 1], v[:, :, : t + 1]) for k, v in kv]  # per layer
                 hidden = prenorm[:, t : t + 1]
                 torch.testing.assert_close(
                     head.compute_logits(hidden)[0, 0], unrolled[0][row, start + t]
                 )
                 for k in range(1, steps):
                     token_embed = emb[:, t + k : t + k + 1]
-                    hidden, (key, value) = head(
-                        hidden, token_embed, pos[:, t : t + 1] + k, past=(keys, values)
-                    )
-                    keys, values = torch.cat((keys, key), 2), torch.cat((values, value), 2)
+                    hidden, new = head(hidden, token_embed, pos[:, t : t + 1] + k, past=past)
+                    past = [
+                        (torch.cat((pk, nk), 2), torch.cat((pv, nv), 2))
+                        for (pk, pv), (nk, nv) in zip(past, new, strict=True)
+                    ]
                     torch.testing.assert_close(
                         head.compute_logits(hidden)[0, 0], unrolled[k][row, start + t]
                     )
@@ -242,27 +246,29 @@ def _scratch_draft_logits(
         out = target(torch.tensor([committed[:-1]]), output_hidden_states=True)
         fused = head.fuse(head.gather_aux(out.hidden_states))
         length = len(committed) - 1
-        prenorm, (keys, values) = head(
+        prenorm, past = head(
             fused, embed(torch.tensor([committed[1:]])), torch.arange(length)[None]
         )
         hidden = prenorm[:, -1:]
         logits = [head.to_target_logits(head.compute_logits(hidden))]
         for step, token in enumerate(drafts[:-1]):
-            hidden, (key, value) = head(
-                hidden,
-                embed(torch.tensor([[token]])),
-                torch.tensor([[length + step]]),
-                (keys, values),
+            hidden, new = head(
+                hidden, embed(torch.tensor([[token]])), torch.tensor([[length + step]]), past
             )
-            keys, values = torch.cat((keys, key), 2), torch.cat((values, value), 2)
+            past = [
+                (torch.cat((pk, nk), 2), torch.cat((pv, nv), 2))
+                for (pk, pv), (nk, nv) in zip(past, new, strict=True)
+            ]
             logits.append(head.to_target_logits(head.compute_logits(hidden)))
     return torch.cat(logits, 1)[0]
 
 
-@pytest.mark.parametrize("draft_vocab_size", [64, 40])
-def test_drafter_matches_recomputation_round_after_round(draft_vocab_size: int) -> None:
+@pytest.mark.parametrize(("draft_vocab_size", "head_layers"), [(64, 1), (40, 1), (40, 3)])
+def test_drafter_matches_recomputation_round_after_round(
+    draft_vocab_size: int, head_layers: int
+) -> None:
     target = tiny_llama(num_layers=4)
-    head = _head(target, draft_vocab_size=draft_vocab_size)
+    head = _head(target, draft_vocab_size=draft_vocab_size, num_hidden_layers=head_layers)
     if draft_vocab_size < 64:
         counts = torch.rand(64, generator=torch.Generator().manual_seed(3))
         head.set_vocab_maps(*build_vocab_maps(counts, draft_vocab_size))

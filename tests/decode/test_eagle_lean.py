@@ -1,4 +1,5 @@
-"""The lean EAGLE-3 forward computes the head's own mathematics (fused layouts, one cache)."""
+"""The lean EAGLE-3 forward computes the head's own mathematics (fused layouts, one cache per
+layer)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,17 @@ from tiny_models import tiny_llama
 
 from decode.drafters.eagle import Eagle3Config, Eagle3Head, block_visibility, build_vocab_maps
 from decode.drafters.eagle_lean import LeanEagle3
-from decode.kv_cache import PreallocatedLayer
+from decode.kv_cache import PreallocatedStack
 
 
-def _head(draft_vocab: int, kv_heads: int) -> Eagle3Head:
+def _head(draft_vocab: int, kv_heads: int, layers: int = 1) -> Eagle3Head:
     target = tiny_llama(seed=0)
     torch.manual_seed(0)
     config = Eagle3Config.for_target(
-        target.config, draft_vocab_size=draft_vocab, num_key_value_heads=kv_heads
+        target.config,
+        draft_vocab_size=draft_vocab,
+        num_key_value_heads=kv_heads,
+        num_hidden_layers=layers,
     )
     head = Eagle3Head(config).double()
     with torch.no_grad():
@@ -26,9 +30,11 @@ def _head(draft_vocab: int, kv_heads: int) -> Eagle3Head:
     return head
 
 
-@pytest.mark.parametrize(("draft_vocab", "kv_heads"), [(64, 4), (20, 2), (20, 1)])
-def test_lean_steps_equal_the_module(draft_vocab: int, kv_heads: int) -> None:
-    head = _head(draft_vocab, kv_heads)
+@pytest.mark.parametrize(
+    ("draft_vocab", "kv_heads", "layers"), [(64, 4, 1), (20, 2, 1), (20, 1, 1), (20, 2, 3)]
+)
+def test_lean_steps_equal_the_module(draft_vocab: int, kv_heads: int, layers: int) -> None:
+    head = _head(draft_vocab, kv_heads, layers)
     lean = LeanEagle3(head)
     hidden = head.config.hidden_size
     generator = torch.Generator().manual_seed(1)
@@ -42,7 +48,7 @@ def test_lean_steps_equal_the_module(draft_vocab: int, kv_heads: int) -> None:
         # A 7-entry block over an empty cache, then three one-entry steps.
         visible = block_visibility(None, valid)
         fused = lean.fuse(aux)
-        cache = PreallocatedLayer()
+        cache = PreallocatedStack(layers)
         got = lean.step(fused, embeds[:, :7], positions, cache, visible)
         want, past = head(head.fuse(aux), embeds[:, :7], positions, None, visible)
         torch.testing.assert_close(fused, head.fuse(aux), rtol=0, atol=1e-12)
@@ -59,7 +65,10 @@ def test_lean_steps_equal_the_module(draft_vocab: int, kv_heads: int) -> None:
             want, new = head(
                 previous, embeds[:, 7 + step : 8 + step], step_positions, past, visible
             )
-            past = (torch.cat((past[0], new[0]), 2), torch.cat((past[1], new[1]), 2))
+            past = [
+                (torch.cat((pk, nk), 2), torch.cat((pv, nv), 2))
+                for (pk, pv), (nk, nv) in zip(past, new, strict=True)
+            ]
             torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
             previous = want
         draft = lean.draft_logits(previous)

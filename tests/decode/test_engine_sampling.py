@@ -41,6 +41,7 @@ def target() -> torch.nn.Module:
         ("noisy-adaptive", 1.0, 0, 1.0),
         ("peagle", 1.0, 0, 1.0),
         ("peagle", 0.7, 10, 1.0),
+        ("peagle_two_layers", 1.0, 0, 1.0),
     ],
 )
 def test_emitted_tokens_follow_target_law(
@@ -52,6 +53,7 @@ def test_emitted_tokens_follow_target_law(
         "ngram": lambda: NgramDrafter(vocab_size=64, max_ngram=2),
         "noisy-adaptive": lambda: DraftModelDrafter(noisy_copy(target, 0.6)),
         "peagle": lambda: tiny_peagle_drafter(target),  # all drafts of a round in one pass
+        "peagle_two_layers": lambda: tiny_peagle_drafter(target, num_layers=2),
     }
     prompt = torch.tensor([5, 9, 5, 9, 5, 9, 5, 9, 5])
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)

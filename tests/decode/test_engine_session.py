@@ -59,6 +59,8 @@ def make_drafter(target: torch.nn.Module, kind: str) -> tuple[Drafter, TreeSpec 
         ),
         "hybrid_eagle3": lambda: (HybridDrafter(tiny_eagle_drafter(target)), None),
         "peagle": lambda: (tiny_peagle_drafter(target), None),
+        "eagle3_two_layers_tree": lambda: (tiny_eagle_drafter(target, num_layers=2), tree),
+        "peagle_two_layers": lambda: (tiny_peagle_drafter(target, num_layers=2), None),
         "hybrid_peagle": lambda: (HybridDrafter(tiny_peagle_drafter(target)), None),
     }[kind]()
 
@@ -108,7 +110,8 @@ class Collector:
 @pytest.mark.parametrize(
     "kind",
     ["none", "ngram", "draft_lm", "eagle3", "eagle3_tree", "medusa", "medusa_tree",
-     "hybrid_draft_lm", "hybrid_eagle3", "peagle", "hybrid_peagle"],
+     "hybrid_draft_lm", "hybrid_eagle3", "peagle", "hybrid_peagle", "eagle3_two_layers_tree",
+     "peagle_two_layers"],
 )  # fmt: skip
 def test_rows_joining_and_retiring_mid_run_keep_the_targets_greedy_output(
     target: torch.nn.Module, kind: str

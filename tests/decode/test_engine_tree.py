@@ -37,6 +37,7 @@ def _prompts() -> tuple[torch.Tensor, torch.Tensor]:
     [
         ("eagle", None),
         ("eagle", TreeSpec(top_k=3, total_tokens=10)),
+        ("eagle_two_layers", TreeSpec(top_k=3, total_tokens=10)),
         ("medusa", None),
         ("medusa", TreeSpec()),
         ("medusa", CHAIN_OF_THREE),
@@ -49,7 +50,11 @@ def test_greedy_tree_equals_target_generate(target, name, tree, batch) -> None:
     reference = target.generate(
         input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False
     )
-    drafter = tiny_eagle_drafter(target) if name == "eagle" else tiny_medusa_drafter(target)
+    drafter = {
+        "eagle": lambda: tiny_eagle_drafter(target),
+        "eagle_two_layers": lambda: tiny_eagle_drafter(target, num_layers=2),
+        "medusa": lambda: tiny_medusa_drafter(target),
+    }[name]()
     out = SpeculativeDecoder(target, drafter, num_draft_tokens=3, tree=tree).generate(
         ids, mask, max_new_tokens=20
     )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from decode_helpers import tiny_peagle_drafter
+from decode_helpers import randomize_later_layers, tiny_peagle_drafter
 from head_helpers import (
     check_needs_prefill_and_hidden_states,
     extend_committed,
@@ -42,6 +42,7 @@ def _head(target: torch.nn.Module, seed: int = 0, **overrides) -> PEagleHead:
         for name, param in head.named_parameters():
             if name.endswith("norm.weight"):
                 param.uniform_(0.5, 1.5)
+    randomize_later_layers(head)
     return head
 
 
@@ -78,9 +79,10 @@ def test_parallel_visibility_is_context_plus_own_chain() -> None:
     assert seen[:, 1].tolist() == [False, True, False, False, False, False]
 
 
-def test_one_pass_over_all_depths_equals_a_causal_pass_per_anchor() -> None:
+@pytest.mark.parametrize("head_layers", [1, 2])
+def test_one_pass_over_all_depths_equals_a_causal_pass_per_anchor(head_layers: int) -> None:
     target = tiny_llama(num_layers=4)
-    head = _head(target)
+    head = _head(target, num_hidden_layers=head_layers)
     sequence = [5, 17, 9, 33, 2, 40, 11, 8, 30]
     ids = torch.tensor([sequence])
     length = len(sequence) - 1
@@ -107,10 +109,14 @@ def test_one_pass_over_all_depths_equals_a_causal_pass_per_anchor() -> None:
         torch.testing.assert_close(sparse[k][0, : len(chosen)], logits[k][0, chosen])
 
 
-@pytest.mark.parametrize("draft_vocab_size", [64, 40])
-def test_drafter_matches_recomputation_round_after_round(draft_vocab_size: int) -> None:
+@pytest.mark.parametrize(("draft_vocab_size", "head_layers"), [(64, 1), (40, 1), (40, 2)])
+def test_drafter_matches_recomputation_round_after_round(
+    draft_vocab_size: int, head_layers: int
+) -> None:
     target = tiny_llama(num_layers=4)
-    head = _head(target, draft_vocab_size=draft_vocab_size, mask_token_id=17)
+    head = _head(
+        target, draft_vocab_size=draft_vocab_size, mask_token_id=17, num_hidden_layers=head_layers
+    )
     if draft_vocab_size < 64:
         counts = torch.rand(64, generator=torch.Generator().manual_seed(3))
         head.set_vocab_maps(*build_vocab_maps(counts, draft_vocab_size))
@@ -171,10 +177,11 @@ def _greedy_reference(target: torch.nn.Module, prompt: list[int], new: int) -> l
     return out[0, len(prompt) :].tolist()
 
 
-@pytest.mark.parametrize("lean_target", [True, False])
-def test_greedy_output_equals_hf_generate_in_float32(lean_target: bool) -> None:
+@pytest.mark.parametrize(("lean_target", "head_layers"), [(True, 1), (False, 1), (True, 2)])
+def test_greedy_output_equals_hf_generate_in_float32(lean_target: bool, head_layers: int) -> None:
     target = tiny_llama(num_layers=4, dtype=torch.float32)
-    decoder = SpeculativeDecoder(target, tiny_peagle_drafter(target, 4), 4, lean_target=lean_target)
+    drafter = tiny_peagle_drafter(target, 4, num_layers=head_layers)
+    decoder = SpeculativeDecoder(target, drafter, 4, lean_target=lean_target)
     prompts = [[5, 17, 9, 33, 2, 40], [7, 21, 8], [44, 45, 46, 47, 44, 45, 46]]
     width = max(map(len, prompts))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])

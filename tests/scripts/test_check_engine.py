@@ -149,20 +149,22 @@ def test_draftsmith_side_of_a_peagle_folder_equals_plain_greedy(tmp_path) -> Non
 
 @pytest.fixture(scope="module")
 def fitted(tmp_path_factory):
-    """A 4-layer engine-compatible target with pruned-vocabulary EAGLE-3 and P-EAGLE heads and
-    Medusa heads."""
+    """A 4-layer engine-compatible target with pruned-vocabulary EAGLE-3 and P-EAGLE heads (one
+    and two layers) and Medusa heads."""
     root = tmp_path_factory.mktemp("engine")
     target = engine_llama(4)
     target_dir = save_target(target, root / "target")
     corpus = greedy_corpus(target, rows=16, length=40)
     head = fit_eagle3(target, corpus, draft_vocab_size=128, steps=40)
     medusa = fit_medusa(target, corpus, num_heads=3, steps=40)
+    two_layers = fit_eagle3(target, corpus, draft_vocab_size=128, steps=40, num_layers=2)
     return {
         "target": target_dir,
         "vllm": export_eagle3(head, root / "eagle3" / "vllm", "vllm"),
         "speculators": export_eagle3(
             head, root / "eagle3" / "speculators", "speculators", verifier=str(target_dir)
         ),
+        "vllm_two_layers": export_eagle3(two_layers, root / "eagle3_2" / "vllm", "vllm"),
         "medusa": export_medusa(medusa, root / "medusa" / "vllm"),
         "peagle": export_peagle(
             fit_peagle(target, corpus, draft_vocab_size=128, steps=40),
@@ -170,12 +172,20 @@ def fitted(tmp_path_factory):
             root / "peagle" / "speculators",
             verifier=str(target_dir),
         ),
+        "peagle_two_layers": export_peagle(
+            fit_peagle(target, corpus, draft_vocab_size=128, steps=40, num_layers=2),
+            target.get_input_embeddings().weight,
+            root / "peagle_2" / "speculators",
+            verifier=str(target_dir),
+        ),
     }
 
 
 @pytest.mark.engines
 @pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not importable (set DRAFTSMITH_ENGINE_PYTHON)")
-@pytest.mark.parametrize("layout", ["vllm", "speculators", "medusa", "peagle"])
+@pytest.mark.parametrize(
+    "layout", ["vllm", "speculators", "medusa", "peagle", "vllm_two_layers", "peagle_two_layers"]
+)
 def test_exports_run_in_vllm_exactly_as_in_draftsmith(fitted, layout: str, tmp_path) -> None:
     argv = ["--target", str(fitted["target"]), "--drafter", str(fitted[layout])]
     argv += ["--num-prompts", "2", "--max-tokens", "24", "--json", str(tmp_path / "r.json")]

@@ -23,10 +23,10 @@ from train.export_formats import (
 HIDDEN, VOCAB, DRAFT_VOCAB, LAYERS = 32, 64, 24, 8
 
 
-def _eagle_head() -> Eagle3Head:
+def _eagle_head(**overrides) -> Eagle3Head:
     target = tiny_llama(num_layers=LAYERS)
     torch.manual_seed(0)
-    config = Eagle3Config.for_target(target.config, draft_vocab_size=DRAFT_VOCAB)
+    config = Eagle3Config.for_target(target.config, draft_vocab_size=DRAFT_VOCAB, **overrides)
     head = Eagle3Head(config).double()
     with torch.no_grad():
         for param in head.parameters():
@@ -343,3 +343,62 @@ def test_exports_are_atomic_and_do_not_clobber(tmp_path) -> None:
         "model.safetensors",
     ]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # no temporary folders left
+
+
+def test_multi_layer_eagle3_exports_vllms_layer_names_and_round_trips(tmp_path) -> None:
+    head = _eagle_head(num_hidden_layers=3)
+    later = {
+        f"layers.{i}.{name}": shape
+        for i in (1, 2)
+        for name, shape in {
+            "input_layernorm.weight": (HIDDEN,),
+            "hidden_norm.weight": (HIDDEN,),  # vLLM builds it in every layer; unused after 0
+            "post_attention_layernorm.weight": (HIDDEN,),
+            "self_attn.q_proj.weight": (4 * 8, HIDDEN),  # later layers read H, not 2H
+            "self_attn.k_proj.weight": (2 * 8, HIDDEN),
+            "self_attn.v_proj.weight": (2 * 8, HIDDEN),
+            "self_attn.o_proj.weight": (HIDDEN, 4 * 8),
+            "mlp.gate_proj.weight": (2 * HIDDEN, HIDDEN),
+            "mlp.up_proj.weight": (2 * HIDDEN, HIDDEN),
+            "mlp.down_proj.weight": (HIDDEN, 2 * HIDDEN),
+        }.items()
+    }
+    out = export_eagle3(head, tmp_path / "vllm", "vllm")
+    tensors = _safetensors(out)
+    assert {name: tuple(t.shape) for name, t in tensors.items()} == {**EAGLE_SHAPES, **later}
+    assert torch.equal(tensors["layers.2.hidden_norm.weight"], torch.ones(HIDDEN).double())
+    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 3
+    assert "3 decoder layers" in (out / "README.md").read_text()
+    speculators = export_eagle3(head, tmp_path / "sp", "speculators", verifier="/models/t")
+    layer = json.loads((speculators / "config.json").read_text())["transformer_layer_config"]
+    assert layer["num_hidden_layers"] == 3
+    assert set(_safetensors(speculators)) == {
+        n.replace("midlayer.", "layers.0.") for n in {**EAGLE_SHAPES, **later}
+    }
+    aux = torch.randn(1, 5, 3 * HIDDEN, dtype=torch.float64)
+    embeds = torch.randn(1, 5, HIDDEN, dtype=torch.float64)
+    with torch.no_grad():
+        expected = head.unroll(aux, embeds, torch.ones(1, 5), 3)
+    for loaded in (Eagle3Head.from_pretrained(out), read_speculators_eagle3(speculators)):
+        assert loaded.config == head.config
+        with torch.no_grad():
+            got = loaded.unroll(aux, embeds, torch.ones(1, 5), 3)
+        assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+    with pytest.raises(ValueError, match="single-layer EAGLE-3 heads only"):
+        export_eagle3(head, tmp_path / "sglang", "sglang")
+    with pytest.raises(ValueError, match="num_hidden_layers must be an integer >= 1"):
+        Eagle3Config.for_target(tiny_llama(num_layers=4).config, num_hidden_layers=0)
+
+
+def test_a_layer_count_the_weights_do_not_hold_is_refused_before_building(tmp_path) -> None:
+    out = export_eagle3(_eagle_head(num_hidden_layers=2), tmp_path / "e", "vllm")
+    config = json.loads((out / "config.json").read_text())
+    for layers in (1, 3, 10**9):  # 10**9 would allocate a billion layers if built first
+        config["num_hidden_layers"] = layers
+        (out / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ValueError, match="do not belong together"):
+            Eagle3Head.from_pretrained(out)
+    config["num_hidden_layers"] = "2"
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="num_hidden_layers must be an integer"):
+        Eagle3Head.from_pretrained(out)

@@ -28,7 +28,9 @@ from train.export_formats import export_peagle, read_speculators_peagle
 HIDDEN, VOCAB, DRAFT_VOCAB, LAYERS = 32, 64, 24, 8
 
 
-def _head(target: torch.nn.Module, aux: tuple[int, ...] | None = None) -> PEagleHead:
+def _head(
+    target: torch.nn.Module, aux: tuple[int, ...] | None = None, layers: int = 1
+) -> PEagleHead:
     torch.manual_seed(0)
     config = PEagleConfig.for_target(
         target.config,
@@ -36,6 +38,7 @@ def _head(target: torch.nn.Module, aux: tuple[int, ...] | None = None) -> PEagle
         num_depths=4,
         mask_token_id=7,
         aux_hidden_state_layer_ids=aux,
+        num_hidden_layers=layers,
     )
     head = PEagleHead(config).double()
     with torch.no_grad():
@@ -90,9 +93,28 @@ def _vllm_parameters(tensors: dict[str, torch.Tensor], fc_input: int) -> dict[st
     return params
 
 
-def test_export_is_what_vllms_reader_and_loader_expect_and_loads_back(tmp_path: Path) -> None:
+def _vllm_layer_parameters(index: int) -> dict[str, tuple]:
+    """The parameters vLLM's multi-layer EAGLE-3 builds for layer ``index`` (every layer has a
+    ``hidden_norm``; only the first reads 2H inputs)."""
+    width = 2 * HIDDEN if index == 0 else HIDDEN
+    prefix = f"model.layers.{index}."
+    return {
+        prefix + "input_layernorm.weight": (HIDDEN,),
+        prefix + "hidden_norm.weight": (HIDDEN,),
+        prefix + "post_attention_layernorm.weight": (HIDDEN,),
+        prefix + "self_attn.qkv_proj.weight": ((4 + 2 + 2) * 8, width),
+        prefix + "self_attn.o_proj.weight": (HIDDEN, 4 * 8),
+        prefix + "mlp.gate_up_proj.weight": (2 * 2 * HIDDEN, HIDDEN),
+        prefix + "mlp.down_proj.weight": (HIDDEN, 2 * HIDDEN),
+    }
+
+
+@pytest.mark.parametrize("head_layers", [1, 2])
+def test_export_is_what_vllms_reader_and_loader_expect_and_loads_back(
+    tmp_path: Path, head_layers: int
+) -> None:
     target = tiny_llama(num_layers=LAYERS)
-    head = _head(target)
+    head = _head(target, layers=head_layers)
     embed = target.get_input_embeddings().weight
     out = export_peagle(head, embed, tmp_path / "sp", verifier="/models/target")
     raw = json.loads((out / "config.json").read_text())
@@ -103,22 +125,19 @@ def test_export_is_what_vllms_reader_and_loader_expect_and_loads_back(tmp_path: 
     assert speculative == {"method": "eagle3", "num_speculative_tokens": 4,
                            "parallel_drafting": True}  # fmt: skip
     assert layer["pard_token"] == raw["transformer_layer_config"]["pard_token"] == 7
-    assert layer["num_hidden_layers"] == 1 and layer["vocab_size"] == VOCAB
+    assert layer["num_hidden_layers"] == head_layers and layer["vocab_size"] == VOCAB
     assert layer["draft_vocab_size"] == DRAFT_VOCAB
     assert layer["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # vLLM's layer inputs
     with safe_open(str(out / "model.safetensors"), framework="pt") as handle:
         tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
     params = _vllm_parameters(tensors, 3 * HIDDEN)
+    layer_params = {}
+    for index in range(head_layers):
+        layer_params.update(_vllm_layer_parameters(index))
     assert params == {
         "model.fc.weight": (HIDDEN, 3 * HIDDEN),
         "model.embed_tokens.weight": (VOCAB, HIDDEN),
-        "model.layers.0.input_layernorm.weight": (HIDDEN,),
-        "model.layers.0.hidden_norm.weight": (HIDDEN,),
-        "model.layers.0.post_attention_layernorm.weight": (HIDDEN,),
-        "model.layers.0.self_attn.qkv_proj.weight": ((4 + 2 + 2) * 8, 2 * HIDDEN),
-        "model.layers.0.self_attn.o_proj.weight": (HIDDEN, 4 * 8),
-        "model.layers.0.mlp.gate_up_proj.weight": (2 * 2 * HIDDEN, HIDDEN),
-        "model.layers.0.mlp.down_proj.weight": (HIDDEN, 2 * HIDDEN),
+        **layer_params,
         "model.norm.weight": (HIDDEN,),
         "lm_head.weight": (DRAFT_VOCAB, HIDDEN),
         "draft_id_to_target_id": (DRAFT_VOCAB,),

@@ -159,3 +159,20 @@ def test_a_recipe_widens_the_heads_mlp_and_the_head_still_decodes_exactly(tmp_pa
     assert_decodes_greedy_output(target, [tmp_path / "drafter"], "peagle", [None])
     with pytest.raises(ValueError, match="--drafter_intermediate_size must be >= 1"):
         parse_config(["--drafter_kind", "peagle", "--drafter_intermediate_size", "0"])
+
+
+def test_a_recipe_gives_the_head_two_layers_that_train_save_and_decode_exactly(
+    tmp_path: Path,
+) -> None:
+    from train.config import parse_config
+    from train.objectives.eagle3 import recipe_head
+
+    target = tiny_llama(num_layers=2, dtype=torch.float32)
+    config = parse_config(["--drafter_kind", "peagle", "--drafter_num_layers", "2"])
+    config.drafter.draft_vocab_size = None
+    head = recipe_head(config, target, PEagleHead, num_depths=DEPTHS)
+    assert head.config.num_hidden_layers == 2 and list(head.layers) == ["1"]
+    assert head.layers["1"].self_attn.q_proj.in_features == target.config.hidden_size
+    objective = bind(PEagleObjective(head, target, build_loss("fkl"), unroll_steps=DEPTHS))
+    objective.save_drafter(tmp_path / "drafter")
+    assert_decodes_greedy_output(target, [tmp_path / "drafter"], "peagle", [None])

@@ -102,6 +102,7 @@ def recipe_head(
         overrides["aux_hidden_state_layer_ids"] = tuple(drafter.aux_hidden_state_layer_ids)
     if drafter.drafter_intermediate_size is not None:
         overrides["intermediate_size"] = drafter.drafter_intermediate_size
+    overrides["num_hidden_layers"] = drafter.drafter_num_layers
     head_config = head_type.config_type.for_target(target.config, **overrides)
     # nn.Module initialises from the global RNG: fork it so that only the seed matters.
     with torch.random.fork_rng(devices=[]):
