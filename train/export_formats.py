@@ -75,12 +75,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from data.atomic_io import atomic_folder
-from decode.drafters.eagle import (
-    EAGLE3_ARCHITECTURE,
-    Eagle3Config,
-    Eagle3Head,
-    check_layer_count,
-)
+from decode.drafters.eagle import EAGLE3_ARCHITECTURE, Eagle3Config, Eagle3Head
+from decode.drafters.eagle_config import check_layer_count
 from decode.drafters.medusa import MEDUSA_ARCHITECTURE, MedusaHeads
 from decode.drafters.peagle import PEagleConfig, PEagleHead
 

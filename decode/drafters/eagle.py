@@ -1,5 +1,6 @@
-"""EAGLE-3 draft head: building blocks and folder formats (the runtime drafter is in
-``decode.drafters.eagle_drafter``).
+"""EAGLE-3 draft head: the head, its draft vocabulary and its folders (its layers are in
+``decode.drafters.eagle_layers``, its config in ``decode.drafters.eagle_config``, the runtime
+drafter in ``decode.drafters.eagle_drafter``).
 
 EAGLE-3 (Li et al., 2025) drafts from the target's own features. For target position t let
 ``g_t = fc(cat(h^low_t, h^mid_t, h^high_t))`` fuse three of the target's hidden states. A
@@ -27,160 +28,44 @@ projections over 2H inputs, ``hidden_norm``, ``input_layernorm``, ``post_attenti
 int64 (target_id = draft_id + d2t[draft_id]) and ``t2d`` [V_target] bool; no ``embed_tokens``.
 Layers after the first are ``layers.{i}.*`` (i = 1..L-1), as vLLM names them.
 
-Hidden-state indexing convention (stored as ``aux_hidden_state_layer_ids``): an id ``i`` selects
-``output_hidden_states[i]`` of the Hugging Face target, whose tuple holds the embeddings at index
-0 and the output of decoder layer ``i - 1`` at index ``i`` (the last entry, index L, is after the
-final norm and is never used). This equals vLLM's ``eagle_aux_hidden_state_layer_ids`` (the input
-of layer i, 0 being the embedding output); SGLang/SpecForge's
-``eagle_config.eagle_aux_hidden_state_layer_ids`` count layer outputs and are ours minus one.
-Both engines keep each captured layer once and concatenate in ascending layer order, so ids
-must be strictly increasing: a repeated id would feed ``fc`` fewer features than it was
-trained on. The default, EAGLE-3's ``(2, L//2, L-3)``, is :func:`default_aux_layer_ids`.
+Aux hidden-state ids follow the convention stated in ``decode.drafters.eagle_config``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from decode.drafters.eagle_config import (
+    Eagle3Config,
+    check_layer_count,
+    config_from_engine_dict,
+    default_aux_layer_ids,
+    unused_engine_norm,
+)
+from decode.drafters.eagle_layers import (
+    DecoderLayer,
+    LayerKV,
+    MidLayer,
+    RMSNorm,
+    block_visibility,
+    positions_from_mask,
+)
 from decode.drafters.folder import read_folder, save_native_folder
-from decode.llama_math import apply_rope, rms_norm
+
+__all__ = [
+    "EAGLE3_ARCHITECTURE",
+    "Eagle3Config",
+    "Eagle3Head",
+    "build_vocab_maps",
+    "default_aux_layer_ids",
+]
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
-
-
-def default_aux_layer_ids(num_target_layers: int) -> tuple[int, ...]:
-    """EAGLE-3's low/mid/high feature layers as hidden-state tuple indices, always distinct.
-
-    The reference rule is ``(2, L//2, L-3)`` (vLLM's default; SpecForge's ``(1, L//2-1, L-4)``
-    counted as layer outputs). Targets shallower than 7 layers spread the ids as
-    ``(1, L//2, L-1)`` (4 to 6 layers), take the embedding output too at 3 layers
-    (``(0, 1, 2)``), and fuse the only two distinct states of a 2-layer target (``(0, 1)``):
-    engines capture each layer once, so a repeated id could not be served.
-    """
-    if num_target_layers < 2:
-        raise ValueError(
-            f"EAGLE-3 needs a target with at least 2 decoder layers, got {num_target_layers}: "
-            "use a draft LM or Medusa heads for single-layer targets"
-        )
-    ids = (2, num_target_layers // 2, num_target_layers - 3)
-    if 1 <= ids[0] < ids[1] < ids[2] <= num_target_layers - 1:
-        return ids
-    if num_target_layers >= 4:
-        return (1, num_target_layers // 2, num_target_layers - 1)
-    return tuple(range(num_target_layers))
-
-
-@dataclass
-class Eagle3Config:
-    """Shape of an EAGLE-3 head; ``aux_hidden_state_layer_ids`` follow the module docstring."""
-
-    hidden_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    intermediate_size: int
-    target_vocab_size: int
-    target_num_hidden_layers: int
-    draft_vocab_size: int | None = None  # None: the full target vocabulary
-    aux_hidden_state_layer_ids: tuple[int, ...] | None = None  # None: default_aux_layer_ids
-    head_dim: int | None = None  # None: hidden_size // num_attention_heads
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 4096
-    num_hidden_layers: int = 1  # the head's decoder layers (the first reads 2H inputs)
-
-    def __post_init__(self) -> None:
-        layers = self.num_hidden_layers
-        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
-            raise ValueError(f"num_hidden_layers must be an integer >= 1, got {layers!r}")
-        if self.draft_vocab_size is None:
-            self.draft_vocab_size = self.target_vocab_size
-        if self.aux_hidden_state_layer_ids is None:
-            self.aux_hidden_state_layer_ids = default_aux_layer_ids(self.target_num_hidden_layers)
-        self.aux_hidden_state_layer_ids = tuple(int(i) for i in self.aux_hidden_state_layer_ids)
-        if self.head_dim is None:
-            self.head_dim = self.hidden_size // self.num_attention_heads
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads}) for grouped-query attention"
-            )
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
-        if not 1 <= self.draft_vocab_size <= self.target_vocab_size:
-            raise ValueError(
-                f"draft_vocab_size must lie in [1, target_vocab_size={self.target_vocab_size}], "
-                f"got {self.draft_vocab_size}"
-            )
-        top = self.target_num_hidden_layers - 1
-        bad = [i for i in self.aux_hidden_state_layer_ids if not 0 <= i <= top]
-        if bad or not self.aux_hidden_state_layer_ids:
-            raise ValueError(
-                f"aux_hidden_state_layer_ids {self.aux_hidden_state_layer_ids} must be non-empty "
-                f"hidden-state indices in [0, {top}] for a {self.target_num_hidden_layers}-layer "
-                "target (index i = output of layer i-1; the post-norm last state is excluded)"
-            )
-        ids = self.aux_hidden_state_layer_ids
-        if list(ids) != sorted(set(ids)):
-            raise ValueError(
-                f"aux_hidden_state_layer_ids {ids} must be strictly increasing: vLLM and SGLang "
-                "capture each target layer once, in layer order, so repeated or unordered ids "
-                f"cannot be served; use e.g. {default_aux_layer_ids(self.target_num_hidden_layers)}"
-            )
-
-    @classmethod
-    def for_target(cls, target_config: Any, **overrides: Any) -> Eagle3Config:
-        """Defaults copied from a Hugging Face target config (same width, heads, rope).
-
-        Rope and context are one deliberate choice: plain rope with the target's theta and no
-        scaling (the reference EAGLE-3 heads' choice, even for a llama3-scaled target) over the
-        target's whole context, so the engines' cos/sin caches cover every position the target
-        serves; a head with a shorter ``max_position_embeddings`` is refused (an engine would
-        index past its cache, or clamp the positions, beyond it).
-        """
-        rope = getattr(target_config, "rope_parameters", None) or {}
-        values: dict[str, Any] = {
-            "hidden_size": target_config.hidden_size,
-            "num_attention_heads": target_config.num_attention_heads,
-            "num_key_value_heads": getattr(
-                target_config, "num_key_value_heads", target_config.num_attention_heads
-            ),
-            "intermediate_size": target_config.intermediate_size,
-            "target_vocab_size": target_config.vocab_size,
-            "target_num_hidden_layers": target_config.num_hidden_layers,
-            "head_dim": getattr(target_config, "head_dim", None),
-            "rms_norm_eps": getattr(target_config, "rms_norm_eps", 1e-6),
-            "rope_theta": rope.get("rope_theta", getattr(target_config, "rope_theta", 10000.0)),
-            "max_position_embeddings": getattr(target_config, "max_position_embeddings", 4096),
-        }
-        context = values["max_position_embeddings"]
-        values.update(overrides)
-        if values["max_position_embeddings"] < context:
-            raise ValueError(
-                f"max_position_embeddings {values['max_position_embeddings']} is below the "
-                f"target's {context}: engines build the head's rope cache that long and would "
-                "clamp or overrun past it; leave it at the target's context"
-            )
-        return cls(**values)
-
-    def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["aux_hidden_state_layer_ids"] = list(self.aux_hidden_state_layer_ids)
-        return out
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> Eagle3Config:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown Eagle3Config fields {unknown}; expected a subset of {known}")
-        return cls(**values)
 
 
 def build_vocab_maps(
@@ -210,188 +95,6 @@ def build_vocab_maps(
     return d2t.long(), t2d
 
 
-class _RMSNorm(nn.Module):
-    """RMSNorm (Zhang & Sennrich 2019): ``w * x / sqrt(mean(x^2) + eps)``, computed in fp32."""
-
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., H]
-        return rms_norm(x, self.weight, self.eps)
-
-
-def rope_inverse_frequencies(dim: int, theta: float) -> torch.Tensor:  # [D/2] float32
-    """Plain rope's inverse frequencies ``theta^(-2i/D)``, in float32 as vLLM, SGLang and
-    Hugging Face compute them (``1 / theta ** (arange(0, D, 2) / D)``), bit for bit."""
-    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-
-
-def rope_tables(
-    positions: torch.Tensor,  # [B, T]
-    dim: int,
-    theta: float,
-    dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin [B, 1, T, D]
-    """Rotary angles (Su et al. 2021) ``position * theta^(-2i/D)``, for queries and keys alike.
-
-    Computed in float32 exactly as the engines build their cos/sin caches (vLLM's and SGLang's
-    ``RotaryEmbedding._compute_cos_sin_cache``: float32 positions times float32 inverse
-    frequencies), so training, our decoder and a served head rotate by the same angles at
-    every position; float64 angles would differ from the engines' by ~1e-3 radians at 32k.
-    """
-    inverse = rope_inverse_frequencies(dim, theta).to(positions.device)  # [D/2]
-    angles = positions.to(torch.float32)[..., None] * inverse  # [B, T, D/2]
-    angles = torch.cat((angles, angles), dim=-1)[:, None]  # [B, 1, T, D]
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-class _Attention(nn.Module):
-    """Grouped-query self-attention over ``width``-wide inputs (2H in the first layer: embedding
-    and feature side by side; H in later layers)."""
-
-    def __init__(self, config: Eagle3Config, width: int) -> None:
-        super().__init__()
-        hidden, dim = config.hidden_size, config.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            dim,
-        )
-        self.rope_theta = config.rope_theta
-        self.q_proj = nn.Linear(width, self.num_heads * dim, bias=False)
-        self.k_proj = nn.Linear(width, self.num_kv_heads * dim, bias=False)
-        self.v_proj = nn.Linear(width, self.num_kv_heads * dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * dim, hidden, bias=False)
-
-    def forward(
-        self,
-        x: torch.Tensor,  # [B, T, width]
-        positions: torch.Tensor,  # [B, T]
-        past: tuple[torch.Tensor, torch.Tensor] | None,  # keys, values [B, KV, S, D]
-        visible: torch.Tensor,  # [B, T, S + T] bool, True where a query may attend
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:  # [B, T, H], new keys/values
-        batch, length, _ = x.shape
-        q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = rope_tables(positions, self.head_dim, self.rope_theta, q.dtype)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        keys, values = (
-            (k, v) if past is None else (torch.cat((past[0], k), 2), torch.cat((past[1], v), 2))
-        )
-        groups = self.num_heads // self.num_kv_heads
-        if groups > 1:  # grouped-query attention: each key/value head serves `groups` queries
-            keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible[:, None])
-        out = out.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim)
-        return self.o_proj(out), (k, v)
-
-
-class _MLP(nn.Module):
-    """SwiGLU feed-forward (Shazeer 2020): ``down(silu(gate(x)) * up(x))``."""
-
-    def __init__(self, hidden: int, intermediate: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., H]
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-# Keys and values of one layer: [B, KV, S, D] each.
-LayerKV = tuple[torch.Tensor, torch.Tensor]
-
-
-class _MidLayer(nn.Module):
-    """EAGLE-3's first decoder layer; names match ``midlayer.*`` in the reference weights."""
-
-    def __init__(self, config: Eagle3Config) -> None:
-        super().__init__()
-        eps = config.rms_norm_eps
-        self.input_layernorm = _RMSNorm(config.hidden_size, eps)
-        self.hidden_norm = _RMSNorm(config.hidden_size, eps)
-        self.self_attn = _Attention(config, 2 * config.hidden_size)
-        self.post_attention_layernorm = _RMSNorm(config.hidden_size, eps)
-        self.mlp = _MLP(config.hidden_size, config.intermediate_size)
-
-    def forward(
-        self,
-        hidden: torch.Tensor,  # [B, T, H] fused target features or the previous step's output
-        embeds: torch.Tensor,  # [B, T, H] target embeddings of the paired tokens
-        positions: torch.Tensor,  # [B, T]
-        past: tuple[torch.Tensor, torch.Tensor] | None,
-        visible: torch.Tensor,  # [B, T, S + T] bool
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(hidden)), dim=-1)
-        attended, new_kv = self.self_attn(x, positions, past, visible)
-        residual = hidden + attended
-        return residual + self.mlp(self.post_attention_layernorm(residual)), new_kv
-
-
-class _DecoderLayer(nn.Module):
-    """A later layer of a multi-layer head: the plain pre-norm Llama block over H inputs
-    (Touvron et al. 2023), with Hugging Face's module names (``decode.lean_decoder`` fuses it).
-
-    Its two residual branches end in zero matrices at initialisation (``o_proj``, ``down_proj``;
-    the "skip-init" of De & Smith 2020), so a fresh L-layer head computes what its first layer
-    alone does and training grows the later layers from there instead of from random noise on
-    the features the first layer passes on."""
-
-    def __init__(self, config: Eagle3Config) -> None:
-        super().__init__()
-        eps = config.rms_norm_eps
-        self.input_layernorm = _RMSNorm(config.hidden_size, eps)
-        self.self_attn = _Attention(config, config.hidden_size)
-        self.post_attention_layernorm = _RMSNorm(config.hidden_size, eps)
-        self.mlp = _MLP(config.hidden_size, config.intermediate_size)
-        with torch.no_grad():
-            self.self_attn.o_proj.weight.zero_()
-            self.mlp.down_proj.weight.zero_()
-
-    def forward(
-        self,
-        hidden: torch.Tensor,  # [B, T, H] the previous layer's output
-        positions: torch.Tensor,  # [B, T]
-        past: LayerKV | None,
-        visible: torch.Tensor,  # [B, T, S + T] bool
-    ) -> tuple[torch.Tensor, LayerKV]:
-        attended, new_kv = self.self_attn(self.input_layernorm(hidden), positions, past, visible)
-        residual = hidden + attended
-        return residual + self.mlp(self.post_attention_layernorm(residual)), new_kv
-
-
-def block_visibility(
-    past_valid: torch.Tensor | None,  # [B, S] bool: cache entries a query may see
-    block_valid: torch.Tensor,  # [B, T] bool: real entries of the new block
-    block_mask: torch.Tensor | None = None,  # [T, T] or [B, T, T] bool; None = causal
-) -> torch.Tensor:  # [B, T, S + T] bool
-    """Visibility of [cache + block] for each query of the block.
-
-    Queries see valid cache entries and, inside the block, ``block_mask`` (causal by default,
-    a tree mask for tree drafting) restricted to valid entries. Each query always sees itself,
-    so padded queries stay finite (their outputs are never used).
-    """
-    batch, length = block_valid.shape
-    eye = torch.eye(length, dtype=torch.bool, device=block_valid.device)
-    if block_mask is None:
-        block_mask = torch.ones(length, length, dtype=torch.bool, device=block_valid.device).tril()
-    inner = (block_mask & block_valid[:, None, :]) | eye
-    inner = inner.expand(batch, length, length)
-    if past_valid is None:
-        return inner
-    outer = past_valid[:, None, :].expand(batch, length, past_valid.shape[1])
-    return torch.cat((outer, inner), dim=-1)
-
-
-def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:  # [B, T] -> [B, T] int64
-    """Position ids of a left-padded batch: 0 at each row's first real token (padding gets 0)."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
 class Eagle3Head(nn.Module):
     """The EAGLE-3 draft head (see the module docstring for the math and the weight layout).
 
@@ -410,12 +113,12 @@ class Eagle3Head(nn.Module):
         hidden = config.hidden_size
         num_aux = len(config.aux_hidden_state_layer_ids)
         self.fc = nn.Linear(num_aux * hidden, hidden, bias=False)
-        self.midlayer = _MidLayer(config)
+        self.midlayer = MidLayer(config)
         # Keyed "1".."L-1" so that the weights are named layers.{i}.* as vLLM names them.
         self.layers = nn.ModuleDict(
-            {str(i): _DecoderLayer(config) for i in range(1, config.num_hidden_layers)}
+            {str(i): DecoderLayer(config) for i in range(1, config.num_hidden_layers)}
         )
-        self.norm = _RMSNorm(hidden, config.rms_norm_eps)
+        self.norm = RMSNorm(hidden, config.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(config.target_vocab_size, dtype=torch.bool))
@@ -588,7 +291,7 @@ class Eagle3Head(nn.Module):
         state = {
             k.removeprefix("model."): v
             for k, v in state.items()
-            if "embed_tokens" not in k and not _unused_engine_norm(k.removeprefix("model."))
+            if "embed_tokens" not in k and not unused_engine_norm(k.removeprefix("model."))
         }
         if "d2t" not in state:  # engines treat a missing map as the identity
             state["d2t"] = torch.zeros(self.config.draft_vocab_size, dtype=torch.long)
@@ -614,71 +317,3 @@ class Eagle3Head(nn.Module):
         self.to(dtype)
         self.load_state_dict(state)
         self.set_vocab_maps(self.d2t.clone(), self.t2d.clone())
-
-
-def check_layer_count(config: Eagle3Config, state: dict[str, torch.Tensor]) -> None:
-    """Refuse a config whose layer count the weights do not hold, before building the head (a
-    hostile ``num_hidden_layers`` would otherwise allocate that many layers first)."""
-    later = {
-        parts[1]
-        for parts in (name.removeprefix("model.").split(".") for name in state)
-        if len(parts) > 2 and parts[0] == "layers" and parts[1] != "0"
-    }
-    count = config.num_hidden_layers
-    if later != {str(i) for i in range(1, min(count, len(later) + 1))} or len(later) != count - 1:
-        raise ValueError(
-            f"the config declares {count} decoder layer(s) but the weights hold later layers "
-            f"{sorted(later)} (expected 1 .. {count - 1}): the folder's config.json and "
-            "model.safetensors do not belong together"
-        )
-
-
-def _unused_engine_norm(name: str) -> bool:
-    """vLLM builds a ``hidden_norm`` in every layer of a multi-layer head but uses only the
-    first layer's, so exports carry ``layers.{i}.hidden_norm.weight`` (i >= 1) for its loader."""
-    parts = name.split(".")
-    return (
-        len(parts) == 4 and parts[0] == "layers" and parts[1] != "0" and parts[2] == "hidden_norm"
-    )
-
-
-def config_from_engine_dict(
-    raw: dict[str, Any], target_num_hidden_layers: int | None
-) -> Eagle3Config:
-    """Read a vLLM/SGLang ``LlamaForCausalLMEagle3`` config.json.
-
-    vLLM's top-level ``eagle_aux_hidden_state_layer_ids`` are hidden-state indices (ours);
-    SGLang's ``eagle_config.eagle_aux_hidden_state_layer_ids`` count layer outputs (ours - 1).
-    """
-    nested = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    if raw.get("eagle_aux_hidden_state_layer_ids"):
-        ids: tuple[int, ...] | None = tuple(raw["eagle_aux_hidden_state_layer_ids"])
-    elif nested:
-        ids = tuple(int(i) + 1 for i in nested)
-    else:
-        ids = None
-    depth = raw.get("target_num_hidden_layers", target_num_hidden_layers)
-    if depth is None:
-        if ids is None:
-            raise ValueError(
-                "this EAGLE-3 export names no aux layer ids and not the target's depth: pass "
-                "target_num_hidden_layers=<target config.num_hidden_layers>"
-            )
-        depth = max(ids) + 1
-    return Eagle3Config(
-        hidden_size=raw["hidden_size"],
-        num_attention_heads=raw["num_attention_heads"],
-        num_key_value_heads=raw.get("num_key_value_heads", raw["num_attention_heads"]),
-        intermediate_size=raw["intermediate_size"],
-        target_vocab_size=raw["vocab_size"],
-        target_num_hidden_layers=depth,
-        draft_vocab_size=raw.get("draft_vocab_size") or raw["vocab_size"],
-        aux_hidden_state_layer_ids=ids,
-        head_dim=raw.get("head_dim"),
-        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-        rope_theta=raw.get(
-            "rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-        ),
-        max_position_embeddings=raw.get("max_position_embeddings", 4096),
-        num_hidden_layers=raw.get("num_hidden_layers", 1),
-    )

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from decode.drafters.base import Drafter, DraftProposal, TargetPass, TreeSpec
-from decode.drafters.eagle import Eagle3Head, block_visibility, positions_from_mask
+from decode.drafters.eagle import Eagle3Head
+from decode.drafters.eagle_layers import block_visibility, positions_from_mask
 from decode.drafters.eagle_lean import LeanEagle3
 from decode.kv_cache import PreallocatedStack, pad_front
 from decode.sampling import SamplingConfig, logits_to_probs, sample, select_tokens

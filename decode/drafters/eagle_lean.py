@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from decode.drafters.eagle import Eagle3Head, rope_tables
+from decode.drafters.eagle import Eagle3Head
+from decode.drafters.eagle_layers import rope_tables
 from decode.drafters.vocab_map import to_target_ids, to_target_probs
 from decode.kv_cache import PreallocatedStack
 from decode.lean_decoder import AttentionShape, LayerWeights, decoder_layer, fuse_layer

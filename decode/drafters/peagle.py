@@ -45,8 +45,9 @@ import torch
 from torch import nn
 
 from decode.drafters.base import Drafter, DraftProposal
-from decode.drafters.eagle import Eagle3Config, Eagle3Head, positions_from_mask
+from decode.drafters.eagle import Eagle3Config, Eagle3Head
 from decode.drafters.eagle_drafter import Eagle3Drafter
+from decode.drafters.eagle_layers import positions_from_mask
 from decode.kv_cache import PreallocatedStack
 from decode.sampling import SamplingConfig, select_tokens
 

@@ -23,12 +23,11 @@ from decode.drafters.base import TreeSpec
 from decode.drafters.eagle import (
     Eagle3Config,
     Eagle3Head,
-    block_visibility,
     build_vocab_maps,
     default_aux_layer_ids,
-    positions_from_mask,
 )
 from decode.drafters.eagle_drafter import Eagle3Drafter, load_runtime_drafter
+from decode.drafters.eagle_layers import block_visibility, positions_from_mask
 from decode.sampling import SamplingConfig, logits_to_probs
 from decode.tree import verify_tree_greedy
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 from tiny_models import tiny_llama
 
-from decode.drafters.eagle import Eagle3Config, Eagle3Head, block_visibility, build_vocab_maps
+from decode.drafters.eagle import Eagle3Config, Eagle3Head, build_vocab_maps
+from decode.drafters.eagle_layers import block_visibility
 from decode.drafters.eagle_lean import LeanEagle3
 from decode.kv_cache import PreallocatedStack
 

@@ -28,7 +28,7 @@ import torch
 from real_targets import LLAMA31, LLAMA33_70B, QWEN3, real_config
 from transformers import AutoConfig
 
-import decode.drafters.eagle as eagle
+import decode.drafters.eagle_layers as eagle_layers
 from decode.drafters.eagle import Eagle3Config, Eagle3Head
 from decode.drafters.eagle_lean import LeanEagle3
 from train.export_formats import export_eagle3
@@ -137,7 +137,9 @@ def test_every_engine_rotates_a_full_size_head_as_training_does(
     assert config.rope_theta == target["rope_theta"]
     assert config.max_position_embeddings >= target["max_position_embeddings"]
     positions = _positions(target)
-    training = eagle.rope_tables(positions[None], config.head_dim, config.rope_theta, torch.float32)
+    training = eagle_layers.rope_tables(
+        positions[None], config.head_dim, config.rope_theta, torch.float32
+    )
     training = (training[0][0, 0], training[1][0, 0])  # [N, D]
     for fmt, exported in _engine_configs(head, tmp_path).items():
         params, dim, context = engine_rope(exported, fmt)
@@ -197,18 +199,18 @@ def test_training_decoder_and_exports_of_a_scaled_llama31_head_agree(
     head = Eagle3Head(config).eval()
     positions = _positions(target)  # [N]
     recorded: list[tuple[torch.Tensor, torch.Tensor]] = []
-    original = eagle.rope_tables
+    original = eagle_layers.rope_tables
 
     def recording(*args, **kwargs):
         cos, sin = original(*args, **kwargs)
         recorded.append((cos[0, 0], sin[0, 0]))
         return cos, sin
 
-    monkeypatch.setattr(eagle, "rope_tables", recording)
+    monkeypatch.setattr(eagle_layers, "rope_tables", recording)
     hidden = torch.randn(1, len(positions), config.hidden_size)
     with torch.no_grad():
         head(hidden, torch.randn_like(hidden), positions[None])
-    monkeypatch.setattr(eagle, "rope_tables", original)
+    monkeypatch.setattr(eagle_layers, "rope_tables", original)
     training = recorded[-1]
     lean = LeanEagle3(head)._rotary(positions[None], torch.float32)
     assert _max_diff((lean[0][0, 0], lean[1][0, 0]), training) <= TOLERANCE
@@ -230,6 +232,6 @@ def test_training_decoder_and_exports_of_a_scaled_llama31_head_agree(
     cos, sin = LlamaRotaryEmbedding(hf)(torch.zeros(1, dtype=torch.float32), positions[None])
     assert _max_diff((cos[0], sin[0]), training) <= TOLERANCE
     # Our own loader reads the folder back with the same rope and context.
-    reloaded = eagle.Eagle3Head.from_pretrained(tmp_path / "vllm")
+    reloaded = Eagle3Head.from_pretrained(tmp_path / "vllm")
     assert reloaded.config.rope_theta == config.rope_theta
     assert reloaded.config.max_position_embeddings == config.max_position_embeddings
