@@ -13,10 +13,12 @@ trained on. The default, EAGLE-3's ``(2, L//2, L-3)``, is :func:`default_aux_lay
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+
+from decode.drafters.folder import config_from_fields
 
 
 def default_aux_layer_ids(num_target_layers: int) -> tuple[int, ...]:
@@ -140,11 +142,7 @@ class Eagle3Config:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> Eagle3Config:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown Eagle3Config fields {unknown}; expected a subset of {known}")
-        return cls(**values)
+        return config_from_fields(cls, values)
 
 
 def check_layer_count(config: Eagle3Config, state: dict[str, torch.Tensor]) -> None:

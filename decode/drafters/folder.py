@@ -11,8 +11,9 @@ the file and the fix.
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from safetensors.torch import save_file
@@ -23,6 +24,20 @@ FORMAT_VERSION = 1
 """The newest ``drafter.json`` format this code reads (and the one it writes)."""
 DRAFTER_FILE = "drafter.json"
 _REEXPORT = "re-export the drafter with train/distill.py or use a folder written by it"
+
+
+ConfigT = TypeVar("ConfigT")
+
+
+def config_from_fields(cls: type[ConfigT], values: dict[str, Any]) -> ConfigT:
+    """``cls(**values)`` for a dataclass config read from a folder, refusing unknown keys."""
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(
+            f"unknown {cls.__name__} fields {unknown}; expected a subset of {sorted(known)}"
+        )
+    return cls(**values)
 
 
 def read_drafter_marker(folder: str | Path) -> dict[str, Any]:

@@ -16,7 +16,7 @@ vLLM reads the block bias only when ``medusa_fc_bias`` is set in config.json.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from decode.drafters.base import Drafter, DraftProposal, TargetPass, TreeSpec
-from decode.drafters.folder import read_folder, save_native_folder
+from decode.drafters.folder import config_from_fields, read_folder, save_native_folder
 from decode.sampling import SamplingConfig, logits_to_probs, sample
 from decode.tree import StaticTree, TreeProposal, TreeVerification
 
@@ -53,11 +53,7 @@ class MedusaConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> MedusaConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown MedusaConfig fields {unknown}; expected a subset of {known}")
-        return cls(**values)
+        return config_from_fields(cls, values)
 
 
 class _ResidualBlock(nn.Module):
