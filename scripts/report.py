@@ -35,6 +35,7 @@ ABLATION60 = RESULTS / "ablation" / "ablation.json"
 ABLATION150 = RESULTS / "ablation150" / "ablation.json"
 ABLATION_PEAGLE = RESULTS / "ablation_peagle" / "ablation.json"
 ABLATION_PEAGLE_WEIGHTS = RESULTS / "ablation_peagle_weights" / "ablation.json"
+ABLATION_PEAGLE_LAYERS = RESULTS / "ablation_peagle_layers" / "ablation.json"
 ABLATION_RETUNE = RESULTS / "ablation_retune" / "ablation.json"
 PARALLEL_CEILING = RESULTS / "parallel_ceiling_demo.json"
 FOLLOW_UPS = (  # the 150-step runs after the grid, each its own results file
@@ -306,6 +307,38 @@ def ablation_tables(path: Path) -> str:
     return format_markdown(read_results(REPO / path)).rstrip("\n")
 
 
+def depth_overlaps_table(path: Path) -> str:
+    """One row per cell: the held-out overlap at every draft depth and tau, mean ± std."""
+    from train.ablation_report import _mean_std, tau_source, temperatures_of
+    from train.ablation_results import read_results
+
+    results = read_results(REPO / path)
+    cells = results["cells"]
+    source = tau_source(cells)
+    temperatures = temperatures_of(cells)
+    depths = max(len(entry["overlap"]) for entry in cells)
+    header = ["cell", "seeds", *(f"overlap@{d + 1}" for d in range(depths))]
+    header += [f"tau T={t}" for t in temperatures]
+    rows = []
+    for entry in cells:
+        taus = entry[source]["tau"] if source == "tau_check" else entry["tau"]
+        overlaps = [*entry["overlap"], *([None] * (depths - len(entry["overlap"])))]
+        rows.append(
+            [
+                entry["key"],
+                str(len(entry["seeds"])),
+                *(_mean_std(o, 3) for o in overlaps),
+                *(_mean_std(taus.get(t), 2) for t in temperatures),
+            ]
+        )
+    steps = results["settings"].get("max_steps")
+    intro = (
+        f"mean ± std over seeds; {steps} steps per run; overlap@k: held-out overlap of draft "
+        "depth k; tau: tokens per target pass on held-out prompts, chains of 4."
+    )
+    return "\n".join([intro, "", *_table(header, rows)])
+
+
 def follow_ups_table(folder: Path = RESULTS / "ablation150") -> str:
     """One row per cell of each follow-up results file: overlap@1 and tau, mean ± std."""
     from train.ablation_report import _mean_std, tau_source, temperatures_of
@@ -380,6 +413,7 @@ SECTIONS: dict[str, Callable[[], str]] = {
     "ablation150": lambda: ablation_tables(ABLATION150),
     "ablation-peagle": lambda: ablation_tables(ABLATION_PEAGLE),
     "ablation-peagle-weights": lambda: ablation_tables(ABLATION_PEAGLE_WEIGHTS),
+    "ablation-peagle-layers": lambda: depth_overlaps_table(ABLATION_PEAGLE_LAYERS),
     "ablation-retune": lambda: ablation_tables(ABLATION_RETUNE),
     "parallel-ceiling": lambda: ceiling_table(_read(PARALLEL_CEILING)),
     "ablation-follow-ups": follow_ups_table,

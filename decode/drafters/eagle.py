@@ -11,8 +11,8 @@ Llama decoder layer reads the *pair* (feature, next token):
     h_t   = r_t + mlp(post_attention_layernorm(r_t))                 # "pre-norm" output
     logits_t = lm_head(norm(h_t))                                    # predicts x_{t+2}
 
-A head of ``num_hidden_layers`` = L > 1 layers (vLLM's multi-layer EAGLE-3, which P-EAGLE's
-published heads use: Hui et al. 2026) runs L - 1 plain pre-norm Llama layers over H inputs after
+A head of ``num_hidden_layers`` = L > 1 layers (vLLM's multi-layer EAGLE-3, the model its
+parallel drafting for P-EAGLE runs too) runs L - 1 plain pre-norm Llama layers over H inputs after
 that first one, ``h <- h + attn(n(h)); h <- h + mlp(n(h))``, each with its own attention over
 the same entries; ``h_t`` is then the last layer's output, which a chain feeds back.
 
