@@ -25,7 +25,7 @@ from decode.prompts import file_prompts
 def run_benchmarks(
     files: dict[str, str],
     num_prompts: int,
-    encode: Any,  # prompt -> [1, T] token ids (decode.evaluate.encode_prompt with a tokenizer)
+    encode: Any,  # prompt -> [1, T] token ids (decode.side_by_side.encode_prompt with a tokenizer)
     evaluate: Any,  # list of [1, T] prompts -> the report of decode.evaluate.evaluate_drafter
 ) -> dict[str, Any]:
     """One evaluation per benchmark file; returns ``{"benchmarks": {name: report}, ...}`` with

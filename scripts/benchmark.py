@@ -29,17 +29,7 @@ from decode.defaults import NUM_DRAFT_TOKENS, TREE_TOP_K, TREE_TOTAL_TOKENS
 from decode.drafters.base import TreeSpec
 from decode.drafters.hybrid import HybridDrafter
 from decode.drafters.registry import load_drafter
-from decode.evaluate import (
-    EvalSettings,
-    Method,
-    MethodResult,
-    encode_prompt,
-    hf_peer,
-    load_targets_for,
-    measure_side_by_side,
-    plain_method,
-    speculative_method,
-)
+from decode.evaluate import load_targets_for
 from decode.plots import (
     plot_acceptance_by_position,
     plot_speedup_against_draft_length,
@@ -47,6 +37,16 @@ from decode.plots import (
 )
 from decode.precision import add_dtype_argument
 from decode.prompts import load_eval_prompts
+from decode.side_by_side import (
+    EvalSettings,
+    Method,
+    MethodResult,
+    encode_prompt,
+    hf_peer,
+    measure_side_by_side,
+    plain_method,
+    speculative_method,
+)
 
 # Plain decoding through our own decoder (no drafter): the control that separates what the
 # decoder's forward adds from what drafting adds.

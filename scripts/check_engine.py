@@ -465,8 +465,8 @@ def benchmark_prompts(
     from transformers import AutoTokenizer
 
     from decode.benchmarks import parse_benchmark_flags
-    from decode.evaluate import encode_prompt
     from decode.prompts import file_prompts
+    from decode.side_by_side import encode_prompt
 
     tokenizer = AutoTokenizer.from_pretrained(target)
     prompts: list[list[int]] = []

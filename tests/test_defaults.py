@@ -10,9 +10,10 @@ from script_helpers import load_script
 from decode.defaults import NUM_DRAFT_TOKENS, TREE_TOP_K, TREE_TOTAL_TOKENS
 from decode.drafters.base import TreeSpec
 from decode.engine import SpeculativeDecoder
-from decode.evaluate import EvalSettings, build_parser
+from decode.evaluate import build_parser
 from decode.serving.app import OpenAIServer
 from decode.serving.config import ServeConfig
+from decode.side_by_side import EvalSettings
 from train.ablation import GridSettings
 from train.config import SpeedEvalConfig
 from train.speed_report import measure_and_report

@@ -390,14 +390,14 @@ def measure_tau(
     on the same machine under the same load only.
     """
     from decode.drafters.registry import load_drafter
-    from decode.evaluate import (
+    from decode.evaluate import load_target
+    from decode.prompts import load_eval_prompts
+    from decode.side_by_side import (
         EvalSettings,
         encode_prompt,
-        load_target,
         measure_side_by_side,
         speculative_method,
     )
-    from decode.prompts import load_eval_prompts
 
     target, tokenizer = load_target(str(target_path))
     drafter = load_drafter(drafter_dir, target)

@@ -48,10 +48,11 @@ def measure_and_report(
     from tqdm.auto import tqdm
 
     from decode.drafters.registry import load_drafter
-    from decode.evaluate import encode_prompt, load_target
+    from decode.evaluate import load_target
     from decode.plots import plot_acceptance_by_position, plot_speedups
     from decode.precision import choose_dtype
     from decode.prompts import load_eval_prompts
+    from decode.side_by_side import encode_prompt
 
     choice = choose_dtype(dtype)
     target, tokenizer = load_target(str(target_path), dtype=choice.name)
@@ -136,15 +137,13 @@ def _measure(
     from decode.drafters.base import TreeSpec
     from decode.drafters.hybrid import HybridDrafter
     from decode.drafters.none import NoDrafter
-    from decode.evaluate import (
+    from decode.evaluate import fastest_plain, plain_in_dtypes, speculative_report
+    from decode.side_by_side import (
         EvalSettings,
-        fastest_plain,
         hf_peer,
         measure_side_by_side,
-        plain_in_dtypes,
         plain_method,
         speculative_method,
-        speculative_report,
     )
 
     # Top-k trees accept a child only with the target's probability of it: they win greedy

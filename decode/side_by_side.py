@@ -1,0 +1,211 @@
+"""Plain and speculative decoding measured side by side on the same prompts (batch 1, the
+latency setting), the machinery under ``decode.evaluate``, the benchmark, the ablation tool and
+the main job's speed step: each method is a function of a prompt, every prompt is decoded by
+every method in turn (so load drift hits all alike), and each method's time, tokens, target
+passes and decoder statistics are summed (docs/theory.md §5)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from decode.defaults import NUM_DRAFT_TOKENS
+from decode.drafters.base import Drafter, TreeSpec
+from decode.engine import SpeculativeDecoder
+from decode.sampling import SamplingConfig
+from decode.stats import DecodeStats
+
+
+@dataclass
+class EvalSettings:
+    num_draft_tokens: int = NUM_DRAFT_TOKENS
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    peer: bool = True
+    tree: TreeSpec | None = None  # tree drafting (EAGLE-3, Medusa); None drafts chains
+    lean_target: bool = True  # our CPU forward for Llama-family targets (SpeculativeDecoder)
+    adaptive: bool = False  # per-round draft length in 0..N; with a tree, per-round tree shape
+
+
+def encode_prompt(tokenizer, prompt: str | list[dict[str, str]]) -> torch.Tensor:  # [1, T]
+    if isinstance(prompt, str):
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+    else:
+        ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, return_tensors="pt")
+        ids = ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
+    if ids.shape[1] == 0:
+        raise ValueError(f"prompt {prompt!r} encodes to no tokens")
+    return ids
+
+
+class ForwardCounter:
+    """Counts a model's forward passes (to measure a peer's tau from outside)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.count = 0
+        self._handle = model.register_forward_hook(self._hook)
+
+    def _hook(self, *_: object) -> None:
+        self.count += 1
+
+    def close(self) -> None:
+        self._handle.remove()
+
+
+def _sampling_kwargs(settings: EvalSettings) -> dict[str, object]:
+    """HF ``generate`` settings that sample as our decoder does (greedy below the floor too)."""
+    sampling = SamplingConfig(settings.temperature, settings.top_k, settings.top_p)
+    if sampling.greedy:
+        return {"do_sample": False}
+    return {
+        "do_sample": True,
+        "temperature": settings.temperature,
+        "top_k": settings.top_k or None,
+        "top_p": settings.top_p,
+    }
+
+
+def hf_peer(drafter: Drafter, settings: EvalSettings) -> tuple[str, dict[str, object]] | None:
+    """The Hugging Face method that uses the same drafter, with fair settings, or None."""
+    if drafter.kind == "draft_lm":
+        assistant = drafter.model
+        # HF reads these from the assistant's generation config, not from generate()'s kwargs.
+        assistant.generation_config.num_assistant_tokens = settings.num_draft_tokens
+        assistant.generation_config.num_assistant_tokens_schedule = "constant"
+        assistant.generation_config.assistant_confidence_threshold = 0.0
+        return "hf_assisted", {"assistant_model": assistant}
+    if drafter.kind == "ngram":
+        return "hf_prompt_lookup", {"prompt_lookup_num_tokens": settings.num_draft_tokens}
+    return None
+
+
+@dataclass
+class MethodResult:
+    """What one decoding method did over all prompts."""
+
+    name: str
+    seconds: float = 0.0
+    tokens: int = 0
+    target_passes: int = 0  # forward calls of the target (prefill included)
+    outputs: list[torch.Tensor] = field(default_factory=list)
+    prompt_lengths: list[int] = field(default_factory=list)
+    stats: DecodeStats | None = None  # our decoder's acceptance counters
+
+    @property
+    def distinct_4gram_share(self) -> float:
+        return distinct_ngram_share(self.outputs, self.prompt_lengths, 4)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def tokens_per_pass(self) -> float:
+        """A peer's tau seen from outside: new tokens per target forward call."""
+        return self.tokens / self.target_passes if self.target_passes else 0.0
+
+
+Method = Callable[[torch.Tensor], tuple[torch.Tensor, DecodeStats | None]]
+
+
+def plain_method(target: torch.nn.Module, settings: EvalSettings, **hf_kwargs: object) -> Method:
+    """Hugging Face ``generate``: plain decoding, or a peer's with ``hf_kwargs``."""
+    sampling = _sampling_kwargs(settings)
+
+    def run(ids: torch.Tensor) -> tuple[torch.Tensor, None]:
+        out = target.generate(
+            input_ids=ids,
+            eos_token_id=[],
+            max_new_tokens=settings.max_new_tokens,
+            **sampling,
+            **hf_kwargs,
+        )
+        return out, None
+
+    return run
+
+
+def speculative_method(target: torch.nn.Module, drafter: Drafter, settings: EvalSettings) -> Method:
+    """Our decoder with ``drafter`` under ``settings`` (seeded once, then run in sequence)."""
+    decoder = SpeculativeDecoder(
+        target,
+        drafter,
+        settings.num_draft_tokens,
+        tree=settings.tree,
+        lean_target=settings.lean_target,
+        adaptive=settings.adaptive,
+    )
+    device = next(target.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(settings.seed)
+
+    def run(ids: torch.Tensor) -> tuple[torch.Tensor, DecodeStats]:
+        out = decoder.generate(
+            ids,
+            max_new_tokens=settings.max_new_tokens,
+            temperature=settings.temperature,
+            top_k=settings.top_k,
+            top_p=settings.top_p,
+            eos_token_id=[],
+            generator=generator,
+        )
+        return out.sequences, out.stats
+
+    return run
+
+
+def measure_side_by_side(
+    target: torch.nn.Module,
+    methods: dict[str, Method],
+    prompts: list[torch.Tensor],  # each [1, T]
+    warmup: bool = True,
+) -> dict[str, MethodResult]:
+    """Run every method on every prompt, interleaved per prompt so load drift hits all alike."""
+    device = next(target.parameters()).device
+    results = {name: MethodResult(name=name) for name in methods}
+    with torch.inference_mode():
+        if warmup:  # first calls pay for lazy initialisation; keep them out of the figures
+            for method in methods.values():
+                method(prompts[0][:, :16].to(device))
+        for ids in prompts:
+            ids = ids.to(device)
+            for name, method in methods.items():
+                result = results[name]
+                counter = ForwardCounter(target)
+                _synchronize(device)
+                start = time.perf_counter()
+                sequence, stats = method(ids)
+                _synchronize(device)
+                result.seconds += time.perf_counter() - start
+                counter.close()
+                result.target_passes += counter.count
+                result.tokens += sequence.shape[1] - ids.shape[1]
+                result.outputs.append(sequence.cpu())
+                result.prompt_lengths.append(ids.shape[1])
+                if stats is not None:
+                    result.stats = stats if result.stats is None else result.stats.merge(stats)
+    return results
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def distinct_ngram_share(
+    sequences: list[torch.Tensor], prompt_lengths: list[int], n: int = 4
+) -> float:
+    """The share of distinct n-grams among all n-grams of the generated tokens (1 = no
+    repetition): text that repeats itself makes greedy acceptance look better than it is."""
+    total, distinct = 0, 0
+    for sequence, start in zip(sequences, prompt_lengths, strict=True):
+        new = sequence.reshape(-1)[start:].tolist()
+        grams = [tuple(new[i : i + n]) for i in range(len(new) - n + 1)]
+        total += len(grams)
+        distinct += len(set(grams))
+    return distinct / total if total else 1.0
