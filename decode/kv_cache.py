@@ -59,6 +59,7 @@ class CachedSequence:
         self.decoder = decoder
         self.layout = AttentionLayout.for_model(model)
         self.cache = preallocated_cache(model)
+        self._layers = PreallocatedStack(self.cache.layers)  # the same layer objects
         self.valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)  # [B, S]
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)  # [B]
         # [B, S] each slot's token position, kept only when some layer has a window.
@@ -163,8 +164,7 @@ class CachedSequence:
         """
         start = self.num_slots - num_recent
         index = (start + path.clamp(min=0)).to(torch.long)  # [B, P]
-        for layer in self.cache.layers:
-            layer.keep_slots(start, index)
+        self._layers.keep_slots(start, index)
         self.valid = torch.cat([self.valid[:, :start], path_valid], dim=1)
         if self.slot_positions is not None:
             kept = self.slot_positions.gather(1, index)  # [B, P]
@@ -183,8 +183,7 @@ class CachedSequence:
         valid = self.valid[rows]  # [R, S]
         live = int(valid.sum(1).max()) if rows.numel() else 0
         order = torch.sort(valid.long(), dim=1, stable=True).indices[:, valid.shape[1] - live :]
-        for layer in self.cache.layers:
-            layer.select_slots(rows, order)
+        self._layers.select_slots(rows, order)
         self.valid = valid.gather(1, order)  # [R, L]
         if self.slot_positions is not None:
             self.slot_positions = self.slot_positions[rows].gather(1, order)
@@ -199,9 +198,7 @@ class CachedSequence:
         if other.model is not self.model:
             raise ValueError("only caches of the same model can be merged")
         slots = max(self.num_slots, other.num_slots)
-        layers = zip(self.cache.layers, other.cache.layers, strict=True)
-        for mine, theirs in layers:
-            mine.merge_rows(theirs, slots)
+        self._layers.merge_rows(other._layers, slots)
         self.valid = torch.cat([pad_front(self.valid, slots), pad_front(other.valid, slots)])
         if self.slot_positions is not None and other.slot_positions is not None:
             self.slot_positions = torch.cat(
@@ -443,11 +440,15 @@ class PreallocatedLayer(DynamicLayer):
 
 
 class PreallocatedStack:
-    """The ``PreallocatedLayer``s of a multi-layer drafter, cropped, reordered and merged
-    together: every layer holds the same slots."""
+    """A model's ``PreallocatedLayer``s, cropped, reordered and merged together: every layer
+    holds the same slots (a multi-layer drafter's cache, or the layers of a target's
+    ``DynamicCache`` that ``CachedSequence`` moves)."""
 
-    def __init__(self, num_layers: int) -> None:
-        self.layers = [PreallocatedLayer() for _ in range(num_layers)]
+    def __init__(self, layers: int | list[PreallocatedLayer]) -> None:
+        """``layers``: a count of new, empty layers, or existing layers (shared, not copied)."""
+        self.layers = (
+            [PreallocatedLayer() for _ in range(layers)] if isinstance(layers, int) else layers
+        )
 
     def get_seq_length(self) -> int:
         return self.layers[0].get_seq_length()
