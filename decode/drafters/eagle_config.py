@@ -154,7 +154,8 @@ def check_layer_count(config: Eagle3Config, state: dict[str, torch.Tensor]) -> N
         if len(parts) > 2 and parts[0] == "layers" and parts[1] != "0"
     }
     count = config.num_hidden_layers
-    if later != {str(i) for i in range(1, min(count, len(later) + 1))} or len(later) != count - 1:
+    # Compare counts first: the expected set is then built no larger than the weights' own.
+    if len(later) != count - 1 or later != {str(i) for i in range(1, count)}:
         raise ValueError(
             f"the config declares {count} decoder layer(s) but the weights hold later layers "
             f"{sorted(later)} (expected 1 .. {count - 1}): the folder's config.json and "
