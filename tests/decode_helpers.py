@@ -94,14 +94,8 @@ def tiny_eagle_drafter(target: torch.nn.Module, num_layers: int = 1):
     head = Eagle3Head(config).double()
     with torch.no_grad():  # reuse the target's head so drafts are sometimes right
         head.lm_head.weight.copy_(target.get_output_embeddings().weight)
-    _quiet_later_layers(head)
+    randomize_later_layers(head, scale=0.02)  # small: random drafts still accepted at times
     return Eagle3Drafter(head, target)
-
-
-def _quiet_later_layers(head: torch.nn.Module) -> None:
-    """Give a multi-layer head's later layers small random outputs (they start at zero: not
-    zero, so their math is exercised; small, so a random head's drafts are still accepted)."""
-    randomize_later_layers(head, scale=0.02)
 
 
 def randomize_later_layers(head: torch.nn.Module, scale: float = 0.2) -> None:
@@ -126,7 +120,7 @@ def tiny_peagle_drafter(target: torch.nn.Module, num_depths: int = 3, num_layers
     head = PEagleHead(config).to(target.dtype)
     with torch.no_grad():
         head.lm_head.weight.copy_(target.get_output_embeddings().weight)
-    _quiet_later_layers(head)
+    randomize_later_layers(head, scale=0.02)  # small: random drafts still accepted at times
     return PEagleDrafter(head, target)
 
 

@@ -52,6 +52,7 @@ from decode.drafters.eagle_layers import (
     LayerKV,
     MidLayer,
     RMSNorm,
+    append_kv,
     block_visibility,
     positions_from_mask,
 )
@@ -243,21 +244,12 @@ class Eagle3Head(nn.Module):
         causal = block_visibility(None, valid)  # [B, T, T]
         hidden = self.fuse(aux_hidden)
         embeds = next_embeds
-        steps_kv: list[list[LayerKV]] = []  # per step, per layer
+        past: list[LayerKV] | None = None  # per layer: every earlier step's keys/values
         outputs = []
         for k in range(steps):
-            past = None
-            if k:
-                past = [
-                    (
-                        torch.cat([s[i][0] for s in steps_kv], 2),
-                        torch.cat([s[i][1] for s in steps_kv], 2),
-                    )
-                    for i in range(self.config.num_hidden_layers)
-                ]
             visible = causal if k == 0 else torch.cat([causal, *([eye] * k)], dim=-1)
             prenorm, kv = self.forward(hidden, embeds, base_pos + k, past, visible)
-            steps_kv.append(kv)
+            past = kv if past is None else append_kv(past, kv)
             outputs.append(self.compute_logits(prenorm))
             hidden = prenorm
             embeds = torch.cat((embeds[:, 1:], torch.zeros_like(embeds[:, :1])), dim=1)

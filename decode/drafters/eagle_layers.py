@@ -112,6 +112,14 @@ class MLP(nn.Module):
 LayerKV = tuple[torch.Tensor, torch.Tensor]
 
 
+def append_kv(past: list[LayerKV], new: list[LayerKV]) -> list[LayerKV]:
+    """Per layer, ``new``'s keys and values after ``past``'s (along the sequence)."""
+    return [
+        (torch.cat((past_k, new_k), 2), torch.cat((past_v, new_v), 2))
+        for (past_k, past_v), (new_k, new_v) in zip(past, new, strict=True)
+    ]
+
+
 class MidLayer(nn.Module):
     """EAGLE-3's first decoder layer; names match ``midlayer.*`` in the reference weights."""
 

@@ -27,7 +27,7 @@ from decode.drafters.eagle import (
     default_aux_layer_ids,
 )
 from decode.drafters.eagle_drafter import Eagle3Drafter, load_runtime_drafter
-from decode.drafters.eagle_layers import block_visibility, positions_from_mask
+from decode.drafters.eagle_layers import append_kv, block_visibility, positions_from_mask
 from decode.sampling import SamplingConfig, logits_to_probs
 from decode.tree import verify_tree_greedy
 
@@ -201,10 +201,7 @@ def test_unroll_step_k_matches_drafting_k_tokens_past_each_position(head_layers:
                 for k in range(1, steps):
                     token_embed = emb[:, t + k : t + k + 1]
                     hidden, new = head(hidden, token_embed, pos[:, t : t + 1] + k, past=past)
-                    past = [
-                        (torch.cat((pk, nk), 2), torch.cat((pv, nv), 2))
-                        for (pk, pv), (nk, nv) in zip(past, new, strict=True)
-                    ]
+                    past = append_kv(past, new)
                     torch.testing.assert_close(
                         head.compute_logits(hidden)[0, 0], unrolled[k][row, start + t]
                     )
@@ -254,10 +251,7 @@ def _scratch_draft_logits(
             hidden, new = head(
                 hidden, embed(torch.tensor([[token]])), torch.tensor([[length + step]]), past
             )
-            past = [
-                (torch.cat((pk, nk), 2), torch.cat((pv, nv), 2))
-                for (pk, pv), (nk, nv) in zip(past, new, strict=True)
-            ]
+            past = append_kv(past, new)
             logits.append(head.to_target_logits(head.compute_logits(hidden)))
     return torch.cat(logits, 1)[0]
 

@@ -8,7 +8,7 @@ import torch
 from tiny_models import tiny_llama
 
 from decode.drafters.eagle import Eagle3Config, Eagle3Head, build_vocab_maps
-from decode.drafters.eagle_layers import block_visibility
+from decode.drafters.eagle_layers import append_kv, block_visibility
 from decode.drafters.eagle_lean import LeanEagle3
 from decode.kv_cache import PreallocatedStack
 
@@ -66,10 +66,7 @@ def test_lean_steps_equal_the_module(draft_vocab: int, kv_heads: int, layers: in
             want, new = head(
                 previous, embeds[:, 7 + step : 8 + step], step_positions, past, visible
             )
-            past = [
-                (torch.cat((pk, nk), 2), torch.cat((pv, nv), 2))
-                for (pk, pv), (nk, nv) in zip(past, new, strict=True)
-            ]
+            past = append_kv(past, new)
             torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
             previous = want
         draft = lean.draft_logits(previous)
