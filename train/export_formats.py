@@ -8,9 +8,9 @@ engines share the target's). A multi-layer head adds ``layers.{i}.*`` (i >= 1, p
 layers over H inputs) and ``layers.{i}.hidden_norm.weight`` (ones): vLLM builds that norm in
 every layer, uses only the first layer's, and refuses a checkpoint that leaves a parameter
 unloaded. SGLang serves single-layer EAGLE-3 heads only (its ``LlamaForCausalLMEagle3`` raises
-otherwise), so ``fmt="sglang"`` refuses the others. A pruned draft vocabulary adds ``d2t`` (int64 offsets: target_id = draft_id +
-d2t[draft_id]) and ``t2d`` (bool). A full-vocabulary head writes neither: vLLM then builds no
-``draft_id_to_target_id`` parameter and refuses a ``d2t`` tensor, and SGLang treats a missing
+otherwise), so ``fmt="sglang"`` refuses the others. A pruned draft vocabulary adds ``d2t``
+(int64 offsets: target_id = draft_id + d2t[draft_id]) and ``t2d`` (bool). A full-vocabulary
+head writes neither: vLLM then builds no ``draft_id_to_target_id`` parameter and refuses a ``d2t`` tensor, and SGLang treats a missing
 map as the identity.
 
 Aux layer ids. Ours are Hugging Face ``output_hidden_states`` indices: 0 is the embedding
@@ -76,7 +76,6 @@ from safetensors.torch import load_file, save_file
 
 from data.atomic_io import atomic_folder
 from decode.drafters.eagle import EAGLE3_ARCHITECTURE, Eagle3Config, Eagle3Head
-from decode.drafters.eagle_config import check_layer_count
 from decode.drafters.medusa import MEDUSA_ARCHITECTURE, MedusaHeads
 from decode.drafters.peagle import PEagleConfig, PEagleHead
 
@@ -329,19 +328,13 @@ def read_speculators_peagle(folder: str | Path) -> PEagleHead:
     table = state.pop("embed_tokens.weight")
     state["mask_embed"] = table[head_config.mask_token_id]
     state["mask_hidden"] = state["mask_hidden"].reshape(-1)
-    check_layer_count(head_config, state)
-    head = PEagleHead(head_config)
-    head._load_weights(state)
-    return head
+    return PEagleHead.from_state(head_config, state)
 
 
 def read_speculators_eagle3(folder: str | Path) -> Eagle3Head:
     """Load a speculators-format EAGLE-3 folder (as written by :func:`export_eagle3`)."""
     _, config, state = _read_speculators(folder, "eagle3")
-    check_layer_count(config, state)
-    head = Eagle3Head(config)
-    head._load_weights(state)
-    return head
+    return Eagle3Head.from_state(config, state)
 
 
 def _read_speculators(

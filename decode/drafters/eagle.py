@@ -274,6 +274,12 @@ class Eagle3Head(nn.Module):
             config = cls.config_type.from_dict(raw)
         else:
             config = config_from_engine_dict(raw, target_num_hidden_layers)
+        return cls.from_state(config, state)
+
+    @classmethod
+    def from_state(cls, config: Eagle3Config, state: dict[str, torch.Tensor]) -> Eagle3Head:
+        """A head of ``config`` holding the weights ``state`` (ours or an engine's names), its
+        layer count checked against the weights before anything is built."""
         check_layer_count(config, state)
         head = cls(config)
         head._load_weights(state)
