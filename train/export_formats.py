@@ -10,8 +10,8 @@ every layer, uses only the first layer's, and refuses a checkpoint that leaves a
 unloaded. SGLang serves single-layer EAGLE-3 heads only (its ``LlamaForCausalLMEagle3`` raises
 otherwise), so ``fmt="sglang"`` refuses the others. A pruned draft vocabulary adds ``d2t``
 (int64 offsets: target_id = draft_id + d2t[draft_id]) and ``t2d`` (bool). A full-vocabulary
-head writes neither: vLLM then builds no ``draft_id_to_target_id`` parameter and refuses a ``d2t`` tensor, and SGLang treats a missing
-map as the identity.
+head writes neither: vLLM then builds no ``draft_id_to_target_id`` parameter and refuses a
+``d2t`` tensor, and SGLang treats a missing map as the identity.
 
 Aux layer ids. Ours are Hugging Face ``output_hidden_states`` indices: 0 is the embedding
 output, i the output of layer i-1 (``decode.drafters.eagle``). The engines number them
