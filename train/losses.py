@@ -267,7 +267,7 @@ def cross_entropy(
             f"labels at unmasked positions must lie in [0, {vocab}); mask out ignored positions "
             "(for example label -100) instead of leaving them in the loss"
         )
-    log_q = F.log_softmax(_upcast(draft_logits[keep]), dim=-1)  # [N, V]
+    log_q = F.log_softmax(_upcast(_kept_rows(draft_logits, keep)), dim=-1)  # [N, V]
     nll = -log_q.gather(-1, kept_labels.long().unsqueeze(-1)).squeeze(-1)  # [N]
     return _reduce(nll, reduction)
 
@@ -601,15 +601,27 @@ def _prepare(
     keep = _kept_positions(mask, draft_logits)
     log_p_all = _target_logprobs(target_logits, draft_logits.shape)
     dtype = torch.promote_types(_compute_dtype(draft_logits), _compute_dtype(log_p_all))
-    kept_target = log_p_all[keep]  # [N, V]
+    kept_target = _kept_rows(log_p_all, keep)  # [N, V]
     if bool(torch.isneginf(kept_target).all(-1).any()):
         raise ValueError(
             "the target gives zero probability to every token at some unmasked position; "
             "mask that position out or fix the target probabilities"
         )
-    log_q = F.log_softmax(draft_logits[keep].to(dtype) / temperature, dim=-1)
+    log_q = F.log_softmax(_kept_rows(draft_logits, keep).to(dtype) / temperature, dim=-1)
     log_p = F.log_softmax(kept_target.to(dtype) / temperature, dim=-1)
     return log_q, log_p
+
+
+def _kept_rows(
+    values: torch.Tensor,  # [..., V]
+    keep: torch.Tensor,  # [...] bool
+) -> torch.Tensor:  # [N, V]
+    """The rows of ``values`` at the kept positions, in order. Where every position is kept
+    (packed training blocks) this is a reshape, whose backward is a copy: boolean indexing's
+    backward scatters into a zero tensor of the full size, several times slower."""
+    if bool(keep.all()):
+        return values.reshape(-1, values.shape[-1])
+    return values[keep]
 
 
 def _target_logprobs(

@@ -418,6 +418,25 @@ def test_masked_positions_get_zero_gradient_and_do_not_change_the_value() -> Non
         assert leaf_d.grad[mask].abs().sum() > 0, name  # the kept positions do get a gradient
 
 
+def test_a_full_mask_gives_the_values_and_gradients_of_the_same_rows_under_a_partial_one() -> None:
+    """A mask that keeps every position takes a reshape instead of boolean indexing: it must
+    compute what the indexed path computes for the same rows, gradients included."""
+    draft, target, labels = _logits(23), _logits(24), _labels(5)
+    full = torch.ones(B, T, dtype=torch.bool)
+    # The same rows plus one extra masked-out batch row: the indexed path.
+    padded_mask = torch.cat((full, torch.zeros(1, T, dtype=torch.bool)))
+    padded_labels = torch.cat((labels, labels[:1]))
+    for name in _all_losses(draft, target, full, labels):
+        leaf = draft.clone().requires_grad_()
+        value = _all_losses(leaf, target, full, labels)[name]
+        value.backward()
+        padded = torch.cat((draft, _logits(25)[:1])).requires_grad_()
+        indexed = _all_losses(padded, torch.cat((target, target[:1])), padded_mask, padded_labels)
+        indexed[name].backward()
+        torch.testing.assert_close(value, indexed[name], msg=name)
+        torch.testing.assert_close(leaf.grad, padded.grad[:B], msg=name)
+
+
 def test_mask_as_int_or_float_equals_bool() -> None:
     draft, target, mask = _logits(21), _logits(22), _mask()
     want = forward_kl(draft, target, mask)
