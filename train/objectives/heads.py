@@ -302,6 +302,8 @@ class HeadObjective(Objective):
     def compute_loss(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         features, target = self._target_outputs(batch)
         drafts = self._draft_logits(batch, features)
+        # Into the draft vocabulary once: every draft position reads a shifted slice of it.
+        target = self._to_draft_vocab(target) if self.loss.needs_target else target
         total: torch.Tensor | None = None
         used = 0.0
         metrics: dict[str, float] = {}
@@ -327,7 +329,7 @@ class HeadObjective(Objective):
                     continue
             if not bool(mask.any()):
                 continue
-            target_draft = self._to_draft_vocab(target_k) if self.loss.needs_target else None
+            target_draft = target_k if self.loss.needs_target else None
             parts = self.loss.parts(draft, target_draft, mask, self.loss_temperature, labels=labels)
             value = self.loss.combine(parts)
             term = weight * share * value  # share * mean over reached = sum over reached / all
