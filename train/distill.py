@@ -607,6 +607,7 @@ def _regenerated_rows(
     """
     from data.atomic_io import write_json_atomic
     from train.distill_data import (
+        REGENERATION_BATCH_SIZE,
         block_prompts,
         continued_rows,
         definition_prompts_of_rows,
@@ -639,6 +640,7 @@ def _regenerated_rows(
             "seed": seed,
             "block_size": data.block_size,
             "train_prompt": data.train_prompt_loss,
+            "batch_size": REGENERATION_BATCH_SIZE,
         },
     )
     if cache is not None and cache.is_file():
@@ -656,6 +658,7 @@ def _regenerated_rows(
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
             device=accelerator.device,
+            batch_size=REGENERATION_BATCH_SIZE,
             train_prompt=data.train_prompt_loss,
             progress=f"regenerate at T={temperature:g}"
             if accelerator.is_main_process and config.logging.progress_bar
