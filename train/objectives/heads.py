@@ -302,8 +302,8 @@ class HeadObjective(Objective):
     def compute_loss(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         features, target = self._target_outputs(batch)
         drafts = self._draft_logits(batch, features)
-        # Into the draft vocabulary once: every draft position reads a shifted slice of it.
-        target = self._to_draft_vocab(target) if self.loss.needs_target else target
+        if self.loss.needs_target:  # into the draft vocabulary once: each position reads a slice
+            target = self._to_draft_vocab(target)
         total: torch.Tensor | None = None
         used = 0.0
         metrics: dict[str, float] = {}
