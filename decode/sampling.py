@@ -104,6 +104,8 @@ def _top_p_filter(
     sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
     keep_sorted = mass_before < top_p
+    # A top_p below float32's smallest number compares as 0: keep the most likely token anyway.
+    keep_sorted[..., 0] = True
     keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
     filtered = probs * keep
     return filtered / filtered.sum(-1, keepdim=True)

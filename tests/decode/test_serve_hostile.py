@@ -260,6 +260,21 @@ def test_a_tiny_temperature_is_greedy(live: Live, temperature: str) -> None:
     assert texts[0] == texts[1]
 
 
+@pytest.mark.parametrize("top_p", ["1e-46", "1e-320"])
+def test_a_top_p_below_float32_keeps_the_most_likely_token(live: Live, top_p: str) -> None:
+    """A positive top_p that rounds to 0 in float32 still keeps the top token: greedy, not 500."""
+    texts = []
+    for fields in ('"temperature": 0', f'"temperature": 1, "top_p": {top_p}'):
+        body = f'{{"model": "tiny", "prompt": "def add", "max_tokens": 12, {fields}}}'
+        connection = live.http()
+        connection.request("POST", "/v1/completions", body, AUTH)
+        response = connection.getresponse()
+        assert response.status == 200, response.read()
+        texts.append(json.loads(response.read())["choices"][0]["text"])
+        connection.close()
+    assert texts[0] == texts[1]
+
+
 # -- clients that leave ------------------------------------------------------------------------
 
 
