@@ -31,17 +31,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
-import yaml
-
 from decode.defaults import DEMO_PROMPT_CHARS, NUM_DRAFT_TOKENS, TREE_TOP_K
 from decode.precision import DtypeChoice, choose_dtype
+from decode.yaml_values import describe_type, describe_value, load_plain_yaml, typed_value
 
 DEMO_TARGET_PRESETS = ("demo", "bench", "tiny")
 TARGET_OUTPUTS = ("online", "cache", "cache_only")
@@ -453,11 +450,29 @@ class DistillConfig:
             "medusa_num_layers": self.drafter.medusa_num_layers,
         }
         positive["max_steps"] = self.optim.max_steps
-        if self.drafter.drafter_intermediate_size is not None:
-            positive["drafter_intermediate_size"] = self.drafter.drafter_intermediate_size
+        positive["log_every"] = self.logging.log_every
+        for name in ("speed_eval_new_tokens", "speed_eval_draft_tokens", "speed_eval_tree_top_k"):
+            positive[name] = getattr(self.speed_eval, name)
+        for name in ("drafter_intermediate_size", "drafter_hidden_size", "drafter_num_heads"):
+            if getattr(self.drafter, name) is not None:  # None: the target's
+                positive[name] = getattr(self.drafter, name)
+        if self.data.max_train_sequences is not None:
+            positive["max_train_sequences"] = self.data.max_train_sequences
         for name, value in positive.items():
             if value < 1:
                 raise ValueError(f"--{name} must be >= 1, got {value}")
+        for name, zero in (
+            ("speed_eval_prompts", "skips it"),
+            ("speed_eval_tree_total_tokens", "chains"),
+        ):
+            if getattr(self.speed_eval, name) < 0:
+                raise ValueError(
+                    f"--{name} must be >= 0 (0: {zero}), got {getattr(self.speed_eval, name)}"
+                )
+        if not 0.0 <= self.drafter.lora_dropout < 1.0:
+            raise ValueError(f"--lora_dropout must lie in [0, 1), got {self.drafter.lora_dropout}")
+        if self.drafter.lora_alpha <= 0:
+            raise ValueError(f"--lora_alpha must be > 0, got {self.drafter.lora_alpha}")
         for name, value in self.flat().items():
             floats = value if isinstance(value, list) else [value]
             if any(isinstance(v, float) and not math.isfinite(v) for v in floats):
@@ -593,7 +608,7 @@ def _read_recipe(path: Path, chain: tuple[Path, ...]) -> dict[str, Any]:
     if here in chain:
         names = " -> ".join(str(p) for p in (*chain, here))
         raise ValueError(f"{path}: recipes inherit in a cycle ({names}); remove one inherit")
-    data = yaml.safe_load(path.read_text()) or {}
+    data = load_plain_yaml(path, "a recipe YAML such as configs/demo.yaml")
     if not isinstance(data, dict):
         raise ValueError(
             f"{path}: a recipe is a mapping of sections ({', '.join(SECTIONS)}) and an optional "
@@ -634,73 +649,13 @@ def _read_recipe(path: Path, chain: tuple[Path, ...]) -> dict[str, Any]:
 def _checked_value(path: Path, section: str, key: str, value: Any) -> Any:
     """``value`` if it has the field's type (an int widened to float), else ``ValueError``."""
     hint = typing.get_type_hints(SECTIONS[section])[key]
-    ok, converted = _matches(value, hint)
+    ok, converted = typed_value(value, hint)
     if not ok:
         raise ValueError(
-            f"{path}: {section}.{key} must be {_describe(hint)}, got "
-            f"{'null' if value is None else repr(value)} "
-            f"({_yaml_kind(value)}); fix the value in the recipe or pass --{key}"
+            f"{path}: {section}.{key} must be {describe_type(hint)}, got "
+            f"{describe_value(value)}; fix the value in the recipe or pass --{key}"
         )
     return converted
-
-
-def _matches(value: Any, hint: Any) -> tuple[bool, Any]:
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        for option in typing.get_args(hint):
-            ok, converted = _matches(value, option)
-            if ok:
-                return True, converted
-        return False, value
-    if hint is type(None):
-        return value is None, value
-    if origin is list:
-        if not isinstance(value, list):
-            return False, value
-        (item,) = typing.get_args(hint)
-        checked = [_matches(v, item) for v in value]
-        return all(ok for ok, _ in checked), [v for _, v in checked]
-    if hint is bool:
-        return isinstance(value, bool), value
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool), value
-    if hint is float:
-        if isinstance(value, str) and _FLOAT_TEXT.match(value.strip()):
-            value = float(value)  # YAML 1.1 reads 1e-3 (no dot) as a string
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return math.isfinite(value), float(value)
-        return False, value
-    if hint is str:
-        return isinstance(value, str), value
-    return False, value
-
-
-_FLOAT_TEXT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
-
-
-def _describe(hint: Any) -> str:
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_describe(option) for option in typing.get_args(hint))
-    if origin is list:
-        (item,) = typing.get_args(hint)
-        return f"a list of {_describe(item).removeprefix('a ').removeprefix('an ')}s"
-    names = {
-        bool: "true or false",
-        int: "an integer",
-        float: "a finite number",
-        str: "a string",
-        type(None): "null",
-    }
-    return names.get(hint, str(hint))
-
-
-def _yaml_kind(value: Any) -> str:
-    if value is None:
-        return "null"
-    return {bool: "a boolean", int: "an integer", float: "a float", str: "a string"}.get(
-        type(value), f"a {type(value).__name__}"
-    )
 
 
 def parse_config(argv: list[str] | None = None) -> DistillConfig:

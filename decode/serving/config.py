@@ -11,17 +11,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from decode.defaults import NUM_DRAFT_TOKENS, TREE_TOP_K, TREE_TOTAL_TOKENS
 from decode.precision import DTYPE_NAMES
+from decode.yaml_values import describe_type, describe_value, load_plain_yaml, typed_value
 
 DTYPES = (*DTYPE_NAMES, "float64")  # float64: exactness tests
 API_KEY_ENV = "DRAFTSMITH_API_KEY"
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
 # Rows decoded at once (``--max-batch-size``): more requests wait in the queue until one retires.
 MAX_BATCH_SIZE = 32
 
@@ -103,6 +104,15 @@ class ServeConfig:
         """Check values that need no model; raise naming the flag and the fix."""
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype {self.dtype!r} is not valid; choose one of {DTYPES}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(
+                f"--log-level {self.log_level!r} is not valid; choose one of {', '.join(LOG_LEVELS)}"
+            )
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError(
+                f"--api-key (or ${API_KEY_ENV}) is empty: no client could match it; give a key, "
+                "or leave both unset to serve without one"
+            )
         positive = {
             "num_draft_tokens": self.num_draft_tokens,
             "max_batch_size": self.max_batch_size,
@@ -166,11 +176,20 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"--config {path}: no such file")
-    data = yaml.safe_load(path.read_text()) or {}
+    data = load_plain_yaml(path, "a server config YAML of field: value lines")
     if not isinstance(data, dict):
         raise ValueError(f"{path}: the server config is a mapping of field: value")
     valid = {f.name for f in dataclasses.fields(ServeConfig)}
-    unknown = sorted(set(data) - valid)
+    unknown = sorted(set(data) - valid, key=str)
     if unknown:
         raise ValueError(f"{path}: unknown keys {unknown}; valid keys: {', '.join(sorted(valid))}")
-    return data
+    hints = typing.get_type_hints(ServeConfig)
+    checked = {}
+    for key, value in data.items():
+        ok, checked[key] = typed_value(value, hints[key])
+        if not ok:
+            raise ValueError(
+                f"{path}: {key} must be {describe_type(hints[key])}, got "
+                f"{describe_value(value)}; fix the value or pass --{key.replace('_', '-')}"
+            )
+    return checked

@@ -121,3 +121,55 @@ def test_bad_flags_and_a_second_config_are_errors_not_exits(tmp_path: Path) -> N
 def test_out_of_range_optimisation_values(argv: list[str], expected: str) -> None:
     with pytest.raises(ValueError, match=expected):
         parse_config(argv)
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        (b"optim:\n  max_steps: !!python/object/apply:os.system ['echo hi']\n", "python/object"),
+        (b"!!python/name:os.system\n", "python/name"),
+        (b"optim:\n  max_steps: [1,\n", "not a valid plain YAML file"),
+        (b"optim:\n\tmax_steps: 1\n", "not a valid plain YAML file"),
+        (b"optim:\n  max_steps: 1\x00\n", "not a valid plain YAML file"),
+        (b"? [a]\n: b\n", "unhashable key"),
+        (bytes(range(256)), "is not UTF-8 text"),
+        ("optim:\n  max_steps: 1\n".encode("utf-16"), "is not UTF-8 text"),
+    ],
+    ids=["python-object", "python-name", "unclosed", "tab", "nul", "unhashable", "binary", "utf16"],
+)
+def test_a_recipe_that_is_not_plain_yaml_is_a_value_error_naming_it(
+    tmp_path: Path, content: bytes, expected: str
+) -> None:
+    """Python tags are refused (never run), and unreadable YAML is a ValueError naming the file
+    (what train/distill.py prints as a one-line error), not a yaml or codec exception."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_bytes(content)
+    with pytest.raises(ValueError, match=expected) as raised:
+        parse_config(["--config", str(recipe)])
+    assert str(recipe) in str(raised.value)
+    assert "\n" not in str(raised.value)
+    inheriting = tmp_path / "child.yaml"
+    inheriting.write_text("inherit: r.yaml\n")
+    with pytest.raises(ValueError, match=expected):
+        parse_config(["--config", str(inheriting)])
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--log_every", "0"], r"--log_every must be >= 1, got 0"),
+        (["--speed_eval_new_tokens", "0"], r"--speed_eval_new_tokens must be >= 1"),
+        (["--speed_eval_draft_tokens", "-1"], r"--speed_eval_draft_tokens must be >= 1"),
+        (["--speed_eval_tree_top_k", "0"], r"--speed_eval_tree_top_k must be >= 1"),
+        (["--speed_eval_prompts", "-1"], r"--speed_eval_prompts must be >= 0 \(0: skips it\)"),
+        (["--speed_eval_tree_total_tokens", "-4"], r"--speed_eval_tree_total_tokens must be >= 0"),
+        (["--drafter_num_heads", "0"], r"--drafter_num_heads must be >= 1, got 0"),
+        (["--drafter_hidden_size", "-8"], r"--drafter_hidden_size must be >= 1"),
+        (["--max_train_sequences", "0"], r"--max_train_sequences must be >= 1"),
+        (["--lora_dropout", "5"], r"--lora_dropout must lie in \[0, 1\), got 5"),
+        (["--lora_alpha", "0"], r"--lora_alpha must be > 0"),
+    ],
+)
+def test_counts_and_rates_out_of_range_are_refused_by_name(flags: list[str], expected: str) -> None:
+    with pytest.raises(ValueError, match=expected):
+        parse_config(flags)

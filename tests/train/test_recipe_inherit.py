@@ -89,7 +89,7 @@ def test_bad_bases_are_errors_naming_the_file(tmp_path: Path) -> None:
     (tmp_path / "base.yaml").write_text("inherits: other.yaml\n")
     with pytest.raises(ValueError, match=r"unknown section 'inherits'.*\(and 'inherit'\)"):
         read_recipe(leaf)
-    # Only data: a YAML tag that would build a Python object is refused by safe_load.
+    # Only data: a YAML tag that would build a Python object is refused, never run.
     (tmp_path / "base.yaml").write_text("optim: !!python/object/apply:os.system ['true']\n")
-    with pytest.raises(yaml.YAMLError):
+    with pytest.raises(ValueError, match=r"base\.yaml is not a valid plain YAML file"):
         read_recipe(leaf)
