@@ -425,7 +425,10 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     from decode.drafters.registry import load_drafter
     from decode.prompts import load_eval_prompts
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.num_prompts < 1:  # a negative count would slice prompts off the end
+        parser.error(f"--num-prompts must be >= 1, got {args.num_prompts}")
     choice, target, tokenizer, plain_also = load_targets_for(args)
     check_same_tokenizer(tokenizer, args.drafter)
     drafter = load_drafter(args.drafter, target, kind=args.drafter_kind)
@@ -481,4 +484,6 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
 
 
 if __name__ == "__main__":
-    main()
+    from decode.command_line import run_command
+
+    run_command(main)

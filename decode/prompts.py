@@ -117,7 +117,14 @@ def file_prompts(path: str, num_prompts: int) -> list[str | list[dict[str, str]]
     file = Path(path)
     if not file.is_file():
         raise FileNotFoundError(f"prompt file {file} does not exist; pass a file or 'demo'")
-    prompts = [line for line in file.read_text().splitlines() if line.strip()]
+    try:
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            f"prompt file {file} is not UTF-8 text ({error}); pass a text file of one prompt a "
+            "line, a .jsonl file or 'demo'"
+        ) from None
+    prompts = [line for line in text.splitlines() if line.strip()]
     if not prompts:
         raise ValueError(f"prompt file {file} has no non-empty line")
     return prompts[:num_prompts]

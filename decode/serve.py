@@ -114,4 +114,6 @@ def _is_loopback(host: str) -> bool:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from decode.command_line import run_command
+
+    raise SystemExit(run_command(main))

@@ -417,9 +417,7 @@ def report(results: dict[str, Any], output: Path) -> None:
 if __name__ == "__main__":
     # libgomp busy-waiting collapses throughput on shared cores; set before torch loads.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    try:
-        outcome = main()
-    except (ValueError, FileNotFoundError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+    from decode.command_line import run_command
+
+    outcome = run_command(main)
     sys.exit(1 if outcome.get("failed") else 0)

@@ -546,4 +546,6 @@ def sweep_draft_length(args, target, drafters, prompts) -> dict[str, dict[int, f
 
 
 if __name__ == "__main__":
-    main()
+    from decode.command_line import run_command
+
+    run_command(main)

@@ -86,4 +86,6 @@ if __name__ == "__main__":
     # libgomp's default busy-waiting collapses throughput 10-40x when the cores are shared
     # (measured: 2.2 s vs 0.03 s per tiny step); must be set before torch loads OpenMP.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    sys.exit(main())
+    from decode.command_line import run_command
+
+    sys.exit(run_command(main))

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -130,5 +129,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 if __name__ == "__main__":
     # libgomp busy-waiting collapses throughput on shared cores; set before torch loads.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    main()
-    sys.exit(0)
+    from decode.command_line import run_command
+
+    run_command(main)

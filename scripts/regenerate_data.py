@@ -179,5 +179,7 @@ def _through_endpoint(args: argparse.Namespace) -> dict:
 if __name__ == "__main__":
     # libgomp busy-waiting collapses throughput on shared cores; set before torch loads.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    result = main()
+    from decode.command_line import run_command
+
+    result = run_command(main)
     sys.exit(1 if result.get("failed") else 0)

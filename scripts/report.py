@@ -507,4 +507,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from decode.command_line import run_command
+
+    sys.exit(run_command(main))

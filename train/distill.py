@@ -766,26 +766,18 @@ def _print_summary(summary: dict[str, Any]) -> None:
     print(f"  drafter: {summary['drafter_dir']}")
 
 
-def _run_as_script() -> int:
+def _run_as_script() -> None:
+    """``main`` for the command line: a user's mistake (train.checkpoint.CheckpointError is a
+    ValueError), a failed Hub upload or a diverged loss is one line and exit status 2."""
+    from decode.command_line import run_command
     from train.export import HubUploadError
     from train.loop import NonFiniteLossError
 
-    try:
-        main()
-    except (
-        ValueError,  # includes train.checkpoint.CheckpointError
-        FileNotFoundError,
-        FileExistsError,
-        HubUploadError,
-        NonFiniteLossError,
-    ) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    return 0
+    run_command(main, (HubUploadError, NonFiniteLossError))
 
 
 if __name__ == "__main__":
     # libgomp's default busy-waiting collapses throughput 10-40x when cores are shared;
     # it must be set before torch loads OpenMP (the imports above are stdlib only).
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    sys.exit(_run_as_script())
+    _run_as_script()

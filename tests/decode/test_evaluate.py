@@ -81,3 +81,35 @@ def test_mismatched_tokenizer_is_refused(tiny_pair_dirs, tmp_path) -> None:
 def test_missing_target_is_a_clear_error(tmp_path) -> None:
     with pytest.raises(FileNotFoundError, match="build the demo target"):
         evaluate.main(["--target", str(tmp_path / "nope"), "--drafter-kind", "ngram"])
+
+
+def test_bad_prompt_files_and_counts_are_one_line_errors(tiny_pair_dirs, tmp_path) -> None:
+    """The command line ends a bad input in one ``error:`` line and exit status 2."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    target_dir, _ = tiny_pair_dirs
+    binary = tmp_path / "prompts.txt"
+    binary.write_bytes(b"\x00\xff\xfe binary \x80\n")
+    with pytest.raises(ValueError, match=r"prompts\.txt is not UTF-8 text"):
+        evaluate.main(
+            ["--target", str(target_dir), "--drafter-kind", "ngram", "--prompts", str(binary)]
+        )
+    with pytest.raises(SystemExit):
+        evaluate.main(
+            ["--target", str(target_dir), "--drafter-kind", "ngram", "--num-prompts", "-1"]
+        )
+    repo = Path(__file__).resolve().parents[2]
+    for argv, expected in (
+        (["--prompts", str(binary)], "is not UTF-8 text"),
+        (["--prompts", str(tmp_path / "missing.jsonl")], "does not exist"),
+        (["--num-prompts", "0"], "--num-prompts must be >= 1"),
+    ):
+        result = subprocess.run(
+            [sys.executable, "-m", "decode.evaluate", "--target", str(target_dir),
+             "--drafter-kind", "ngram", *argv],
+            cwd=repo, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert result.returncode == 2, result.stderr
+        assert "Traceback" not in result.stderr and expected in result.stderr

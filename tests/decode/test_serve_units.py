@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -489,6 +491,82 @@ def test_config_errors_name_the_fix() -> None:
             ServeConfig(target="t", drafter_kind="ngram", timeout_headers=value).validate()
     config = parse_serve_args(["--target", "t", "--drafter-kind", "ngram", "--timeout-body", "2.5"])
     assert (config.timeout_keep_alive, config.timeout_headers, config.timeout_body) == (5, 10, 2.5)
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        (b"port: !!python/object/apply:os.system ['echo hi']\n", "not a valid plain YAML file"),
+        (b"port: [\n", "not a valid plain YAML file"),
+        (b"port: 1\x00\n", "not a valid plain YAML file"),
+        (bytes(range(256)), "is not UTF-8 text"),
+        (b"port: [1]\n", r"port must be an integer, got \[1\] \(a list\)"),
+        (b"port: 80.5\n", "port must be an integer, got 80.5"),
+        (b"max_queue: null\n", "max_queue must be an integer, got null"),
+        (b"timeout_body: {a: 1}\n", "timeout_body must be a finite number"),
+        (b"api_key: 12345\n", "api_key must be a string or null, got 12345"),
+        (b"tree: 5\n", "tree must be true or false"),
+        (b"num_draft_tokens: 2.5\n", "num_draft_tokens must be an integer"),
+    ],
+    ids=[
+        "python-tag",
+        "unclosed",
+        "nul",
+        "binary",
+        "list",
+        "float",
+        "null",
+        "dict",
+        "key",
+        "bool",
+        "ndt",
+    ],
+)
+def test_config_file_values_are_checked(tmp_path: Path, content: bytes, expected: str) -> None:
+    """A server config file is plain YAML whose values have their fields' types: a ValueError
+    naming the file and the key, never a yaml, codec or TypeError, nor an int api_key that
+    would fail every request later."""
+    path = tmp_path / "serve.yaml"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=expected) as raised:
+        parse_serve_args(["--config", str(path), "--target", "t", "--drafter-kind", "ngram"])
+    assert str(path) in str(raised.value) and "\n" not in str(raised.value)
+    path.write_text("timeout_body: 1e-1\nport: 9000\n")  # YAML 1.1 reads 1e-1 as a string
+    config = parse_serve_args(["--config", str(path), "--target", "t", "--drafter-kind", "ngram"])
+    assert (config.timeout_body, config.port) == (0.1, 9000)
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--api-key", " "], "--api-key .* is empty"),
+        (["--log-level", "INFO"], "--log-level 'INFO' is not valid"),
+    ],
+)
+def test_flags_uvicorn_or_clients_would_trip_on_are_refused(
+    flags: list[str], expected: str
+) -> None:
+    with pytest.raises(ValueError, match=expected):
+        parse_serve_args(["--target", "t", "--drafter-kind", "ngram", *flags])
+
+
+def test_the_serve_command_reports_bad_input_in_one_line(tmp_path: Path) -> None:
+    """``python decode/serve.py`` with a bad flag, file or folder: one line, exit status 2."""
+    repo = Path(__file__).resolve().parents[2]
+    bad_yaml = tmp_path / "serve.yaml"
+    bad_yaml.write_text("port: !!python/object/apply:os.system ['echo hi']\n")
+    for argv, expected in (
+        (["--target", str(tmp_path / "missing"), "--drafter-kind", "none"], "no such folder"),
+        (["--config", str(bad_yaml), "--target", "t"], "not a valid plain YAML file"),
+        (["--target", "t", "--drafter-kind", "none", "--device", "bogus"], "--device 'bogus'"),
+    ):
+        result = subprocess.run(
+            [sys.executable, "decode/serve.py", *argv],
+            cwd=repo, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert result.returncode == 2, result.stderr
+        assert "Traceback" not in result.stderr and expected in result.stderr
+        assert result.stderr.strip().splitlines()[-1].startswith("error: ")
 
 
 def test_only_safetensors_weights_load(tmp_path: Path) -> None:

@@ -1,0 +1,47 @@
+"""Every command's ending on a user's mistake: one line on stderr, exit status 2."""
+
+from __future__ import annotations
+
+import pytest
+
+from decode.command_line import run_command
+
+
+class _UploadFailed(RuntimeError):
+    pass
+
+
+def _raises(error: BaseException):
+    def main() -> int:
+        raise error
+
+    return main
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        ValueError("--num-prompts must be >= 1, got 0"),
+        FileNotFoundError("prompt file x.txt does not exist; pass a file or 'demo'"),
+        FileExistsError("out/ exists: pass --force"),
+    ],
+)
+def test_a_user_error_is_one_line_and_status_2(error, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        run_command(_raises(error))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {error}\n"
+
+
+def test_a_command_s_own_errors_count_as_user_errors(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        run_command(_raises(_UploadFailed("the Hub refused the upload")), (_UploadFailed,))
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == "error: the Hub refused the upload\n"
+
+
+def test_a_bug_keeps_its_traceback_and_a_result_passes_through() -> None:
+    with pytest.raises(KeyError):
+        run_command(_raises(KeyError("a bug")))
+    assert run_command(lambda: {"failed": 0}) == {"failed": 0}
