@@ -85,25 +85,31 @@ def _read_json_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
     """Yield ``(where, record)`` from a .jsonl or .json file; ``where`` is "file:line"."""
     if not path.is_file():
         raise FileNotFoundError(f"data file {path} does not exist; check the path")
-    if path.suffix == ".jsonl":
-        with path.open(encoding="utf-8") as handle:
-            for number, line in enumerate(handle, start=1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{number}"
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as error:
-                    raise ValueError(
-                        f"{where} is not valid JSON ({error.msg}); each line of a .jsonl file "
-                        "must be one JSON object"
-                    ) from error
-                yield where, record
-        return
-    if path.suffix != ".json":
+    if path.suffix not in (".jsonl", ".json"):
         raise ValueError(f"{path} has suffix {path.suffix!r}; use a .jsonl or .json file")
     try:
-        content = json.loads(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            f"{path} is not UTF-8 text ({error}); a {path.suffix} data file is UTF-8 JSON"
+        ) from None
+    if path.suffix == ".jsonl":
+        # Lines end at "\n" only: a JSON string may hold U+2028 unescaped.
+        for number, line in enumerate(text.split("\n"), start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(
+                    f"{where} is not valid JSON ({error.msg}); each line of a .jsonl file "
+                    "must be one JSON object"
+                ) from error
+            yield where, record
+        return
+    try:
+        content = json.loads(text)
     except json.JSONDecodeError as error:
         raise ValueError(
             f"{path} is not valid JSON ({error.msg} at line {error.lineno})"

@@ -58,6 +58,14 @@ def test_load_jsonl_and_its_errors(tmp_path: Path) -> None:
     numbers = _jsonl(tmp_path / "n.jsonl", [{"text": 3}])
     with pytest.raises(ValueError, match="'text' is a int, not a string"):
         load_jsonl(numbers)
+    for suffix in (".jsonl", ".json"):
+        binary = tmp_path / f"binary{suffix}"
+        binary.write_bytes(bytes(range(256)))
+        with pytest.raises(ValueError, match=rf"binary\{suffix} is not UTF-8 text"):
+            load_jsonl(binary)
+    separator = tmp_path / "u2028.jsonl"  # U+2028 is legal raw inside a JSON string
+    separator.write_text('{"text": "a\u2028b"}\n', encoding="utf-8")
+    assert load_jsonl(separator)["text"] == ["a\u2028b"]
 
 
 def test_load_conversations_jsonl_and_json(tmp_path: Path) -> None:
