@@ -24,6 +24,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from decode.sampling import SamplingConfig
 
 MAX_STOP_SEQUENCES = 4
+# Characters per stop sequence: the stream holds back any tail of the answer that begins a
+# stop, checking each possible length per token (decode.serving.text), so the bound keeps that
+# check to microseconds; 16,000-character stops cost ~50 ms of the event loop per token.
+MAX_STOP_CHARS = 512
 _SURROGATE = re.compile(r"[\ud800-\udfff]")
 _ECHO_CHARS = 80  # how much of a rejected value an error message repeats
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
@@ -97,6 +101,13 @@ class _GenerationRequest(_Strict):
             )
         if any(stop == "" for stop in stops):
             raise APIError(400, "'stop' sequences must be non-empty strings", param="stop")
+        if any(len(stop) > MAX_STOP_CHARS for stop in stops):
+            raise APIError(
+                400,
+                f"'stop' sequences hold at most {MAX_STOP_CHARS} characters each; cut the "
+                "longer ones to a distinctive ending",
+                param="stop",
+            )
         return stops
 
     def check_supported(self) -> None:

@@ -29,7 +29,13 @@ from decode.serve import _is_loopback
 from decode.serving.config import ServeConfig, parse_serve_args
 from decode.serving.loading import load_target
 from decode.serving.metrics import ServerMetrics
-from decode.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body
+from decode.serving.protocol import (
+    MAX_STOP_CHARS,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_body,
+)
 from decode.serving.scheduler import (
     BatchWorker,
     DoneEvent,
@@ -634,3 +640,14 @@ def test_metrics_text_escapes_labels_and_folds_batches() -> None:
     assert metric(samples, "draftsmith_request_tau_sum") == 4.0
     assert metric(samples, "draftsmith_request_draft_tokens_total") == 9
     assert metric(samples, "draftsmith_request_accepted_tokens_total") == 3
+
+
+def test_stop_sequences_longer_than_the_bound_are_a_400_naming_it() -> None:
+    """The stream checks each held-back length per token; a 16,000-character stop made that
+    tens of milliseconds of the event loop per token, so stops are bounded."""
+    fits = CompletionRequest(model="m", prompt="a", stop=["x" * MAX_STOP_CHARS, "y"])
+    assert fits.stop_strings() == ["x" * MAX_STOP_CHARS, "y"]
+    too_long = CompletionRequest(model="m", prompt="a", stop=["y", "x" * (MAX_STOP_CHARS + 1)])
+    with pytest.raises(APIError, match=f"at most {MAX_STOP_CHARS} characters") as raised:
+        too_long.stop_strings()
+    assert raised.value.status == 400 and raised.value.param == "stop"
