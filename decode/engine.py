@@ -95,6 +95,12 @@ class SpeculativeDecoder:
                 f"the {drafter.kind} drafter drafts chains only: drop the tree settings or use "
                 "an eagle3 or medusa drafter"
             )
+        most = drafter.max_draft_tokens
+        if tree is None and most is not None and num_draft_tokens > most:
+            raise ValueError(
+                f"the {drafter.kind} drafter drafts at most {most} tokens per chain, got "
+                f"num_draft_tokens={num_draft_tokens}: pass num_draft_tokens <= {most} or a tree"
+            )
         self.tree = tree
         self.target = target.eval()
         self._target_head = OutputHead.for_model(self.target)
@@ -113,7 +119,9 @@ class SpeculativeDecoder:
             from decode.tree_policy import TreeSizePolicy
 
             vary = tree.choices is None and drafter.kind == "eagle3"  # EAGLE-2 dynamic trees
-            self.tree_policy = TreeSizePolicy(tree, num_draft_tokens, vary_top_k=vary)
+            # Its chain rounds draft up to the menu's depth: no deeper than the drafter's chains.
+            depth = num_draft_tokens if most is None else min(num_draft_tokens, most)
+            self.tree_policy = TreeSizePolicy(tree, depth, vary_top_k=vary)
             self.draft_length = self.tree_policy
 
     @property

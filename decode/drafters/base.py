@@ -90,6 +90,12 @@ class Drafter(ABC):
     def vocab_size(self) -> int:
         """Size of the token space the proposals are drawn from (must match the target)."""
 
+    @property
+    def max_draft_tokens(self) -> int | None:
+        """The longest chain ``propose`` drafts (Medusa: one token per head); None: no limit.
+        Trees are cut to this depth by the drafter itself."""
+        return None
+
     def check_compatible(self, target: torch.nn.Module) -> None:
         """Raise ``ValueError`` when this drafter cannot serve ``target``."""
         target_vocab = target.get_output_embeddings().weight.shape[0]

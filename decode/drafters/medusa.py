@@ -224,6 +224,11 @@ class MedusaDrafter(Drafter):
     def vocab_size(self) -> int:
         return self.heads.config.vocab_size
 
+    @property
+    def max_draft_tokens(self) -> int:
+        """Head i guesses the token i + 1 places after the pending one: K heads, K drafts."""
+        return self.heads.config.num_heads
+
     @torch.no_grad()
     def prefill(
         self,

@@ -99,3 +99,20 @@ def test_chain_only_drafter_refuses_tree_settings(target) -> None:
 
     with pytest.raises(ValueError, match="drafts chains only"):
         SpeculativeDecoder(target, DraftModelDrafter(target), 3, tree=TreeSpec())
+
+
+def test_adaptive_tree_deeper_than_medusas_heads_stays_exact(target) -> None:
+    """An adaptive tree decoder's chain rounds stop at the heads' count (head i drafts the
+    token i + 1 places ahead), as its tree rounds do; a chain decoder refuses a longer chain
+    before any forward pass."""
+    ids, mask = _prompts()
+    reference = target.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False
+    )
+    decoder = SpeculativeDecoder(
+        target, tiny_medusa_drafter(target, num_heads=2), 4, tree=TreeSpec(), adaptive=True
+    )
+    out = decoder.generate(ids, mask, max_new_tokens=20)
+    assert torch.equal(out.sequences, reference)
+    with pytest.raises(ValueError, match="at most 2 tokens per chain"):
+        SpeculativeDecoder(target, tiny_medusa_drafter(target, num_heads=2), 4)
