@@ -81,18 +81,22 @@ def _looks_local(source: str) -> bool:
     )
 
 
+def utf8_text(path: Path, expected: str) -> str:
+    """The text of ``path``; ``ValueError`` naming it and ``expected`` (what to pass instead)
+    if it is not UTF-8."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path} is not UTF-8 text ({error}); pass {expected}") from None
+
+
 def _read_json_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
     """Yield ``(where, record)`` from a .jsonl or .json file; ``where`` is "file:line"."""
     if not path.is_file():
         raise FileNotFoundError(f"data file {path} does not exist; check the path")
     if path.suffix not in (".jsonl", ".json"):
         raise ValueError(f"{path} has suffix {path.suffix!r}; use a .jsonl or .json file")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as error:
-        raise ValueError(
-            f"{path} is not UTF-8 text ({error}); a {path.suffix} data file is UTF-8 JSON"
-        ) from None
+    text = utf8_text(path, f"a {path.suffix} data file of UTF-8 JSON")
     if path.suffix == ".jsonl":
         # Lines end at "\n" only: a JSON string may hold U+2028 unescaped.
         for number, line in enumerate(text.split("\n"), start=1):

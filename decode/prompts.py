@@ -17,6 +17,7 @@ from typing import TypeVar
 
 from data.benchmarks import load_benchmark_prompts
 from data.corpus import load_stdlib_corpus
+from data.sources import utf8_text
 from decode.defaults import DEMO_PROMPT_CHARS
 
 T = TypeVar("T")
@@ -117,13 +118,7 @@ def file_prompts(path: str, num_prompts: int) -> list[str | list[dict[str, str]]
     file = Path(path)
     if not file.is_file():
         raise FileNotFoundError(f"prompt file {file} does not exist; pass a file or 'demo'")
-    try:
-        text = file.read_text(encoding="utf-8")
-    except UnicodeDecodeError as error:
-        raise ValueError(
-            f"prompt file {file} is not UTF-8 text ({error}); pass a text file of one prompt a "
-            "line, a .jsonl file or 'demo'"
-        ) from None
+    text = utf8_text(file, "a text file of one prompt a line, a .jsonl file or 'demo'")
     prompts = [line for line in text.splitlines() if line.strip()]
     if not prompts:
         raise ValueError(f"prompt file {file} has no non-empty line")
