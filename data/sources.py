@@ -87,7 +87,11 @@ def utf8_text(path: Path, expected: str) -> str:
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as error:
-        raise ValueError(f"{path} is not UTF-8 text ({error}); pass {expected}") from None
+        raise _not_utf8(path, error, expected) from None
+
+
+def _not_utf8(path: Path, error: UnicodeDecodeError, expected: str) -> ValueError:
+    return ValueError(f"{path} is not UTF-8 text ({error}); pass {expected}")
 
 
 def _read_json_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -96,22 +100,26 @@ def _read_json_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
         raise FileNotFoundError(f"data file {path} does not exist; check the path")
     if path.suffix not in (".jsonl", ".json"):
         raise ValueError(f"{path} has suffix {path.suffix!r}; use a .jsonl or .json file")
-    text = utf8_text(path, f"a {path.suffix} data file of UTF-8 JSON")
-    if path.suffix == ".jsonl":
-        # Lines end at "\n" only: a JSON string may hold U+2028 unescaped.
-        for number, line in enumerate(text.split("\n"), start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
+    expected = f"a {path.suffix} data file of UTF-8 JSON"
+    if path.suffix == ".jsonl":  # streamed: a training set may not fit in memory twice
+        with path.open(encoding="utf-8") as handle:
             try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(
-                    f"{where} is not valid JSON ({error.msg}); each line of a .jsonl file "
-                    "must be one JSON object"
-                ) from error
-            yield where, record
+                for number, line in enumerate(handle, start=1):
+                    if not line.strip():
+                        continue
+                    where = f"{path}:{number}"
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError as error:
+                        raise ValueError(
+                            f"{where} is not valid JSON ({error.msg}); each line of a .jsonl "
+                            "file must be one JSON object"
+                        ) from error
+                    yield where, record
+            except UnicodeDecodeError as error:
+                raise _not_utf8(path, error, expected) from None
         return
+    text = utf8_text(path, expected)
     try:
         content = json.loads(text)
     except json.JSONDecodeError as error:
