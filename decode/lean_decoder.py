@@ -27,6 +27,7 @@ the output then follows the target as this forward computes it; a target step fa
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +37,7 @@ from transformers import DynamicCache
 from decode.kv_cache import AttentionLayout, PreallocatedLayer
 from decode.llama_math import apply_rope, rms_norm
 from decode.output_head import LLAMA_FAMILY_MODEL_TYPES
-from decode.projection import Projection, fused_projection
+from decode.projection import Layout, Projection, fused_projection, layer_layout
 
 # Rope types whose angles are a fixed function of the position (computed once by the model's
 # rope init function); other known types depend on the call (see ``_angles_depend_on_call``).
@@ -80,11 +81,18 @@ class LeanDecoder:
     cache and new slots, a [B, 1, W, S + W] bool mask, or a dict of such masks keyed by layer
     kind, which a model with sliding-window layers needs), ``position_ids`` [B, W] and a
     ``cache`` of ``PreallocatedLayer``s. The fused weights are copies, rebuilt when any weight
-    of the model changes in place (tracked by tensor versions).
+    of the model changes in place (tracked by tensor versions). ``choose`` picks the products'
+    layouts: a target's ``layer_layout``, or ``draft_layer_layout`` for a draft model, whose
+    one-row products may use int8 weights (``decode.projection``).
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        choose: Callable[[torch.dtype, int], Layout] = layer_layout,
+    ) -> None:
         self.model = model
+        self._choose = choose
         config = model.config
         num_heads = config.num_attention_heads
         self.shape = AttentionShape(
@@ -102,9 +110,13 @@ class LeanDecoder:
         self._cos = self._sin = torch.empty(0)  # [P, D] rotary tables, grown on demand
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module) -> LeanDecoder | None:
+    def for_model(
+        cls,
+        model: torch.nn.Module,
+        choose: Callable[[torch.dtype, int], Layout] = layer_layout,
+    ) -> LeanDecoder | None:
         """A lean decoder for ``model`` when it is a plain Llama-family model on CPU, else None."""
-        return cls(model) if _is_plain_llama_on_cpu(model) else None
+        return cls(model, choose) if _is_plain_llama_on_cpu(model) else None
 
     def __call__(
         self,
@@ -176,7 +188,9 @@ class LeanDecoder:
         versions = [p._version for p in self._parameters]
         if versions != self._versions:
             with torch.no_grad():
-                self._layers = [fuse_layer(layer) for layer in self.model.get_decoder().layers]
+                self._layers = [
+                    fuse_layer(layer, self._choose) for layer in self.model.get_decoder().layers
+                ]
             self._versions = versions
         return self._layers
 
@@ -237,15 +251,15 @@ def decoder_layer(
         normed = rms_norm(x, weights.input_norm, shape.eps)
     batch, width, _ = normed.shape
     heads, kv_heads, dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
-    q, k, v = (
-        weights.qkv(normed)
-        .view(batch, width, heads + 2 * kv_heads, dim)
-        .split((heads, kv_heads, kv_heads), dim=2)
-    )  # [B, W, heads, D] each
-    if weights.q_norm is not None:
-        q, k = rms_norm(q, weights.q_norm, shape.eps), rms_norm(k, weights.k_norm, shape.eps)
-    q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, Q, W, D]
-    k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, KV, W, D]
+    qkv = weights.qkv(normed).view(batch, width, heads + 2 * kv_heads, dim)
+    if weights.q_norm is None:  # rope is elementwise: rotate q and k in one call
+        qk, v = qkv.split((heads + kv_heads, kv_heads), dim=2)  # [B, W, Q + KV | KV, D]
+        q, k = apply_rope(qk.transpose(1, 2), cos, sin).split((heads, kv_heads), dim=1)
+    else:
+        q, k, v = qkv.split((heads, kv_heads, kv_heads), dim=2)  # [B, W, heads, D] each
+        q = apply_rope(rms_norm(q, weights.q_norm, shape.eps).transpose(1, 2), cos, sin)
+        k = apply_rope(rms_norm(k, weights.k_norm, shape.eps).transpose(1, 2), cos, sin)
+    # q [B, Q, W, D], k [B, KV, W, D]
     keys, values = cache_layer.update(k, v.transpose(1, 2))  # [B, KV, S + W, D]
     attended = F.scaled_dot_product_attention(
         q, keys, values, attn_mask=mask, enable_gqa=kv_heads != heads
@@ -255,21 +269,24 @@ def decoder_layer(
     return x + weights.down(F.silu(gate) * up)  # gate, up: [B, W, I] each
 
 
-def fuse_layer(layer: torch.nn.Module) -> LayerWeights:
+def fuse_layer(
+    layer: torch.nn.Module,
+    choose: Callable[[torch.dtype, int], Layout] = layer_layout,
+) -> LayerWeights:
     """One decoder layer's weights (Hugging Face's module names), with q/k/v and gate/up
-    concatenated into one product each (``decode.projection`` lays each out for the dtype)."""
+    concatenated into one product each, in the layouts ``choose`` picks (``decode.projection``)."""
     attention, mlp = layer.self_attn, layer.mlp
     q_norm = getattr(attention, "q_norm", None)
     k_norm = getattr(attention, "k_norm", None)
     return LayerWeights(
         input_norm=layer.input_layernorm.weight.detach(),
-        qkv=fused_projection((attention.q_proj, attention.k_proj, attention.v_proj)),
+        qkv=fused_projection((attention.q_proj, attention.k_proj, attention.v_proj), choose),
         q_norm=None if q_norm is None else q_norm.weight.detach(),
         k_norm=None if k_norm is None else k_norm.weight.detach(),
-        out=fused_projection((attention.o_proj,)),
+        out=fused_projection((attention.o_proj,), choose),
         post_norm=layer.post_attention_layernorm.weight.detach(),
-        gate_up=fused_projection((mlp.gate_proj, mlp.up_proj)),
-        down=fused_projection((mlp.down_proj,)),
+        gate_up=fused_projection((mlp.gate_proj, mlp.up_proj), choose),
+        down=fused_projection((mlp.down_proj,), choose),
     )
 
 

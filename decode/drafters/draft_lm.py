@@ -29,6 +29,7 @@ from decode.drafters.vocab_map import VocabMap, to_target_ids, to_target_probs
 from decode.kv_cache import CachedSequence, pad_front
 from decode.lean_decoder import LeanDecoder
 from decode.output_head import DRAFT_LOGITS_DTYPE, OutputHead
+from decode.projection import draft_layer_layout
 from decode.sampling import SamplingConfig, select_tokens
 
 DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
@@ -57,7 +58,11 @@ class DraftModelDrafter(Drafter):
         self._head = OutputHead.for_model(self.model, DRAFT_LOGITS_DTYPE)
         # The draft's own forward may differ from the model's by float rounding: exactness only
         # needs the q it reports, which is the q it sampled from.
-        self._decoder = LeanDecoder.for_model(self.model) if self._head is not None else None
+        self._decoder = (
+            LeanDecoder.for_model(self.model, draft_layer_layout)
+            if self._head is not None
+            else None
+        )
         self._sequence: CachedSequence | None = None
         self._unread: torch.Tensor | None = None  # [B, W] tokens the draft has not read
         self._unread_valid: torch.Tensor | None = None  # [B, W] bool

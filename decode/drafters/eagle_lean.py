@@ -13,10 +13,11 @@ a draft step must cost a small fraction of a target step for drafting to pay):
     z   = n_out(h) @ W_head                              (the pruned draft vocabulary only)
 
 with the head's own weights (copied once into the fused layouts, rebuilt when a weight changes
-in place), rotary tables computed once in float64 as the head computes them, and keys/values
-written into a :class:`decode.kv_cache.PreallocatedStack` (one layer per head layer) that
-drafting appends to and crops back (never a concatenation of the whole cache). Logits stay
-in the draft vocabulary (``V_draft``, e.g. 2048 of 8192): sampling and top-k run there and only the chosen ids are
+in place; a one-row bfloat16 product multiplies an int8 copy, ``decode.projection``), rotary
+tables computed once in float64 as the head computes them, and keys/values written into a
+:class:`decode.kv_cache.PreallocatedStack` (one layer per head layer) that drafting appends to
+and crops back (never a concatenation of the whole cache). Logits stay in the draft vocabulary
+(``V_draft``, e.g. 2048 of 8192): sampling and top-k run there and only the chosen ids are
 mapped to the target's (``target_id = draft_id + d2t[draft_id]``).
 """
 
@@ -33,7 +34,7 @@ from decode.kv_cache import PreallocatedStack
 from decode.lean_decoder import AttentionShape, LayerWeights, decoder_layer, fuse_layer
 from decode.llama_math import rms_norm
 from decode.output_head import DRAFT_LOGITS_DTYPE, OutputHead
-from decode.projection import Projection, fused_projection
+from decode.projection import Projection, draft_layer_layout, fused_projection
 
 
 @dataclass
@@ -78,10 +79,10 @@ class LeanEagle3:
     def _fuse(self) -> _FusedWeights:
         head = self.head
         return _FusedWeights(
-            fc=fused_projection((head.fc,)),
+            fc=fused_projection((head.fc,), draft_layer_layout),
             hidden_norm=head.midlayer.hidden_norm.weight.detach(),
-            first=fuse_layer(head.midlayer),
-            later=[fuse_layer(layer) for layer in head.layers.values()],
+            first=fuse_layer(head.midlayer, draft_layer_layout),
+            later=[fuse_layer(layer, draft_layer_layout) for layer in head.layers.values()],
             final_norm=head.norm.weight.detach(),
             draft_to_target=head.draft_to_target_ids.clone(),
         )

@@ -12,6 +12,11 @@ from decode.projection import Projection
 LAYOUTS = [projection.TRANSPOSED, projection.WEIGHT_FIRST, projection.PACKED, projection.LINEAR]
 # bfloat16 products round their output to 8 bits of mantissa; float32 to 24.
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+# Weight-only int8 rounds each weight by at most half its row's scale (max |w| / 254).
+INT8_TOLERANCE = 3e-2
+needs_int8_kernel = pytest.mark.skipif(
+    not projection.int8_weight_kernel(), reason="this torch has no weight-only int8 kernel"
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -82,3 +87,58 @@ def test_a_compute_dtype_keeps_the_precision_an_argmax_needs() -> None:
     kept = Projection(weight, compute_dtype=torch.float32)(x)
     assert rounded[0, 0] == rounded[0, 1]
     assert kept.dtype == torch.float32 and int(kept.argmax()) == 1
+
+
+def test_int8_quantization_rounds_each_weight_to_its_row_scale() -> None:
+    weight = torch.randn(24, 32, generator=torch.Generator().manual_seed(0))
+    weight[3] = 0.0  # an all-zero row stays zero
+    int8, scales = projection.quantize_int8(weight)
+    assert int8.dtype == torch.int8 and int8.abs().max() <= 127 and scales.shape == (24,)
+    error = (int8.float() * scales[:, None] - weight).abs()
+    assert (error <= scales[:, None] / 2 + 1e-7).all()
+    assert (int8[3] == 0).all() and int(int8.abs().amax(1)[0]) == 127
+
+
+@needs_int8_kernel
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("width", [32, 33])
+def test_int8_weights_compute_the_linear_map(with_bias: bool, rows: int, width: int) -> None:
+    """Within quantization error; a width the kernel cannot read (33) keeps the layer layout."""
+    generator = torch.Generator().manual_seed(rows + width)
+    weight = torch.randn(48, width, generator=generator).bfloat16()  # [out, in]
+    bias = torch.randn(48, generator=generator).bfloat16() if with_bias else None
+    x = torch.randn(2, rows, width, generator=generator).bfloat16()  # [B, T, in]
+    reference = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    project = Projection(weight, bias, lambda _dtype, _rows: projection.INT8_WEIGHTS)
+    out = project(x)
+    assert out.shape == (2, rows, 48) and out.dtype == torch.bfloat16
+    error = (out.double() - reference).abs().max() / reference.abs().max()
+    assert error < INT8_TOLERANCE
+    assert (projection.INT8_WEIGHTS in project._prepared) == (width % 16 == 0)
+
+
+def test_drafters_use_int8_weights_for_one_bfloat16_row_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(projection, "onednn_packs", lambda dtype: True)
+    monkeypatch.setattr(projection, "int8_weight_kernel", lambda: True)
+    assert projection.draft_layer_layout(torch.bfloat16, 1) == projection.INT8_WEIGHTS
+    assert projection.draft_layer_layout(torch.bfloat16, 2) == projection.PACKED
+    assert projection.draft_layer_layout(torch.float32, 1) == projection.TRANSPOSED
+    monkeypatch.setattr(projection, "int8_weight_kernel", lambda: False)
+    assert projection.draft_layer_layout(torch.bfloat16, 1) == projection.PACKED
+    assert projection.layer_layout(torch.bfloat16, 1) == projection.PACKED  # targets never
+
+
+@needs_int8_kernel
+def test_a_bfloat16_eagle_head_drafts_through_int8_weights() -> None:
+    from decode_helpers import tiny_eagle_drafter
+    from tiny_models import tiny_llama
+
+    target = tiny_llama(num_layers=2, seed=0, dtype=torch.bfloat16)
+    lean = tiny_eagle_drafter(target).lean
+    first = lean.weights().first
+    hidden = torch.randn(1, 1, lean.head.config.hidden_size).bfloat16()
+    first.qkv(hidden.repeat(1, 1, 2))  # one row: the int8 copy is built and used
+    assert projection.INT8_WEIGHTS in first.qkv._prepared
