@@ -33,9 +33,11 @@ scaling).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from decode.projection import Projection, vocab_layout
+from decode.projection import Layout, Projection, vocab_layout
 
 # The Llama family this package runs by hand: logits are exactly
 # ``lm_head(decoder(x).last_hidden_state)`` (no soft-capping or scaling), and the decoder
@@ -46,22 +48,31 @@ LLAMA_FAMILY_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 # Drafters compute their logits in at least float32: in bfloat16 (8 significant bits) a draft's
 # top two logits often round to one value and argmax then proposes the lower token id rather
-# than the drafter's real first choice (docs/theory.md §7). The target's logits stay in its own
-# dtype: they are the distribution the output follows.
+# than the drafter's real first choice (docs/theory.md §7). A bfloat16 drafter's one-row logits
+# may come from int8 weights with their largest few recomputed in float32 (``draft_vocab_layout``,
+# ``Projection._rescored``): the argmax stays the float32 one. The target's logits stay in its
+# own dtype: they are the distribution the output follows.
 DRAFT_LOGITS_DTYPE: torch.dtype | None = torch.float32
 
 
 class OutputHead(Projection):
-    """``h @ W^T`` in the fastest layout for the dtype and row count (``vocab_layout``)."""
+    """``h @ W^T`` in the fastest layout for the dtype and row count (``vocab_layout``, or a
+    drafter's ``draft_vocab_layout``)."""
 
     def __init__(
-        self, weight: torch.Tensor, logits_dtype: torch.dtype | None = None
-    ) -> None:  # [V, H]
-        super().__init__(weight, None, vocab_layout, logits_dtype)
+        self,
+        weight: torch.Tensor,  # [V, H]
+        logits_dtype: torch.dtype | None = None,
+        choose: Callable[[torch.dtype, int], Layout] = vocab_layout,
+    ) -> None:
+        super().__init__(weight, None, choose, logits_dtype)
 
     @classmethod
     def for_model(
-        cls, model: torch.nn.Module, logits_dtype: torch.dtype | None = None
+        cls,
+        model: torch.nn.Module,
+        logits_dtype: torch.dtype | None = None,
+        choose: Callable[[torch.dtype, int], Layout] = vocab_layout,
     ) -> OutputHead | None:
         """The head of ``model`` when it runs on CPU with a plain linear output, else ``None``."""
         head = model.get_output_embeddings()
@@ -73,4 +84,4 @@ class OutputHead(Projection):
             or head.weight.device.type != "cpu"
         ):
             return None
-        return cls(head.weight, logits_dtype)
+        return cls(head.weight, logits_dtype, choose)

@@ -59,6 +59,9 @@ INT8_WEIGHTS: Layout = "int8_weights"  # rows @ (s * W8)^T, W8 int8 [out, in], s
 
 # Up to this many rows a bfloat16 drafter's layer products use int8 weights (see the table).
 INT8_DRAFT_ROWS = 1
+# A drafter's int8 logits in a wider compute dtype: this many largest ones per row are
+# recomputed exactly, so its argmax and top-k are the exact product's (``Projection._rescored``).
+RESCORED_OUTPUTS = 8
 # ``_weight_int8pack_mm`` (torch 2.13, CPU) reads input widths in blocks of 16: at other widths
 # it returns wrong numbers or crashes, so such weights keep ``layer_layout``'s product.
 INT8_KERNEL_WIDTH_MULTIPLE = 16
@@ -82,6 +85,15 @@ def draft_layer_layout(dtype: torch.dtype, rows: int) -> Layout:
     if dtype == torch.bfloat16 and rows <= INT8_DRAFT_ROWS and int8_weight_kernel():
         return INT8_WEIGHTS
     return layer_layout(dtype, rows)
+
+
+def draft_vocab_layout(dtype: torch.dtype, rows: int) -> Layout:
+    """The layout of a drafter's output projection: int8 weights for one bfloat16 row (its
+    top outputs then rescored in the compute dtype, ``Projection._rescored``), else
+    ``vocab_layout``."""
+    if dtype == torch.bfloat16 and rows <= INT8_DRAFT_ROWS and int8_weight_kernel():
+        return INT8_WEIGHTS
+    return vocab_layout(dtype, rows)
 
 
 def vocab_layout(dtype: torch.dtype, rows: int) -> Layout:
@@ -138,6 +150,8 @@ class Projection:
             self._converted = None
             self._version = self.weight._version
         if self._compute_dtype is not None and _narrower(self.weight.dtype, self._compute_dtype):
+            if self._int8_chosen(x):
+                return self._rescored(x)
             return self._in_compute_dtype()(x)
         rows = x.reshape(-1, x.shape[-1]).to(self.weight.dtype)  # [R, in]
         layout = self._choose(self.weight.dtype, rows.shape[0])
@@ -145,6 +159,32 @@ class Projection:
             layout = layer_layout(self.weight.dtype, rows.shape[0])
         out = self._multiply(layout, rows)  # [R, out]
         return out.view(*x.shape[:-1], out.shape[-1])
+
+    def _int8_chosen(self, x: torch.Tensor) -> bool:  # x [..., in]
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        return (
+            x.dtype == self.weight.dtype
+            and self._choose(self.weight.dtype, rows) == INT8_WEIGHTS
+            and _int8_kernel_takes(self.weight)
+        )
+
+    def _rescored(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        """The int8 product in the weight's dtype, with each row's ``RESCORED_OUTPUTS`` largest
+        outputs recomputed in the compute dtype from the exact weight.
+
+        So the argmax and the order of the top outputs are the compute dtype's whenever the
+        exact top outputs lie among the approximate ones (int8 moves a logit by a fraction of
+        a percent); the rest of the row keeps the int8 values. Drafts may use any ``q``."""
+        rows = x.reshape(-1, x.shape[-1])  # [R, in]
+        approx = self._multiply(INT8_WEIGHTS, rows).to(self._compute_dtype)  # [R, out]
+        exact = self._in_compute_dtype()
+        top = approx.topk(min(RESCORED_OUTPUTS, approx.shape[-1]), dim=-1).indices  # [R, k]
+        candidates = exact.weight.detach()[top]  # [R, k, in]
+        rescored = torch.bmm(candidates, rows.to(self._compute_dtype)[:, :, None])[..., 0]
+        if exact.bias is not None:
+            rescored = rescored + exact.bias[top]  # [R, k]
+        approx.scatter_(-1, top, rescored)
+        return approx.view(*x.shape[:-1], approx.shape[-1])
 
     def _in_compute_dtype(self) -> Projection:
         if self._converted is None:

@@ -29,7 +29,7 @@ from decode.drafters.vocab_map import VocabMap, to_target_ids, to_target_probs
 from decode.kv_cache import CachedSequence, pad_front
 from decode.lean_decoder import LeanDecoder
 from decode.output_head import DRAFT_LOGITS_DTYPE, OutputHead
-from decode.projection import draft_layer_layout
+from decode.projection import draft_layer_layout, draft_vocab_layout
 from decode.sampling import SamplingConfig, select_tokens
 
 DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
@@ -55,7 +55,7 @@ class DraftModelDrafter(Drafter):
             )
         device = model.get_output_embeddings().weight.device
         self.vocab_map = None if vocab_map is None else vocab_map.to(device)
-        self._head = OutputHead.for_model(self.model, DRAFT_LOGITS_DTYPE)
+        self._head = OutputHead.for_model(self.model, DRAFT_LOGITS_DTYPE, draft_vocab_layout)
         # The draft's own forward may differ from the model's by float rounding: exactness only
         # needs the q it reports, which is the q it sampled from.
         self._decoder = (

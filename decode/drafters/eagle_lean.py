@@ -34,7 +34,12 @@ from decode.kv_cache import PreallocatedStack
 from decode.lean_decoder import AttentionShape, LayerWeights, decoder_layer, fuse_layer
 from decode.llama_math import rms_norm
 from decode.output_head import DRAFT_LOGITS_DTYPE, OutputHead
-from decode.projection import Projection, draft_layer_layout, fused_projection
+from decode.projection import (
+    Projection,
+    draft_layer_layout,
+    draft_vocab_layout,
+    fused_projection,
+)
 
 
 @dataclass
@@ -61,7 +66,7 @@ class LeanEagle3:
         )
         self.rope_theta = config.rope_theta
         self.full_vocab = config.draft_vocab_size == config.target_vocab_size
-        self._output = OutputHead(head.lm_head.weight, DRAFT_LOGITS_DTYPE)
+        self._output = OutputHead(head.lm_head.weight, DRAFT_LOGITS_DTYPE, draft_vocab_layout)
         self._parameters = [*head.parameters(), head.d2t]
         self._versions: list[int] = []
         self._weights: _FusedWeights | None = None

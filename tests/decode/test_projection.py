@@ -142,3 +142,34 @@ def test_a_bfloat16_eagle_head_drafts_through_int8_weights() -> None:
     hidden = torch.randn(1, 1, lean.head.config.hidden_size).bfloat16()
     first.qkv(hidden.repeat(1, 1, 2))  # one row: the int8 copy is built and used
     assert projection.INT8_WEIGHTS in first.qkv._prepared
+
+
+@needs_int8_kernel
+@pytest.mark.parametrize("rows", [1, 3])
+def test_int8_logits_keep_the_exact_argmax_and_top_outputs(rows: int) -> None:
+    """A drafter's logits from int8 weights: the largest ``RESCORED_OUTPUTS`` of each row are
+    the float32 product's values, so argmax and top-k are float32's; the rest are close."""
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(300, 64, generator=generator).bfloat16()  # [V, H]
+    hidden = torch.randn(2, rows, 64, generator=generator).bfloat16()  # [B, T, H]
+    exact = F.linear(hidden.float(), weight.float())  # [B, T, V]
+    head = Projection(weight, None, lambda _d, _r: projection.INT8_WEIGHTS, torch.float32)
+    logits = head(hidden)
+    assert logits.dtype == torch.float32 and logits.shape == exact.shape
+    assert torch.equal(logits.argmax(-1), exact.argmax(-1))
+    top = exact.topk(projection.RESCORED_OUTPUTS, dim=-1)
+    assert torch.allclose(logits.gather(-1, top.indices), top.values, atol=1e-5)
+    assert ((logits - exact).abs().max() / exact.abs().max()) < INT8_TOLERANCE
+    with torch.no_grad():
+        weight.mul_(-1.0)  # an in-place update reaches the int8 copy and the exact rows
+    assert torch.equal(head(hidden).argmax(-1), (-exact).argmax(-1))
+
+
+def test_drafter_logits_use_int8_weights_for_one_bfloat16_row_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(projection, "onednn_packs", lambda dtype: True)
+    monkeypatch.setattr(projection, "int8_weight_kernel", lambda: True)
+    assert projection.draft_vocab_layout(torch.bfloat16, 1) == projection.INT8_WEIGHTS
+    assert projection.draft_vocab_layout(torch.bfloat16, 5) == projection.PACKED
+    assert projection.draft_vocab_layout(torch.float32, 1) == projection.TRANSPOSED
