@@ -118,16 +118,19 @@ def test_int8_weights_compute_the_linear_map(with_bias: bool, rows: int, width: 
     assert (projection.INT8_WEIGHTS in project._prepared) == (width % 16 == 0)
 
 
+@pytest.mark.parametrize("rule", ["draft_layer_layout", "draft_vocab_layout"])
 def test_drafters_use_int8_weights_for_one_bfloat16_row_only(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, rule: str
 ) -> None:
+    """Layer products and logits alike; more rows, float32 and targets keep their layouts."""
     monkeypatch.setattr(projection, "onednn_packs", lambda dtype: True)
     monkeypatch.setattr(projection, "int8_weight_kernel", lambda: True)
-    assert projection.draft_layer_layout(torch.bfloat16, 1) == projection.INT8_WEIGHTS
-    assert projection.draft_layer_layout(torch.bfloat16, 2) == projection.PACKED
-    assert projection.draft_layer_layout(torch.float32, 1) == projection.TRANSPOSED
+    choose = getattr(projection, rule)
+    assert choose(torch.bfloat16, 1) == projection.INT8_WEIGHTS
+    assert choose(torch.bfloat16, 5) == projection.PACKED
+    assert choose(torch.float32, 1) == projection.TRANSPOSED
     monkeypatch.setattr(projection, "int8_weight_kernel", lambda: False)
-    assert projection.draft_layer_layout(torch.bfloat16, 1) == projection.PACKED
+    assert choose(torch.bfloat16, 1) == projection.PACKED
     assert projection.layer_layout(torch.bfloat16, 1) == projection.PACKED  # targets never
 
 
@@ -163,13 +166,3 @@ def test_int8_logits_keep_the_exact_argmax_and_top_outputs(rows: int) -> None:
     with torch.no_grad():
         weight.mul_(-1.0)  # an in-place update reaches the int8 copy and the exact rows
     assert torch.equal(head(hidden).argmax(-1), (-exact).argmax(-1))
-
-
-def test_drafter_logits_use_int8_weights_for_one_bfloat16_row_only(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(projection, "onednn_packs", lambda dtype: True)
-    monkeypatch.setattr(projection, "int8_weight_kernel", lambda: True)
-    assert projection.draft_vocab_layout(torch.bfloat16, 1) == projection.INT8_WEIGHTS
-    assert projection.draft_vocab_layout(torch.bfloat16, 5) == projection.PACKED
-    assert projection.draft_vocab_layout(torch.float32, 1) == projection.TRANSPOSED
