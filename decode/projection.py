@@ -43,8 +43,9 @@ versions), so a model being trained can still be decoded.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -94,6 +95,18 @@ def draft_vocab_layout(dtype: torch.dtype, rows: int) -> Layout:
     if dtype == torch.bfloat16 and rows <= INT8_DRAFT_ROWS and int8_weight_kernel():
         return INT8_WEIGHTS
     return vocab_layout(dtype, rows)
+
+
+@contextlib.contextmanager
+def drafts_in_their_own_dtype() -> Iterator[None]:
+    """Inside the block drafters multiply their weights as stored (no int8 copies), as an
+    engine that runs the head in the model's dtype does: for comparing acceptance with one."""
+    global INT8_DRAFT_ROWS
+    saved, INT8_DRAFT_ROWS = INT8_DRAFT_ROWS, 0
+    try:
+        yield
+    finally:
+        INT8_DRAFT_ROWS = saved
 
 
 def vocab_layout(dtype: torch.dtype, rows: int) -> Layout:

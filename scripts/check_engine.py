@@ -245,7 +245,7 @@ def run_draftsmith(job: dict[str, Any]) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     from decode.engine import SpeculativeDecoder
-    from decode.stats import DecodeStats
+    from decode.projection import drafts_in_their_own_dtype
 
     dtype = getattr(torch, job["dtype"])
     target = AutoModelForCausalLM.from_pretrained(job["target"], dtype=dtype).eval()
@@ -264,6 +264,17 @@ def run_draftsmith(job: dict[str, Any]) -> dict[str, Any]:
 
         drafter = load_drafter(job["drafter"], target)
     decoder = SpeculativeDecoder(target, drafter, num_draft_tokens=job["k"])
+    # The engine runs the head in the job's dtype: no int8 drafter weights on this side either.
+    with drafts_in_their_own_dtype():
+        return _decode_job(decoder, job)
+
+
+def _decode_job(decoder: Any, job: dict[str, Any]) -> dict[str, Any]:
+    """The job's prompts through ``decoder``, one row at a time, with acceptance per group."""
+    import torch
+
+    from decode.stats import DecodeStats
+
     stats = DecodeStats()
     outputs = []
     groups = []

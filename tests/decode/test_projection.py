@@ -166,3 +166,12 @@ def test_int8_logits_keep_the_exact_argmax_and_top_outputs(rows: int) -> None:
     with torch.no_grad():
         weight.mul_(-1.0)  # an in-place update reaches the int8 copy and the exact rows
     assert torch.equal(head(hidden).argmax(-1), (-exact).argmax(-1))
+
+
+def test_engine_comparisons_can_turn_int8_drafting_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(projection, "onednn_packs", lambda dtype: True)
+    monkeypatch.setattr(projection, "int8_weight_kernel", lambda: True)
+    with projection.drafts_in_their_own_dtype():
+        assert projection.draft_layer_layout(torch.bfloat16, 1) == projection.PACKED
+        assert projection.draft_vocab_layout(torch.bfloat16, 1) == projection.PACKED
+    assert projection.draft_layer_layout(torch.bfloat16, 1) == projection.INT8_WEIGHTS
