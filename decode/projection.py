@@ -83,18 +83,18 @@ def layer_layout(dtype: torch.dtype, rows: int) -> Layout:
 def draft_layer_layout(dtype: torch.dtype, rows: int) -> Layout:
     """The layout of a drafter's layer products: int8 weights for one bfloat16 row where
     ATen has the kernel, else a target's ``layer_layout`` (see the module docstring)."""
-    if dtype == torch.bfloat16 and rows <= INT8_DRAFT_ROWS and int8_weight_kernel():
-        return INT8_WEIGHTS
-    return layer_layout(dtype, rows)
+    return INT8_WEIGHTS if _drafts_in_int8(dtype, rows) else layer_layout(dtype, rows)
 
 
 def draft_vocab_layout(dtype: torch.dtype, rows: int) -> Layout:
     """The layout of a drafter's output projection: int8 weights for one bfloat16 row (its
     top outputs then rescored in the compute dtype, ``Projection._rescored``), else
     ``vocab_layout``."""
-    if dtype == torch.bfloat16 and rows <= INT8_DRAFT_ROWS and int8_weight_kernel():
-        return INT8_WEIGHTS
-    return vocab_layout(dtype, rows)
+    return INT8_WEIGHTS if _drafts_in_int8(dtype, rows) else vocab_layout(dtype, rows)
+
+
+def _drafts_in_int8(dtype: torch.dtype, rows: int) -> bool:
+    return dtype == torch.bfloat16 and rows <= INT8_DRAFT_ROWS and int8_weight_kernel()
 
 
 @contextlib.contextmanager
@@ -162,42 +162,38 @@ class Projection:
             self._prepared.clear()
             self._converted = None
             self._version = self.weight._version
+        rows = x.reshape(-1, x.shape[-1])  # [R, in]
+        layout = self._layout(rows.shape[0])
         if self._compute_dtype is not None and _narrower(self.weight.dtype, self._compute_dtype):
-            if self._int8_chosen(x):
-                return self._rescored(x)
-            return self._in_compute_dtype()(x)
-        rows = x.reshape(-1, x.shape[-1]).to(self.weight.dtype)  # [R, in]
-        layout = self._choose(self.weight.dtype, rows.shape[0])
-        if layout == INT8_WEIGHTS and not _int8_kernel_takes(self.weight):
-            layout = layer_layout(self.weight.dtype, rows.shape[0])
-        out = self._multiply(layout, rows)  # [R, out]
+            exact = self._in_compute_dtype()
+            out = self._rescored(rows) if layout == INT8_WEIGHTS else exact(rows)  # [R, out]
+        else:
+            out = self._multiply(layout, rows.to(self.weight.dtype))  # [R, out]
         return out.view(*x.shape[:-1], out.shape[-1])
 
-    def _int8_chosen(self, x: torch.Tensor) -> bool:  # x [..., in]
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        return (
-            x.dtype == self.weight.dtype
-            and self._choose(self.weight.dtype, rows) == INT8_WEIGHTS
-            and _int8_kernel_takes(self.weight)
-        )
+    def _layout(self, rows: int) -> Layout:
+        """``choose``'s layout, unless it is int8 and the kernel cannot take this weight."""
+        layout = self._choose(self.weight.dtype, rows)
+        if layout == INT8_WEIGHTS and not _int8_kernel_takes(self.weight):
+            return layer_layout(self.weight.dtype, rows)
+        return layout
 
-    def _rescored(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+    def _rescored(self, rows: torch.Tensor) -> torch.Tensor:  # [R, in] -> [R, out]
         """The int8 product in the weight's dtype, with each row's ``RESCORED_OUTPUTS`` largest
         outputs recomputed in the compute dtype from the exact weight.
 
         So the argmax and the order of the top outputs are the compute dtype's whenever the
         exact top outputs lie among the approximate ones (int8 moves a logit by a fraction of
         a percent); the rest of the row keeps the int8 values. Drafts may use any ``q``."""
-        rows = x.reshape(-1, x.shape[-1])  # [R, in]
-        approx = self._multiply(INT8_WEIGHTS, rows).to(self._compute_dtype)  # [R, out]
+        approx = self._multiply(INT8_WEIGHTS, rows.to(self.weight.dtype))
+        approx = approx.to(self._compute_dtype)  # [R, out]
         exact = self._in_compute_dtype()
         top = approx.topk(min(RESCORED_OUTPUTS, approx.shape[-1]), dim=-1).indices  # [R, k]
         candidates = exact.weight.detach()[top]  # [R, k, in]
         rescored = torch.bmm(candidates, rows.to(self._compute_dtype)[:, :, None])[..., 0]
         if exact.bias is not None:
             rescored = rescored + exact.bias[top]  # [R, k]
-        approx.scatter_(-1, top, rescored)
-        return approx.view(*x.shape[:-1], approx.shape[-1])
+        return approx.scatter_(-1, top, rescored)
 
     def _in_compute_dtype(self) -> Projection:
         if self._converted is None:
