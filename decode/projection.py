@@ -19,23 +19,36 @@ outputs follow their own float32 table (``decode.output_head``); in bfloat16 (V 
 and ``(W x^T)^T`` beyond (2.4 ms at 256 rows against 4.3 packed).
 
 Drafters may go further. Rejection sampling is exact for whatever ``q`` the draft computes
-(docs/theory.md §2), so a drafter's one-row products can multiply a weight-only int8 copy
+(docs/theory.md §2), so a drafter's products over a few rows can multiply a weight-only int8 copy
 (symmetric, one scale per output row: ``W ~ s * W8``, ``|W8| <= 127``) with ATen's
 ``_weight_int8pack_mm``, which streams half the bytes of bfloat16 and skips oneDNN's fixed
-cost of ~50 microseconds a call. Measured on the same CPU (2 threads, one row, median
-microseconds; the EAGLE-3 head's products on the 8 x 512 demo target):
+cost of ~50 microseconds a call. Measured on the same CPU (2 threads, one row, weights warm in
+cache, median microseconds; the EAGLE-3 head's products on the 8 x 512 demo target):
 
 | weight [out, in] | bfloat16 oneDNN packed | int8 weights |
 |---|---|---|
 | q/k/v 1536 x 1024 / gate-up 2816 x 512 | 143 / 123 | 88 / 91 |
 | o 512 x 512 / down 512 x 1408 | 55 / 80 | 22 / 43 |
 
-From 4 rows on the packed bfloat16 weight is faster again (its cost is flat in the rows, the
-int8 kernel's is not), and the int8 kernel has no fast float32 path, so ``draft_layer_layout``
-uses it for one-row bfloat16 products only. A target never does: its output must follow its
-own weights. In the speculative decoder the EAGLE-3 chain's drafting cost per round fell by a
-fifth to a quarter with the same measured acceptance (4 seeds x 6 held-out prompts at T = 1,
-tau 2.72 against 2.70).
+A drafter's weights are cold when its commit pass runs: the target's verify pass has just
+streamed ~60 MB through the caches. Measured with the caches flushed before each call (2
+threads, median microseconds, packed bfloat16 / int8), and warm for comparison:
+
+| weight | 1 row | 2 rows | 3 rows | 4 rows | 5 rows | 4 rows, warm |
+|---|---|---|---|---|---|---|
+| q/k/v 1536 x 1024 | 629 / 250 | 584 / 316 | 680 / 350 | 622 / 401 | 582 / 570 | 150 / 195 |
+| gate-up 2816 x 512 | 565 / 249 | 557 / 270 | 646 / 320 | 646 / 342 | 557 / 506 | 155 / 152 |
+| vocabulary 2048 x 512 | | 487 / 231 | 575 / 253 | 579 / 285 | 506 / 439 | 101 / 137 |
+
+Cold, int8 costs half up to 4 rows and draws level at 5; warm, it ties up to 3 rows and loses
+from 4 on (its cost grows with the rows, oneDNN's does not; 13 rows warm: 642 against 148).
+So ``draft_layer_layout`` uses it for bfloat16 products of up to 4 rows: every chain step, a
+commit of up to 3 accepted drafts plus the pending token, a P-EAGLE pass of 4 depths. The
+kernel has no fast float32 path (about 10x slower). A target never uses it: its output must
+follow its own weights. In the speculative decoder the one-row rule cut the EAGLE-3 chain's
+drafting cost per round by a fifth to a quarter with the same measured acceptance (4 seeds x 6
+held-out prompts at T = 1, tau 2.72 against 2.70); widening it to 4 rows took a further
+0.6-1.6 ms off a round of 9.8-11.4 ms (A/B, main job's head, 12 prompts x 128 tokens).
 
 The layouts are built on first use and rebuilt when the weight changes in place (tensor
 versions), so a model being trained can still be decoded.
@@ -58,8 +71,8 @@ PACKED: Layout = "packed"  # oneDNN's inner product on a weight reordered for it
 LINEAR: Layout = "linear"  # F.linear on W as stored
 INT8_WEIGHTS: Layout = "int8_weights"  # rows @ (s * W8)^T, W8 int8 [out, in], s [out]
 
-# Up to this many rows a bfloat16 drafter's layer products use int8 weights (see the table).
-INT8_DRAFT_ROWS = 1
+# Up to this many rows a bfloat16 drafter's products use int8 weights (see the tables).
+INT8_DRAFT_ROWS = 4
 # A drafter's int8 logits in a wider compute dtype: this many largest ones per row are
 # recomputed exactly, so its argmax and top-k are the exact product's (``Projection._rescored``).
 RESCORED_OUTPUTS = 8
@@ -81,15 +94,16 @@ def layer_layout(dtype: torch.dtype, rows: int) -> Layout:
 
 
 def draft_layer_layout(dtype: torch.dtype, rows: int) -> Layout:
-    """The layout of a drafter's layer products: int8 weights for one bfloat16 row where
-    ATen has the kernel, else a target's ``layer_layout`` (see the module docstring)."""
+    """The layout of a drafter's layer products: int8 weights for up to ``INT8_DRAFT_ROWS``
+    bfloat16 rows where ATen has the kernel, else a target's ``layer_layout`` (see the module
+    docstring)."""
     return INT8_WEIGHTS if _drafts_in_int8(dtype, rows) else layer_layout(dtype, rows)
 
 
 def draft_vocab_layout(dtype: torch.dtype, rows: int) -> Layout:
-    """The layout of a drafter's output projection: int8 weights for one bfloat16 row (its
-    top outputs then rescored in the compute dtype, ``Projection._rescored``), else
-    ``vocab_layout``."""
+    """The layout of a drafter's output projection: int8 weights for up to ``INT8_DRAFT_ROWS``
+    bfloat16 rows (each row's top outputs then rescored in the compute dtype,
+    ``Projection._rescored``), else ``vocab_layout``."""
     return INT8_WEIGHTS if _drafts_in_int8(dtype, rows) else vocab_layout(dtype, rows)
 
 

@@ -119,15 +119,19 @@ def test_int8_weights_compute_the_linear_map(with_bias: bool, rows: int, width: 
 
 
 @pytest.mark.parametrize("rule", ["draft_layer_layout", "draft_vocab_layout"])
-def test_drafters_use_int8_weights_for_one_bfloat16_row_only(
+def test_drafters_use_int8_weights_for_a_few_bfloat16_rows_only(
     monkeypatch: pytest.MonkeyPatch, rule: str
 ) -> None:
-    """Layer products and logits alike; more rows, float32 and targets keep their layouts."""
+    """Layer products and logits alike, up to ``INT8_DRAFT_ROWS`` rows (a chain step, a
+    commit, a P-EAGLE pass); more rows, float32 and targets keep their layouts."""
     monkeypatch.setattr(projection, "onednn_packs", lambda dtype: True)
     monkeypatch.setattr(projection, "int8_weight_kernel", lambda: True)
     choose = getattr(projection, rule)
-    assert choose(torch.bfloat16, 1) == projection.INT8_WEIGHTS
-    assert choose(torch.bfloat16, 5) == projection.PACKED
+    most = projection.INT8_DRAFT_ROWS
+    assert most >= 1
+    for rows in range(1, most + 1):
+        assert choose(torch.bfloat16, rows) == projection.INT8_WEIGHTS
+    assert choose(torch.bfloat16, most + 1) == projection.PACKED
     assert choose(torch.float32, 1) == projection.TRANSPOSED
     monkeypatch.setattr(projection, "int8_weight_kernel", lambda: False)
     assert choose(torch.bfloat16, 1) == projection.PACKED
@@ -172,6 +176,7 @@ def test_engine_comparisons_can_turn_int8_drafting_off(monkeypatch: pytest.Monke
     monkeypatch.setattr(projection, "onednn_packs", lambda dtype: True)
     monkeypatch.setattr(projection, "int8_weight_kernel", lambda: True)
     with projection.drafts_in_their_own_dtype():
-        assert projection.draft_layer_layout(torch.bfloat16, 1) == projection.PACKED
-        assert projection.draft_vocab_layout(torch.bfloat16, 1) == projection.PACKED
+        for rows in range(1, projection.INT8_DRAFT_ROWS + 1):
+            assert projection.draft_layer_layout(torch.bfloat16, rows) == projection.PACKED
+            assert projection.draft_vocab_layout(torch.bfloat16, rows) == projection.PACKED
     assert projection.draft_layer_layout(torch.bfloat16, 1) == projection.INT8_WEIGHTS
