@@ -134,7 +134,7 @@ def evaluate_drafter(
     peer = hf_peer(drafter, settings) if settings.peer else None
     if peer is not None:
         methods[peer[0]] = plain_method(target, settings, **peer[1])
-    results = measure_side_by_side(target, methods, prompts, warmup=warmup)
+    results = measure_side_by_side(target, methods, prompts, warmup, settings.repeats)
     peer_result = results[peer[0]] if peer is not None else None
     report = speculative_report(
         settings,
@@ -234,6 +234,7 @@ def speculative_report(
         "top_k": settings.top_k,
         "top_p": settings.top_p,
         "num_prompts": len(ours.outputs),
+        "repeats": settings.repeats,
         "max_new_tokens": settings.max_new_tokens,
         "tau": stats.tau,
         "alpha_per_position": stats.alpha_per_position,
@@ -358,6 +359,13 @@ def build_parser() -> argparse.ArgumentParser:
         "accept length per benchmark, as SpecForge and speculators report (replaces --prompts)",
     )
     parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="interleaved passes over the prompts; each prompt is timed by its fastest pass, "
+        "every pass decoding the same tokens (decode.side_by_side): for a shared machine",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--num-draft-tokens", type=int, default=NUM_DRAFT_TOKENS)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -429,6 +437,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     args = parser.parse_args(argv)
     if args.num_prompts < 1:  # a negative count would slice prompts off the end
         parser.error(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
     choice, target, tokenizer, plain_also = load_targets_for(args)
     check_same_tokenizer(tokenizer, args.drafter)
     drafter = load_drafter(args.drafter, target, kind=args.drafter_kind)
@@ -446,6 +456,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         top_k=args.top_k,
         top_p=args.top_p,
         seed=args.seed,
+        repeats=args.repeats,
         peer=not args.no_peer,
         lean_target=not args.model_forward,
         adaptive=args.adaptive,

@@ -76,6 +76,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "the first is the headline",
     )
     parser.add_argument("--num-prompts", type=int, default=6)
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="interleaved passes over the prompts; each prompt is timed by its fastest pass, "
+        "every pass decoding the same tokens (decode.side_by_side): for a shared machine",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--num-draft-tokens", type=int, default=NUM_DRAFT_TOKENS)
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
@@ -111,7 +118,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--json", required=True)
     parser.add_argument("--plots", required=True)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    return args
 
 
 class PeakMemory:
@@ -156,9 +166,9 @@ def _proc_status_mb(field: str) -> float | None:
 def with_peak_memory(method: Method, meter: PeakMemory, peaks: dict[str, tuple], name: str):
     """Record, over the method's calls, the largest (peak, peak above the models) in MiB."""
 
-    def run(ids: torch.Tensor):
+    def run(ids: torch.Tensor, index: int):
         meter.reset()
-        out = method(ids)
+        out = method(ids, index)
         reading = meter.read_mb()
         if reading is not None:
             old = peaks.get(name, reading)
@@ -284,6 +294,7 @@ def summarise(
                 "held_out_overlap": overlaps.get(name),
                 "peak_memory_mb": peaks.get(name, (None, None))[0],
                 "extra_memory_mb": peaks.get(name, (None, None))[1],
+                "unreproduced_repeats": result.unreproduced,
                 "greedy_equal_to_plain": sum(
                     int(torch.equal(a, b))
                     for a, b in zip(result.outputs, plain.outputs, strict=True)
@@ -460,6 +471,7 @@ def main(argv: list[str] | None = None) -> dict:
         **choice.record(),
         "plain_also": list(plain_copies),
         "num_prompts": len(prompts),
+        "repeats": args.repeats,
         "max_new_tokens": args.max_new_tokens,
         "num_draft_tokens": args.num_draft_tokens,
         "drafter_flop_share": shares,
@@ -478,13 +490,14 @@ def main(argv: list[str] | None = None) -> dict:
                 max_new_tokens=args.max_new_tokens,
                 temperature=temperature,
                 lean_target=not args.model_forward,
+                repeats=args.repeats,
             )
             peaks: dict[str, float] = {}
             hybrids: dict[str, HybridDrafter] = {}  # fresh per run: usage counts restart
             methods = build_methods(
                 args, target, drafters, settings, meter, peaks, hybrids, plain_copies
             )
-            results = measure_side_by_side(target, methods, encoded)
+            results = measure_side_by_side(target, methods, encoded, repeats=args.repeats)
             usage = {name: hybrid.usage() for name, hybrid in hybrids.items()}
             rows = summarise(results, peaks, overlaps, usage, shares)
             best = best_against_hf(rows)
@@ -534,7 +547,9 @@ def sweep_draft_length(args, target, drafters, prompts) -> dict[str, dict[int, f
             if kind in ("eagle3", "medusa"):
                 shaped = replace(settings, tree=tree)
             methods[kind] = speculative_method(target, drafter, shaped)
-        results = measure_side_by_side(target, methods, prompts[: max(2, len(prompts) // 2)])
+        results = measure_side_by_side(
+            target, methods, prompts[: max(2, len(prompts) // 2)], repeats=args.repeats
+        )
         plain = results.pop("plain").tokens_per_s
         for kind, result in results.items():
             curves.setdefault(kind, {})[length] = result.tokens_per_s / plain

@@ -1,0 +1,111 @@
+"""``decode.side_by_side``: repeated interleaved passes time each prompt by its fastest
+reproduction, and every method re-seeds per prompt so that a repeat decodes the same tokens."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from decode import side_by_side
+from decode.drafters.draft_lm import DraftModelDrafter
+from decode.drafters.registry import load_drafter
+from decode.side_by_side import (
+    EvalSettings,
+    measure_side_by_side,
+    plain_method,
+    prompt_seed,
+    speculative_method,
+)
+from decode.stats import DecodeStats
+
+PROMPTS = [torch.tensor([[5, 17, 9, 33, 2, 40]]), torch.tensor([[7, 21, 8]])]
+
+
+class ScriptedClock:
+    """A ``time`` stand-in whose clock moves only when a scripted method says so."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def scripted_method(clock: ScriptedClock, durations: dict[int, list[float]], outputs=None):
+    """A method that takes ``durations[index][call]`` seconds and returns the prompt plus one
+    token (or ``outputs[index][call]``), with stats whose draft time names the call."""
+    calls: dict[int, int] = {}
+
+    def run(ids: torch.Tensor, index: int):
+        call = calls.get(index, 0)
+        calls[index] = call + 1
+        clock.now += durations[index][call]
+        new = torch.tensor([[1 if outputs is None else outputs[index][call]]])
+        return torch.cat((ids, new), dim=1), DecodeStats(draft_seconds=float(call))
+
+    return run
+
+
+def test_each_prompt_is_timed_by_its_fastest_repeat(monkeypatch) -> None:
+    clock = ScriptedClock()
+    monkeypatch.setattr(side_by_side, "time", SimpleNamespace(perf_counter=clock.perf_counter))
+    durations = {0: [3.0, 1.0, 2.0], 1: [0.5, 4.0, 0.75]}
+    method = scripted_method(clock, durations)
+    results = measure_side_by_side(
+        torch.nn.Linear(2, 2), {"m": method}, PROMPTS, warmup=False, repeats=3
+    )
+    result = results["m"]
+    assert result.seconds == pytest.approx(1.0 + 0.5)  # the minimum per prompt, summed
+    assert result.tokens == 2 and len(result.outputs) == 2  # counted once, not per repeat
+    assert result.unreproduced == 0
+    # The stats come from the timed calls: repeat 1 for prompt 0, repeat 0 for prompt 1.
+    assert result.stats.draft_seconds == pytest.approx(1.0 + 0.0)
+
+
+def test_a_repeat_that_decodes_other_tokens_is_not_timed(monkeypatch) -> None:
+    clock = ScriptedClock()
+    monkeypatch.setattr(side_by_side, "time", SimpleNamespace(perf_counter=clock.perf_counter))
+    durations = {0: [3.0, 1.0], 1: [2.0, 0.5]}
+    outputs = {0: [4, 9], 1: [6, 6]}  # prompt 0's repeat decodes another token
+    method = scripted_method(clock, durations, outputs)
+    results = measure_side_by_side(
+        torch.nn.Linear(2, 2), {"m": method}, PROMPTS, warmup=False, repeats=2
+    )
+    assert results["m"].seconds == pytest.approx(3.0 + 0.5)
+    assert results["m"].unreproduced == 1
+    assert results["m"].outputs[0][0, -1].item() == 4  # the first repeat's output stays
+
+
+def test_repeats_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="repeats must be >= 1"):
+        measure_side_by_side(torch.nn.Linear(2, 2), {}, PROMPTS, repeats=0)
+
+
+def test_prompt_seeds_differ_between_prompts_and_runs() -> None:
+    seeds = {prompt_seed(seed, index) for seed in range(5) for index in range(100)}
+    assert len(seeds) == 500
+
+
+@pytest.mark.parametrize("kind", ["ngram", "draft_lm"])
+def test_sampled_decoding_repeats_exactly(llama_target, llama_draft, kind: str) -> None:
+    """At T = 1 every repeat of every method decodes the same tokens: ours (seeded per prompt)
+    and HF ``generate`` (the global generator, seeded per prompt), so the minimum is honest."""
+    settings = EvalSettings(num_draft_tokens=3, max_new_tokens=10, temperature=1.0, seed=3)
+    drafter = (
+        DraftModelDrafter(llama_draft)
+        if kind == "draft_lm"
+        else load_drafter(None, llama_target, kind=kind)
+    )
+    methods = {
+        "hf": plain_method(llama_target, settings),
+        "ours": speculative_method(llama_target, drafter, settings),
+    }
+    once = measure_side_by_side(llama_target, methods, PROMPTS, warmup=False)
+    thrice = measure_side_by_side(llama_target, methods, PROMPTS, warmup=False, repeats=3)
+    for name in methods:
+        assert thrice[name].unreproduced == 0
+        for a, b in zip(once[name].outputs, thrice[name].outputs, strict=True):
+            assert torch.equal(a, b)  # a seed per prompt: the same draws on every pass
+    assert thrice["ours"].stats.rounds == once["ours"].stats.rounds
