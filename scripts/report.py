@@ -175,7 +175,17 @@ def _setting(bench: dict[str, Any]) -> str:
     return (
         f"Benchmark on target `{Path(bench['target']).name}`: {bench['num_prompts']} held-out "
         f"prompts x {bench['max_new_tokens']} tokens, batch 1, N = {bench['num_draft_tokens']} "
-        "draft tokens, interleaved per prompt."
+        f"draft tokens, interleaved per prompt{_repeats_clause(bench.get('repeats', 1))}."
+    )
+
+
+def _repeats_clause(repeats: int) -> str:
+    """How the benchmark timed each prompt when it ran the prompts more than once."""
+    if repeats <= 1:
+        return ""
+    return (
+        f"; {repeats} passes, each prompt of each method timed by its fastest pass (every pass "
+        "decodes the same tokens)"
     )
 
 

@@ -324,6 +324,11 @@ class SpeedEvalConfig:
     speed_eval_prompts: int = _f(6, "held-out prompts decoded after training (0 skips the step)")
     speed_eval_prompt_source: str = _f("demo", "'demo' (held-out stdlib code) or a prompt file")
     speed_eval_new_tokens: int = _f(128, "tokens generated per prompt")
+    speed_eval_repeats: int = _f(
+        1,
+        "interleaved passes over the prompts, each prompt timed by its fastest pass of the same "
+        "tokens (decode.side_by_side): 2 on a shared machine",
+    )
     speed_eval_temperatures: list[float] = field(
         default_factory=lambda: [0.0, 1.0],
         metadata={"help": "decoding temperatures measured"},
@@ -451,7 +456,12 @@ class DistillConfig:
         }
         positive["max_steps"] = self.optim.max_steps
         positive["log_every"] = self.logging.log_every
-        for name in ("speed_eval_new_tokens", "speed_eval_draft_tokens", "speed_eval_tree_top_k"):
+        for name in (
+            "speed_eval_new_tokens",
+            "speed_eval_draft_tokens",
+            "speed_eval_tree_top_k",
+            "speed_eval_repeats",
+        ):
             positive[name] = getattr(self.speed_eval, name)
         for name in ("drafter_intermediate_size", "drafter_hidden_size", "drafter_num_heads"):
             if getattr(self.drafter, name) is not None:  # None: the target's

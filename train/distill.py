@@ -436,6 +436,7 @@ def _measure_speed(
         held_out,
         num_prompts=speed.speed_eval_prompts,
         max_new_tokens=speed.speed_eval_new_tokens,
+        repeats=speed.speed_eval_repeats,
         num_draft_tokens=speed.speed_eval_draft_tokens,
         temperatures=tuple(speed.speed_eval_temperatures),
         tree=tree,
@@ -457,6 +458,7 @@ def _measure_speed(
         "speedup_over_fastest_plain",
         "fastest_plain_dtype",
         "distinct_4gram_share",
+        "repeats",
     )
     summary = {t: {k: r[k] for k in keys} for t, r in report["by_temperature"].items()}
     for t, r in report.get("hybrid", {}).items():

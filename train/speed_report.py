@@ -28,6 +28,7 @@ def measure_and_report(
     *,
     num_prompts: int = 6,
     max_new_tokens: int = 128,
+    repeats: int = 1,
     num_draft_tokens: int = NUM_DRAFT_TOKENS,
     temperatures: tuple[float, ...] = (0.0, 1.0),
     tree: dict[str, int] | None = None,
@@ -41,6 +42,7 @@ def measure_and_report(
 
     ``report["by_temperature"][t]`` is the drafter's evaluation on ``prompts``;
     ``report["hybrid"][t]`` the hybrid's; ``report["ood"][t]`` both on ``ood_prompts``.
+    ``repeats`` passes over the prompts time each prompt by its fastest (``decode.side_by_side``).
     The target decodes in ``dtype`` (``decode.precision``); draftsmith's plain decoding is
     measured in ``plain_also`` too, so every speedup can be stated over the fastest plain
     decoding draftsmith has for the target (``speedup_over_fastest_plain``).
@@ -64,6 +66,7 @@ def measure_and_report(
         **choice.record(),
         "held_out_overlap": _overlaps(held_out),
         "prompts": prompts,
+        "repeats": repeats,
         "by_temperature": {},
         "hybrid": {},
     }
@@ -83,6 +86,7 @@ def measure_and_report(
                 max_new_tokens,
                 tree,
                 adaptive,
+                repeats,
             )
             bar.update()  # a cell counts once measured
             key = f"{temperature:g}"
@@ -128,6 +132,7 @@ def _measure(
     max_new_tokens: int,
     tree: dict[str, int] | None,
     adaptive: bool,
+    repeats: int = 1,
 ) -> dict[str, dict[str, Any]]:
     """One interleaved run of every method at one temperature; one report per drafting method."""
     from dataclasses import replace
@@ -155,6 +160,7 @@ def _measure(
         temperature=temperature,
         tree=TreeSpec(**tree) if use_tree else None,
         adaptive=adaptive and not use_tree,
+        repeats=repeats,
     )
     chain = replace(settings, tree=None, adaptive=adaptive)
     no_drafter, plain_settings = NoDrafter(drafter.vocab_size), replace(chain, adaptive=False)
@@ -171,7 +177,7 @@ def _measure(
     if peer is not None:
         methods["peer"] = plain_method(target, settings, **peer[1])
     with torch.inference_mode():
-        results = measure_side_by_side(target, methods, prompts)
+        results = measure_side_by_side(target, methods, prompts, repeats=repeats)
     if peer is not None:
         results["peer"].name = peer[0]
     reports = {

@@ -124,3 +124,16 @@ def test_a_run_without_a_speed_step_is_refused(tmp_path: Path) -> None:
     (tmp_path / "summary.json").write_text(json.dumps(summary))
     with pytest.raises(ValueError, match="no speed step"):
         report.take_main_job(tmp_path, tmp_path / "out.json")
+
+
+@pytest.mark.parametrize("repeats", [None, 1, 3])
+def test_the_benchmark_setting_says_how_prompts_were_timed(repeats: int | None) -> None:
+    bench = {"target": "/x/demo-t", "num_prompts": 6, "max_new_tokens": 128, "num_draft_tokens": 4}
+    if repeats is not None:
+        bench["repeats"] = repeats
+    setting = report._setting(bench)
+    assert setting.startswith("Benchmark on target `demo-t`: 6 held-out prompts x 128 tokens")
+    assert ("3 passes, each prompt of each method timed by its fastest pass" in setting) == (
+        repeats == 3
+    )
+    assert setting.endswith(".")

@@ -161,6 +161,7 @@ def test_a_recipe_that_is_not_plain_yaml_is_a_value_error_naming_it(
         (["--speed_eval_new_tokens", "0"], r"--speed_eval_new_tokens must be >= 1"),
         (["--speed_eval_draft_tokens", "-1"], r"--speed_eval_draft_tokens must be >= 1"),
         (["--speed_eval_tree_top_k", "0"], r"--speed_eval_tree_top_k must be >= 1"),
+        (["--speed_eval_repeats", "0"], r"--speed_eval_repeats must be >= 1, got 0"),
         (["--speed_eval_prompts", "-1"], r"--speed_eval_prompts must be >= 0 \(0: skips it\)"),
         (["--speed_eval_tree_total_tokens", "-4"], r"--speed_eval_tree_total_tokens must be >= 0"),
         (["--drafter_num_heads", "0"], r"--drafter_num_heads must be >= 1, got 0"),

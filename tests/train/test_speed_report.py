@@ -26,6 +26,8 @@ def test_distill_measures_the_exported_drafter(tiny_argv, tmp_path: Path, capsys
             "--speed_eval_temperatures",
             "0",
             "1",
+            "--speed_eval_repeats",
+            "2",
         )
     )
     report = json.loads((out / "report.json").read_text())
@@ -33,6 +35,7 @@ def test_distill_measures_the_exported_drafter(tiny_argv, tmp_path: Path, capsys
     greedy = report["by_temperature"]["0"]
     assert greedy["greedy_equal_to_baseline"] == 2  # exact: same tokens as plain decoding
     assert greedy["num_prompts"] == 2 and 1.0 <= greedy["tau"] <= 5.0
+    assert report["repeats"] == greedy["repeats"] == 2  # each prompt timed by its faster pass
     assert report["held_out_overlap"] == [summary["held_out"]["overlap@1"]]
     assert summary["speed"]["0"]["speedup"] == greedy["speedup"]
     # Against draftsmith's own plain decoding too, which is exact as well.
