@@ -38,6 +38,7 @@ from decode.side_by_side import (
     EvalSettings,
     Method,
     MethodResult,
+    add_repeats_argument,
     encode_prompt,
     hf_peer,
     measure_side_by_side,
@@ -359,13 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
         "accept length per benchmark, as SpecForge and speculators report (replaces --prompts)",
     )
     parser.add_argument("--num-prompts", type=int, default=8)
-    parser.add_argument(
-        "--repeats",
-        type=int,
-        default=1,
-        help="interleaved passes over the prompts; each prompt is timed by its fastest pass, "
-        "every pass decoding the same tokens (decode.side_by_side): for a shared machine",
-    )
+    add_repeats_argument(parser)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--num-draft-tokens", type=int, default=NUM_DRAFT_TOKENS)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -437,8 +432,6 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     args = parser.parse_args(argv)
     if args.num_prompts < 1:  # a negative count would slice prompts off the end
         parser.error(f"--num-prompts must be >= 1, got {args.num_prompts}")
-    if args.repeats < 1:
-        parser.error(f"--repeats must be >= 1, got {args.repeats}")
     choice, target, tokenizer, plain_also = load_targets_for(args)
     check_same_tokenizer(tokenizer, args.drafter)
     drafter = load_drafter(args.drafter, target, kind=args.drafter_kind)

@@ -14,6 +14,7 @@ timed."""
 
 from __future__ import annotations
 
+import argparse
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,6 +41,24 @@ class EvalSettings:
     lean_target: bool = True  # our CPU forward for Llama-family targets (SpeculativeDecoder)
     adaptive: bool = False  # per-round draft length in 0..N; with a tree, per-round tree shape
     repeats: int = 1  # interleaved passes over the prompts; each prompt timed by the fastest
+
+
+def add_repeats_argument(parser: argparse.ArgumentParser) -> None:
+    """``--repeats R`` for the commands that measure side by side (evaluate, benchmark)."""
+    parser.add_argument(
+        "--repeats",
+        type=_at_least_one,
+        default=1,
+        help="interleaved passes over the prompts; each prompt is timed by its fastest pass, "
+        "every pass decoding the same tokens (decode.side_by_side): for a shared machine",
+    )
+
+
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def prompt_seed(seed: int, index: int) -> int:

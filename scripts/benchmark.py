@@ -41,6 +41,7 @@ from decode.side_by_side import (
     EvalSettings,
     Method,
     MethodResult,
+    add_repeats_argument,
     encode_prompt,
     hf_peer,
     measure_side_by_side,
@@ -76,13 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "the first is the headline",
     )
     parser.add_argument("--num-prompts", type=int, default=6)
-    parser.add_argument(
-        "--repeats",
-        type=int,
-        default=1,
-        help="interleaved passes over the prompts; each prompt is timed by its fastest pass, "
-        "every pass decoding the same tokens (decode.side_by_side): for a shared machine",
-    )
+    add_repeats_argument(parser)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--num-draft-tokens", type=int, default=NUM_DRAFT_TOKENS)
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
@@ -118,10 +113,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--json", required=True)
     parser.add_argument("--plots", required=True)
-    args = parser.parse_args(argv)
-    if args.repeats < 1:
-        parser.error(f"--repeats must be >= 1, got {args.repeats}")
-    return args
+    return parser.parse_args(argv)
 
 
 class PeakMemory:
