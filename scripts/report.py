@@ -184,8 +184,9 @@ def _repeats_clause(repeats: int) -> str:
     if repeats <= 1:
         return ""
     return (
-        f"; {repeats} passes, each prompt of each method timed by its fastest pass (every pass "
-        "decodes the same tokens)"
+        f"; {repeats} passes, each prompt of each method timed by its fastest pass of the same "
+        "tokens (a pass that decoded other tokens is not timed: rows whose policy adapts to "
+        "measured times, the adaptive and hybrid ones, often keep their first pass when sampling)"
     )
 
 

@@ -133,7 +133,7 @@ def test_the_benchmark_setting_says_how_prompts_were_timed(repeats: int | None) 
         bench["repeats"] = repeats
     setting = report._setting(bench)
     assert setting.startswith("Benchmark on target `demo-t`: 6 held-out prompts x 128 tokens")
-    assert ("3 passes, each prompt of each method timed by its fastest pass" in setting) == (
+    assert ("3 passes, each prompt of each method timed by its fastest pass of the" in setting) == (
         repeats == 3
     )
     assert setting.endswith(".")
