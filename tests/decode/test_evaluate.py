@@ -105,7 +105,8 @@ def test_bad_prompt_files_and_counts_are_one_line_errors(tiny_pair_dirs, tmp_pat
         (["--prompts", str(binary)], "is not UTF-8 text"),
         (["--prompts", str(tmp_path / "missing.jsonl")], "does not exist"),
         (["--num-prompts", "0"], "--num-prompts must be >= 1"),
-        (["--repeats", "0"], "argument --repeats: must be >= 1, got 0"),
+        (["--repeats", "0"], "argument --repeats: must be an integer >= 1, got 0"),
+        (["--repeats", "two"], "argument --repeats: must be an integer >= 1, got 'two'"),
     ):
         result = subprocess.run(
             [sys.executable, "-m", "decode.evaluate", "--target", str(target_dir),
