@@ -178,9 +178,13 @@ class Projection:
             self._version = self.weight._version
         rows = x.reshape(-1, x.shape[-1])  # [R, in]
         layout = self._layout(rows.shape[0])
-        if self._compute_dtype is not None and _narrower(self.weight.dtype, self._compute_dtype):
-            exact = self._in_compute_dtype()
-            out = self._rescored(rows) if layout == INT8_WEIGHTS else exact(rows)  # [R, out]
+        widened = self._compute_dtype is not None and _narrower(
+            self.weight.dtype, self._compute_dtype
+        )
+        if widened and layout == INT8_WEIGHTS:
+            out = self._rescored(rows)  # [R, out]
+        elif widened:
+            out = self._in_compute_dtype()(rows)  # [R, out]
         else:
             out = self._multiply(layout, rows.to(self.weight.dtype))  # [R, out]
         return out.view(*x.shape[:-1], out.shape[-1])

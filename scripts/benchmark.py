@@ -489,7 +489,7 @@ def main(argv: list[str] | None = None) -> dict:
             methods = build_methods(
                 args, target, drafters, settings, meter, peaks, hybrids, plain_copies
             )
-            results = measure_side_by_side(target, methods, encoded, repeats=args.repeats)
+            results = measure_side_by_side(target, methods, encoded, repeats=settings.repeats)
             usage = {name: hybrid.usage() for name, hybrid in hybrids.items()}
             rows = summarise(results, peaks, overlaps, usage, shares)
             best = best_against_hf(rows)
@@ -530,6 +530,7 @@ def sweep_draft_length(args, target, drafters, prompts) -> dict[str, dict[int, f
             num_draft_tokens=length,
             max_new_tokens=args.max_new_tokens,
             lean_target=not args.model_forward,
+            repeats=args.repeats,
         )
         methods: dict[str, Method] = {"plain": plain_method(target, settings)}
         for kind, drafter in drafters.items():
@@ -540,7 +541,7 @@ def sweep_draft_length(args, target, drafters, prompts) -> dict[str, dict[int, f
                 shaped = replace(settings, tree=tree)
             methods[kind] = speculative_method(target, drafter, shaped)
         results = measure_side_by_side(
-            target, methods, prompts[: max(2, len(prompts) // 2)], repeats=args.repeats
+            target, methods, prompts[: max(2, len(prompts) // 2)], repeats=settings.repeats
         )
         plain = results.pop("plain").tokens_per_s
         for kind, result in results.items():

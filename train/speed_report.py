@@ -132,7 +132,7 @@ def _measure(
     max_new_tokens: int,
     tree: dict[str, int] | None,
     adaptive: bool,
-    repeats: int = 1,
+    repeats: int,
 ) -> dict[str, dict[str, Any]]:
     """One interleaved run of every method at one temperature; one report per drafting method."""
     from dataclasses import replace
@@ -177,7 +177,7 @@ def _measure(
     if peer is not None:
         methods["peer"] = plain_method(target, settings, **peer[1])
     with torch.inference_mode():
-        results = measure_side_by_side(target, methods, prompts, repeats=repeats)
+        results = measure_side_by_side(target, methods, prompts, repeats=settings.repeats)
     if peer is not None:
         results["peer"].name = peer[0]
     reports = {

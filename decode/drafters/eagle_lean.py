@@ -16,9 +16,10 @@ with the head's own weights (copied once into the fused layouts, rebuilt when a 
 in place; a bfloat16 product over up to four rows multiplies an int8 copy,
 ``decode.projection``), rotary tables computed once in float64 as the head computes them, and
 keys/values written into a :class:`decode.kv_cache.PreallocatedStack` (one layer per head
-layer) that drafting appends to and crops back (never a concatenation of the whole cache). Logits stay in the draft vocabulary
-(``V_draft``, e.g. 2048 of 8192): sampling and top-k run there and only the chosen ids are
-mapped to the target's (``target_id = draft_id + d2t[draft_id]``).
+layer) that drafting appends to and crops back (never a concatenation of the whole cache).
+Logits stay in the draft vocabulary (``V_draft``, e.g. 2048 of 8192): sampling and top-k run
+there and only the chosen ids are mapped to the target's (``target_id = draft_id +
+d2t[draft_id]``).
 """
 
 from __future__ import annotations
