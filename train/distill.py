@@ -109,6 +109,9 @@ def _start(config: DistillConfig, plan: _Plan) -> tuple[Accelerator, list[str], 
     from train.loop import make_accelerator
     from train.target_model import target_location, target_on_main_first
 
+    # Threads first: `accelerate launch` starts a single process with OMP_NUM_THREADS=1, and a
+    # missing demo target built before this point would train on one core of many.
+    set_cpu_threads(config.optim.threads)
     # One process builds a missing demo target before its Accelerator exists (the build trains
     # through its own); under a launcher the main process builds it while the others wait.
     launched = int(os.environ.get("WORLD_SIZE", "1"))
@@ -116,7 +119,6 @@ def _start(config: DistillConfig, plan: _Plan) -> tuple[Accelerator, list[str], 
         location, target_name = target_location(plan.target_ref)
 
     reporters = [name for name in config.logging_reporters() if name != "none"]
-    set_cpu_threads(config.optim.threads)
     precision = config.precision(_device_type())
     if int(os.environ.get("RANK", "0")) == 0:
         announce(precision.choice)

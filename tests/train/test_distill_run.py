@@ -6,6 +6,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -126,3 +127,34 @@ def test_lora_trains_adapters_and_exports_merged_weights(tmp_path: Path, tiny_ar
     assert keys and not [k for k in keys if "lora" in k]
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "drafter")
     assert type(model).__name__ == "LlamaForCausalLM"
+
+
+def test_a_missing_demo_target_is_built_on_every_core_under_accelerate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`accelerate launch` starts one process with OMP_NUM_THREADS=1: the build must not
+    inherit it (it did, and trained the demo target on one core of two)."""
+    from decode import cpu_threads
+    from train import target_model
+
+    class Built(Exception):
+        pass
+
+    threads_at_build: list[int] = []
+
+    def build(ref: object, allow_build: bool = True) -> tuple[str, str]:
+        threads_at_build.append(torch.get_num_threads())
+        raise Built
+
+    before = torch.get_num_threads()
+    monkeypatch.delenv("DRAFTSMITH_THREADS", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setattr(cpu_threads, "available_cores", lambda: 2)
+    monkeypatch.setattr(target_model, "target_location", build)
+    torch.set_num_threads(1)
+    try:
+        with pytest.raises(Built):
+            main(["--output_dir", str(tmp_path / "run")])
+    finally:
+        torch.set_num_threads(before)
+    assert threads_at_build == [2]
