@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from decode.defaults import DEMO_PROMPT_CHARS, NUM_DRAFT_TOKENS, TREE_TOP_K
-from decode.precision import DtypeChoice, choose_dtype
+from decode.precision import DtypeChoice, choose_training_dtype
 from decode.yaml_values import describe_type, describe_value, load_plain_yaml, typed_value
 
 DEMO_TARGET_PRESETS = ("demo", "bench", "tiny")
@@ -389,8 +389,9 @@ class DistillConfig:
         }
 
     def precision(self, device: str) -> RunPrecision:
-        """The run's dtypes on ``device``: ``dtype``'s choice, unless a field names its own."""
-        choice = choose_dtype(self.target.dtype, device)
+        """The run's training dtypes on ``device``: ``dtype``'s choice for training
+        (``choose_training_dtype``), unless a field names its own."""
+        choice = choose_training_dtype(self.target.dtype, device)
         target = self.target.target_dtype
         mixed = self.optim.mixed_precision
         return RunPrecision(

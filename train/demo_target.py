@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from data.atomic_io import atomic_folder
-from decode.precision import DtypeChoice, announce, choose_dtype
+from decode.precision import DtypeChoice, announce, choose_training_dtype
 from train.batches import ShardedBatches
 from train.loop import LoopConfig, evaluate, make_accelerator, run_training
 from train.objectives.causal_lm import CausalLMObjective
@@ -123,7 +123,7 @@ def default_target_path(preset: str = "demo", dtype: str = "auto") -> Path:
     ``<preset>-<training dtype>-<key>``, the key a hash of the preset's settings, so a changed
     preset or another training dtype is a new build, never a stale folder reused."""
     spec = _preset(preset)
-    trained_in = choose_dtype(dtype).name
+    trained_in = choose_training_dtype(dtype).name
     settings = json.dumps({**asdict(spec), "train_dtype": trained_in}, sort_keys=True)
     key = hashlib.sha256(settings.encode()).hexdigest()[:10]
     return default_targets_dir() / f"{preset}-{trained_in}-{key}"
@@ -155,13 +155,14 @@ def build_demo_target(
     ``output_dir`` defaults to ``default_target_path(preset)``. A complete folder there is
     reused unless ``force``; an existing folder that is not a finished build is an error (it
     is never deleted unless ``force``). ``max_minutes`` / ``max_steps`` override the preset's
-    training budget. ``dtype`` (``decode.precision``) chooses the training precision: bfloat16
-    autocast with float32 master weights and optimizer state, or float32; the saved weights
+    training budget. ``dtype`` (``decode.precision.choose_training_dtype``) chooses the training
+    precision: bfloat16 autocast with float32 master weights and optimizer state, or float32
+    (``auto`` measures which is faster here); the saved weights
     are float32 either way, and ``metrics.json`` records the dtype. Metrics go to
     ``metrics.json`` and, with ``verbose``, to stdout.
     """
     spec = _preset(preset)
-    choice = choose_dtype(dtype)
+    choice = choose_training_dtype(dtype)
     if max_minutes is not None:
         spec = replace(spec, max_minutes=max_minutes)
     if max_steps is not None:

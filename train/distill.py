@@ -445,7 +445,7 @@ def _measure_speed(
         prompts=speed.speed_eval_prompt_source,
         ood_prompts=speed.speed_eval_ood_prompts or None,
         adaptive=speed.speed_eval_adaptive,
-        dtype=config.precision("cpu").choice.name,
+        dtype=config.target.dtype,  # decoding: choose_dtype's answer, not training's
     )
     keys = (
         "tau",

@@ -78,3 +78,46 @@ def test_the_choice_is_announced_once(monkeypatch: pytest.MonkeyPatch) -> None:
     precision.announce(choice, stream)
     precision.announce(choice, stream)
     assert stream.getvalue() == "dtype float32 (float32: asked for)\n"
+
+
+def _probe_says(monkeypatch: pytest.MonkeyPatch, bfloat16_ms: float, float32_ms: float) -> None:
+    monkeypatch.setattr(precision, "training_product_ms", lambda: (bfloat16_ms, float32_ms))
+
+
+@pytest.mark.parametrize(
+    ("bfloat16_ms", "trains_in"), [(5.0, "bfloat16"), (12.0, "bfloat16"), (18.0, "float32")]
+)
+def test_auto_trains_in_bfloat16_unless_it_is_clearly_slower_here(
+    monkeypatch: pytest.MonkeyPatch, bfloat16_ms: float, trains_in: str
+) -> None:
+    _force_cpu_kernels(monkeypatch, amx=False, avx512_bf16=True)
+    _probe_says(monkeypatch, bfloat16_ms, 10.0)
+    choice = precision.choose_training_dtype("auto", "cpu")
+    assert choice.name == trains_in
+    assert choice.mixed_precision == ("bf16" if trains_in == "bfloat16" else "no")
+    assert "AVX512-BF16" in choice.reason
+    assert (
+        f"{bfloat16_ms:.1f} ms under bfloat16 autocast against 10.0 ms in float32" in choice.reason
+    )
+    assert precision.choose_dtype("auto", "cpu").name == "bfloat16"  # decoding keeps the kernels
+
+
+def test_an_explicit_or_kernel_less_training_dtype_is_not_probed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def probe() -> tuple[float, float]:
+        raise AssertionError("probed")
+
+    monkeypatch.setattr(precision, "training_product_ms", probe)
+    _force_cpu_kernels(monkeypatch, amx=True, avx512_bf16=True)
+    assert precision.choose_training_dtype("bfloat16").reason == "asked for"
+    assert precision.choose_training_dtype("float32").name == "float32"
+    _force_cpu_kernels(monkeypatch, amx=False, avx512_bf16=False)
+    assert precision.choose_training_dtype("auto").name == "float32"
+
+
+def test_the_training_probe_times_both_dtypes_once() -> None:
+    precision.training_product_ms.cache_clear()
+    bfloat16_ms, float32_ms = precision.training_product_ms()
+    assert bfloat16_ms > 0 and float32_ms > 0
+    assert precision.training_product_ms() == (bfloat16_ms, float32_ms)  # measured once
