@@ -143,8 +143,16 @@ def main_job_run(summary: dict[str, Any]) -> str:
         f"The run: a `{summary['drafter_kind']}` drafter, loss `{summary['loss']}`, "
         f"{summary['steps']} steps ({summary['stop_reason']}){length} on "
         f"{summary['train_sequences']:,} training sequences; held-out overlap per draft "
-        f"position {per_position[0]}, greedy agreement {per_position[1]}."
+        f"position {per_position[0]}, greedy agreement {per_position[1]}.{_trained_in(summary)}"
     )
+
+
+def _trained_in(summary: dict[str, Any]) -> str:
+    """The run's training dtype and why (``decode.precision``), where the summary records it."""
+    if "dtype" not in summary:
+        return ""
+    reason = summary.get("dtype_reason")
+    return f" Trained in {summary['dtype']}" + (f" ({reason})." if reason else ".")
 
 
 def _position(key: str) -> int:

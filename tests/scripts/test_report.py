@@ -116,6 +116,11 @@ def test_the_main_job_table_reads_a_run_summary(tmp_path: Path) -> None:
     assert table[5].startswith("| ood | hybrid | 0 | 1.40x |")
     text = report.main_job_run(summary)
     assert "10 steps (max_steps) in 1.2 min" in text and "position 0.75 / 0.50," in text
+    assert "Trained in" not in text  # the summary does not say
+    summary |= {"dtype": "float32", "dtype_reason": "bfloat16 was slower here"}
+    assert report.main_job_run(summary).endswith(
+        "greedy agreement 0.50. Trained in float32 (bfloat16 was slower here)."
+    )
 
 
 def test_a_run_without_a_speed_step_is_refused(tmp_path: Path) -> None:
