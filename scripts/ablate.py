@@ -64,7 +64,6 @@ and plots the union, so their cells compare with one another's baselines.
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -415,8 +414,10 @@ def report(results: dict[str, Any], output: Path) -> None:
 
 
 if __name__ == "__main__":
-    # libgomp busy-waiting collapses throughput on shared cores; set before torch loads.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # Before torch loads OpenMP: idle threads sleep at once only where ranks share the cores.
+    from decode.cpu_threads import default_openmp_wait_policy
+
+    default_openmp_wait_policy()
     from decode.command_line import run_command
 
     outcome = run_command(main)

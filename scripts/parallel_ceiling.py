@@ -15,7 +15,6 @@ is limited by the target's uncertainty, one far below it by its training.
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -127,8 +126,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    # libgomp busy-waiting collapses throughput on shared cores; set before torch loads.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # Before torch loads OpenMP: idle threads sleep at once only where ranks share the cores.
+    from decode.cpu_threads import default_openmp_wait_policy
+
+    default_openmp_wait_policy()
     from decode.command_line import run_command
 
     run_command(main)

@@ -177,8 +177,10 @@ def _through_endpoint(args: argparse.Namespace) -> dict:
 
 
 if __name__ == "__main__":
-    # libgomp busy-waiting collapses throughput on shared cores; set before torch loads.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # Before torch loads OpenMP: idle threads sleep at once only where ranks share the cores.
+    from decode.cpu_threads import default_openmp_wait_policy
+
+    default_openmp_wait_policy()
     from decode.command_line import run_command
 
     result = run_command(main)

@@ -781,7 +781,8 @@ def _run_as_script() -> None:
 
 
 if __name__ == "__main__":
-    # libgomp's default busy-waiting collapses throughput 10-40x when cores are shared;
-    # it must be set before torch loads OpenMP (the imports above are stdlib only).
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # Before torch loads OpenMP: idle threads sleep at once only where ranks share the cores.
+    from decode.cpu_threads import default_openmp_wait_policy
+
+    default_openmp_wait_policy()
     _run_as_script()
