@@ -27,6 +27,7 @@ import torch
 from decode.cpu_threads import set_cpu_threads
 from decode.defaults import NUM_DRAFT_TOKENS, TREE_TOP_K, TREE_TOTAL_TOKENS
 from decode.drafters.base import Drafter, TreeSpec
+from decode.machine import describe_machine, machine_record
 from decode.precision import (
     DTYPE_NAMES,
     DtypeChoice,
@@ -294,7 +295,8 @@ def format_table(report: dict[str, object]) -> str:
     peer = report.get("peer")
     if peer:
         rows.append((peer["name"], peer["tokens_per_s"], peer["tau"]))
-    lines = [f"{'method':<32}{'tokens/s':>10}{'vs HF':>8}{'vs ours plain':>15}{'tau':>7}"]
+    lines = [f"machine: {describe_machine(report['machine'])}"] if "machine" in report else []
+    lines.append(f"{'method':<32}{'tokens/s':>10}{'vs HF':>8}{'vs ours plain':>15}{'tau':>7}")
     for name, rate, tau in rows:
         tau = report["tau"] if tau is None else tau
         over_hf = rate / report["tokens_per_s_baseline"] if report["tokens_per_s_baseline"] else 0
@@ -470,13 +472,20 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         result = run_benchmarks(
             files, args.num_prompts, lambda prompt: encode_prompt(tokenizer, prompt), measure
         )
-        report = {"target": args.target, "drafter": args.drafter, **choice.record(), **result}
+        report = {
+            "target": args.target,
+            "drafter": args.drafter,
+            **choice.record(),
+            "machine": machine_record(args.device),
+            **result,
+        }
         print(format_benchmarks(result))
     else:
         report = {
             "target": args.target,
             "drafter": args.drafter,
             **choice.record(),
+            "machine": machine_record(args.device),
             **measure(prompts),
         }
         print(format_table(report))

@@ -36,6 +36,8 @@ from typing import TextIO
 
 import torch
 
+from decode.machine import bfloat16_matrix_kernels
+
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 """The ``--dtype`` values every command accepts."""
 
@@ -93,14 +95,7 @@ def bfloat16_kernels(device: torch.device | str = "cpu") -> tuple[bool, str]:
         return False, "this GPU does not support bfloat16"
     if device.type != "cpu":
         return False, f"no bfloat16 kernel check for device type {device.type!r}"
-    features = [
-        name
-        for name, present in (
-            ("AMX", _cpu_has("_is_amx_tile_supported")),
-            ("AVX512-BF16", _cpu_has("_is_avx512_bf16_supported")),
-        )
-        if present
-    ]
+    features = bfloat16_matrix_kernels()[::-1]  # AMX first where present
     if features and torch.backends.mkldnn.is_available():
         return True, f"this CPU has {' and '.join(features)} matrix kernels (oneDNN)"
     if features:
@@ -199,8 +194,3 @@ def announce(choice: DtypeChoice, stream: TextIO | None = None) -> None:
         return
     _announced.add(choice)
     print(choice.describe(), file=stream or sys.stderr)
-
-
-def _cpu_has(probe: str) -> bool:
-    check = getattr(torch.cpu, probe, None)
-    return bool(check()) if check is not None else False

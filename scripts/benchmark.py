@@ -25,11 +25,13 @@ from pathlib import Path
 
 import torch
 
+from data.atomic_io import write_json_atomic
 from decode.defaults import NUM_DRAFT_TOKENS, TREE_TOP_K, TREE_TOTAL_TOKENS
 from decode.drafters.base import TreeSpec
 from decode.drafters.hybrid import HybridDrafter
 from decode.drafters.registry import load_drafter
 from decode.evaluate import load_targets_for
+from decode.machine import describe_machine, machine_record
 from decode.plots import (
     plot_acceptance_by_position,
     plot_speedup_against_draft_length,
@@ -461,6 +463,7 @@ def main(argv: list[str] | None = None) -> dict:
     report: dict = {
         "target": args.target,
         **choice.record(),
+        "machine": machine_record(args.device),
         "plain_also": list(plain_copies),
         "num_prompts": len(prompts),
         "repeats": args.repeats,
@@ -471,6 +474,7 @@ def main(argv: list[str] | None = None) -> dict:
         "FLOP share of a step (a projection from measured tau, not a measurement)",
         "prompt_sets": {},
     }
+    print(f"machine: {describe_machine(report['machine'])}", flush=True)
     plots = Path(args.plots)
     for source, encoded in prompt_sets.items():
         measured = report["prompt_sets"].setdefault(
@@ -516,7 +520,7 @@ def main(argv: list[str] | None = None) -> dict:
         plot_speedup_against_draft_length(report["sweep"], plots / "speedup_vs_draft_length.png")
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2))
+    write_json_atomic(path, report)
     print(f"wrote {path} and plots under {plots}")
     return report
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from data.atomic_io import atomic_folder
+from decode.machine import machine_record
 from decode.precision import DtypeChoice, announce, choose_training_dtype
 from train.batches import ShardedBatches
 from train.loop import LoopConfig, evaluate, make_accelerator, run_training
@@ -310,6 +311,7 @@ def _train_into(
         "train_blocks": len(blocks["train"]),
         "torch_threads": torch.get_num_threads(),
         **choice.record(),
+        "machine": machine_record(),
         "loss_unit": "nats/token",
         "preset_config": asdict(spec),
         "seed": seed,

@@ -387,11 +387,14 @@ def _summary(
     wandb_mode: Any,
 ) -> dict[str, Any]:
     """What ``summary.json`` and the model card report about the run."""
+    from decode.machine import machine_record
+
     return {
         "target": run.target_name,
         "target_path": run.location,
         "drafter_kind": config.drafter.drafter_kind,
         **config.precision(run.accelerator.device.type).record(),
+        "machine": machine_record(run.accelerator.device),
         "data": run.description,
         "target_outputs": config.data.target_outputs,
         "on_policy_fraction": config.data.on_policy_fraction,

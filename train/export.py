@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from data.atomic_io import atomic_folder
+from decode.machine import describe_machine
 from train.provenance import PROVENANCE_FILE, build_provenance
 
 
@@ -131,6 +132,8 @@ def model_card(
         f"- architecture: {json.dumps(architecture)}",
         *_rope_line(architecture.get("rope")),
     ]
+    if summary.get("machine"):
+        lines.append(f"- machine: {describe_machine(summary['machine'])}")
     cache = summary.get("cache")
     if cache:
         lines.append(

@@ -51,6 +51,7 @@ def measure_and_report(
 
     from decode.drafters.registry import load_drafter
     from decode.evaluate import load_target
+    from decode.machine import machine_record
     from decode.plots import plot_acceptance_by_position, plot_speedups
     from decode.precision import choose_dtype
     from decode.prompts import load_eval_prompts
@@ -64,6 +65,7 @@ def measure_and_report(
         "target": str(target_path),
         "drafter": str(drafter_dir),
         **choice.record(),
+        "machine": machine_record(),
         "held_out_overlap": _overlaps(held_out),
         "prompts": prompts,
         "repeats": repeats,
@@ -206,10 +208,13 @@ def _measure(
 def format_summary(report: dict[str, Any]) -> str:
     """The end-of-run table: overlap per position, tau, speedups over draftsmith's own plain
     decoding (the figure that says whether drafting pays) and over HF ``generate``."""
+    from decode.machine import describe_machine
+
     overlap = " ".join(f"{v:.3f}" for v in report["held_out_overlap"]) or "-"
     plain = report["by_temperature"][next(iter(report["by_temperature"]))]
     rates = plain.get("tokens_per_s_draftsmith_plain_by_dtype", {})
     lines = [
+        *([f"machine: {describe_machine(report['machine'])}"] if "machine" in report else []),
         f"decoding in {report.get('dtype', '?')} ({report.get('dtype_reason', '')}); draftsmith "
         "plain tokens/s by dtype: " + ", ".join(f"{k} {v:.1f}" for k, v in rates.items()),
         f"held-out overlap per position (training): {overlap}",

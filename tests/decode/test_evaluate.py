@@ -7,6 +7,7 @@ import json
 import pytest
 
 from decode import evaluate
+from decode.machine import cpu_kernels
 
 REQUIRED_KEYS = {
     "tau",
@@ -52,6 +53,8 @@ def test_evaluate_writes_report(tiny_pair_dirs, tmp_path, kind: str) -> None:
     assert 1.0 <= report["tau"] <= 4.0
     assert report["peer"]["name"] == {"draft_lm": "hf_assisted", "ngram": "hf_prompt_lookup"}[kind]
     assert report["peer"]["tokens_per_s"] > 0
+    assert report["machine"]["cpu_kernels"] == cpu_kernels()  # the figures name their machine
+    assert evaluate.format_table(report).startswith("machine: ")
 
 
 def test_mismatched_tokenizer_is_refused(tiny_pair_dirs, tmp_path) -> None:

@@ -7,6 +7,8 @@ import json
 import pytest
 from script_helpers import load_script
 
+from decode.machine import machine_record
+
 
 def _load_script():
     return load_script("benchmark")
@@ -86,6 +88,10 @@ def test_benchmark_writes_report_and_plots(tiny_pair_dirs, tmp_path) -> None:
     assert best["over_draftsmith_plain"] == greedy[best["draftsmith"]]["tokens_per_s"] / fastest
     assert best["fastest_plain"] in plain_rows
     assert saved["dtype"] == "float32" and saved["plain_also"] == ["bfloat16"]
+    here = machine_record("cpu")  # every figure names its machine
+    assert {k: saved["machine"][k] for k in ("cpu", "cpu_kernels", "torch")} == {
+        k: here[k] for k in ("cpu", "cpu_kernels", "torch")
+    }
     for name, row in greedy.items():
         assert row["speedup_over_fastest_plain"] == row["tokens_per_s"] / fastest
         assert 0.0 < row["distinct_4gram_share"] <= 1.0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from decode.machine import describe_machine
 from train.distill import main
 
 
@@ -50,4 +51,9 @@ def test_distill_measures_the_exported_drafter(tiny_argv, tmp_path: Path, capsys
         assert (out / png).stat().st_size > 1000
     held = json.loads((out / "drafter" / "eval_results.json").read_text())
     assert held["overlap@1"] == summary["held_out"]["overlap@1"]
-    assert "held-out overlap per position" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "held-out overlap per position" in printed
+    assert f"machine: {describe_machine(report['machine'])}" in printed  # figures name it
+    assert summary["machine"]["cpu_kernels"] == report["machine"]["cpu_kernels"]
+    card = (out / "drafter" / "README.md").read_text()
+    assert f"- machine: {describe_machine(summary['machine'])}" in card
