@@ -12,8 +12,12 @@ AVX512-BF16):
 | 17 / 64 | 1.60 / 4.08 | 2.63 / 6.24 | 0.79 / 1.10 | 0.51 / 0.72 |
 
 So float32 layers multiply by a contiguous transposed copy (MKL), and bfloat16 by oneDNN's
-prepacked weight, whose cost is flat in the row count: a verify pass over 5-17 tokens costs
-about one step, the regime in which drafting pays (docs/theory.md §1). Vocabulary-sized
+prepacked weight, whose cost on AMX tiles is flat in the row count: a verify pass over 5-17
+tokens costs about one step, the regime in which drafting pays (docs/theory.md §1). With
+AVX512-BF16 alone (AMX absent or hidden by a hypervisor) the packed weight is still the
+fastest bfloat16 layout measured, but its cost grows with the rows (warm q/k/v 1536 x 1024, 2
+threads: about six times the one-row cost at 17 rows; docs/guides/benchmarks-and-results.md,
+"On a CPU without AMX"). Vocabulary-sized
 outputs follow their own float32 table (``decode.output_head``); in bfloat16 (V = 8192, H =
 512) the packed weight wins up to 64 rows (0.44 ms at 1-5 rows against 0.73 for ``F.linear``)
 and ``(W x^T)^T`` beyond (2.4 ms at 256 rows against 4.3 packed).

@@ -26,11 +26,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from decode.machine import describe_machine
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path("docs/results")
 MAIN_JOB = RESULTS / "main_job.json"
 BENCH_DEMO = RESULTS / "bench_demo.json"
 BENCH_BENCH = RESULTS / "bench" / "bench_bench.json"
+BENCH_NO_AMX = RESULTS / "bench_no_amx" / "bench.json"
 ABLATION60 = RESULTS / "ablation" / "ablation.json"
 ABLATION150 = RESULTS / "ablation150" / "ablation.json"
 ABLATION_PEAGLE = RESULTS / "ablation_peagle" / "ablation.json"
@@ -152,7 +155,12 @@ def _trained_in(summary: dict[str, Any]) -> str:
     if "dtype" not in summary:
         return ""
     reason = summary.get("dtype_reason")
-    return f" Trained in {summary['dtype']}" + (f" ({reason})." if reason else ".")
+    machine = summary.get("machine")
+    return (
+        f" Trained in {summary['dtype']}"
+        + (f" ({reason})." if reason else ".")
+        + (f" Machine: {describe_machine(machine)}." if machine else "")
+    )
 
 
 def _position(key: str) -> int:
@@ -179,12 +187,24 @@ SPEEDUPS = (
 )
 
 
-def _setting(bench: dict[str, Any]) -> str:
+def _setting(bench: dict[str, Any], prompts: str = "held-out") -> str:
+    machine = bench.get("machine")  # absent from records made before it was kept
     return (
-        f"Benchmark on target `{Path(bench['target']).name}`: {bench['num_prompts']} held-out "
+        f"Benchmark on target `{Path(bench['target']).name}`: {bench['num_prompts']} {prompts} "
         f"prompts x {bench['max_new_tokens']} tokens, batch 1, N = {bench['num_draft_tokens']} "
         f"draft tokens, interleaved per prompt{_repeats_clause(bench.get('repeats', 1))}."
+        + (f" Machine: {describe_machine(machine)}." if machine else "")
     )
+
+
+def prompt_set(bench: dict[str, Any], source: str) -> dict[str, Any]:
+    """The benchmark as if ``source`` (a ``--prompts`` set other than the headline one) were
+    its headline: that set's rows and best methods under the usual keys."""
+    measured = bench["prompt_sets"][source]
+    return bench | {
+        "by_temperature": measured["by_temperature"],
+        "best_against_hf": measured["best_against_hf"],
+    }
 
 
 def _repeats_clause(repeats: int) -> str:
@@ -198,7 +218,7 @@ def _repeats_clause(repeats: int) -> str:
     )
 
 
-def bench_table(bench: dict[str, Any]) -> str:
+def bench_table(bench: dict[str, Any], prompts: str = "held-out") -> str:
     """Every method of a benchmark run: tokens/s, both speedups, tau, draft cost per T."""
     temperatures = list(bench["by_temperature"])
     header = ["method"]
@@ -238,7 +258,9 @@ def bench_table(bench: dict[str, Any]) -> str:
         f"drafter ({b['trained']}) {_x(b['trained_over_draftsmith_plain'])} draftsmith plain."
         for t, b in bench["best_against_hf"].items()
     ]
-    return "\n".join([f"{_setting(bench)} {SPEEDUPS}", "", *_table(header, rows), "", *best])
+    return "\n".join(
+        [f"{_setting(bench, prompts)} {SPEEDUPS}", "", *_table(header, rows), "", *best]
+    )
 
 
 def bench_sweep(bench: dict[str, Any]) -> str:
@@ -428,6 +450,15 @@ SECTIONS: dict[str, Callable[[], str]] = {
         if method in _by_method(_read(BENCH_DEMO))
     ),
     "bench-bench": lambda: bench_table(_read(BENCH_BENCH)),
+    "bench-no-amx": lambda: bench_table(_read(BENCH_NO_AMX)),
+    "bench-no-amx-ood": lambda: bench_table(
+        prompt_set(_read(BENCH_NO_AMX), "ood"), "out-of-distribution (`ood`)"
+    ),
+    "bench-no-amx-sweep": lambda: bench_sweep(_read(BENCH_NO_AMX)),
+    "cost-model-no-amx": lambda: "\n\n".join(
+        cost_model(_read(BENCH_NO_AMX), method)
+        for method in ("draftsmith EAGLE-3 chain", "draftsmith P-EAGLE chain")
+    ),
     "ablation60": lambda: ablation_tables(ABLATION60),
     "ablation150": lambda: ablation_tables(ABLATION150),
     "ablation-peagle": lambda: ablation_tables(ABLATION_PEAGLE),

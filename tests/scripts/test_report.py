@@ -104,6 +104,15 @@ def _summary() -> dict:
     }
 
 
+MACHINE = {
+    "cpu": "Xeon",
+    "logical_cpus": 2,
+    "torch_threads": 2,
+    "cpu_kernels": ["AVX512", "AVX512-BF16"],
+    "torch": "2.13.0",
+}
+
+
 def test_the_main_job_table_reads_a_run_summary(tmp_path: Path) -> None:
     run = tmp_path / "run"
     run.mkdir()
@@ -120,6 +129,11 @@ def test_the_main_job_table_reads_a_run_summary(tmp_path: Path) -> None:
     summary |= {"dtype": "float32", "dtype_reason": "bfloat16 was slower here"}
     assert report.main_job_run(summary).endswith(
         "greedy agreement 0.50. Trained in float32 (bfloat16 was slower here)."
+    )
+    summary["machine"] = MACHINE
+    assert report.main_job_run(summary).endswith(
+        "(bfloat16 was slower here). Machine: Xeon, 2 logical CPUs, 2 torch threads, CPU "
+        "kernels AVX512 + AVX512-BF16 (no AMX), torch 2.13.0."
     )
 
 
@@ -141,4 +155,21 @@ def test_the_benchmark_setting_says_how_prompts_were_timed(repeats: int | None) 
     assert ("3 passes, each prompt of each method timed by its fastest pass of the" in setting) == (
         repeats == 3
     )
-    assert setting.endswith(".")
+    assert setting.endswith(".") and "Machine" not in setting  # a record from before the field
+    ood = report._setting(bench | {"machine": MACHINE}, "out-of-distribution (`ood`)")
+    assert ood.startswith("Benchmark on target `demo-t`: 6 out-of-distribution (`ood`) prompts")
+    assert ood.endswith(". Machine: Xeon, 2 logical CPUs, 2 torch threads, CPU kernels AVX512 + "
+                        "AVX512-BF16 (no AMX), torch 2.13.0.")  # fmt: skip
+
+
+def test_a_prompt_set_other_than_the_headline_reads_as_the_headline() -> None:
+    rows = {"0": [{"method": "m", "tau": 2.0}]}
+    bench = {
+        "by_temperature": {"0": []},
+        "best_against_hf": {"0": {}},
+        "prompt_sets": {"ood": {"by_temperature": rows, "best_against_hf": {"0": {"hf": "x"}}}},
+        "num_prompts": 6,
+    }
+    view = report.prompt_set(bench, "ood")
+    assert view["by_temperature"] is rows and view["best_against_hf"] == {"0": {"hf": "x"}}
+    assert view["num_prompts"] == 6 and bench["by_temperature"] == {"0": []}  # a copy
