@@ -39,6 +39,7 @@ ABLATION150 = RESULTS / "ablation150" / "ablation.json"
 ABLATION_PEAGLE = RESULTS / "ablation_peagle" / "ablation.json"
 ABLATION_PEAGLE_WEIGHTS = RESULTS / "ablation_peagle_weights" / "ablation.json"
 ABLATION_PEAGLE_LAYERS = RESULTS / "ablation_peagle_layers" / "ablation.json"
+ABLATION_PEAGLE_NO_AMX = RESULTS / "ablation_peagle_no_amx" / "ablation.json"
 ABLATION_RETUNE = RESULTS / "ablation_retune" / "ablation.json"
 PARALLEL_CEILING = RESULTS / "parallel_ceiling_demo.json"
 FOLLOW_UPS = (  # the 150-step runs after the grid, each its own results file
@@ -463,6 +464,7 @@ SECTIONS: dict[str, Callable[[], str]] = {
     "ablation150": lambda: ablation_tables(ABLATION150),
     "ablation-peagle": lambda: ablation_tables(ABLATION_PEAGLE),
     "ablation-peagle-weights": lambda: ablation_tables(ABLATION_PEAGLE_WEIGHTS),
+    "ablation-peagle-no-amx": lambda: ablation_tables(ABLATION_PEAGLE_NO_AMX),
     "ablation-peagle-layers": lambda: depth_overlaps_table(ABLATION_PEAGLE_LAYERS),
     "ablation-retune": lambda: ablation_tables(ABLATION_RETUNE),
     "parallel-ceiling": lambda: ceiling_table(_read(PARALLEL_CEILING)),
