@@ -465,6 +465,12 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             target, drafter, prompts, settings, plain_in_other_dtypes=plain_also
         )
 
+    setting = {
+        "target": args.target,
+        "drafter": args.drafter,
+        **choice.record(),
+        "machine": machine_record(args.device),
+    }
     if args.benchmark:
         from decode.benchmarks import format_benchmarks, parse_benchmark_flags, run_benchmarks
 
@@ -472,22 +478,10 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         result = run_benchmarks(
             files, args.num_prompts, lambda prompt: encode_prompt(tokenizer, prompt), measure
         )
-        report = {
-            "target": args.target,
-            "drafter": args.drafter,
-            **choice.record(),
-            "machine": machine_record(args.device),
-            **result,
-        }
+        report = {**setting, **result}
         print(format_benchmarks(result))
     else:
-        report = {
-            "target": args.target,
-            "drafter": args.drafter,
-            **choice.record(),
-            "machine": machine_record(args.device),
-            **measure(prompts),
-        }
+        report = {**setting, **measure(prompts)}
         print(format_table(report))
     if args.json:
         from data.atomic_io import write_json_atomic

@@ -156,12 +156,16 @@ def _trained_in(summary: dict[str, Any]) -> str:
     if "dtype" not in summary:
         return ""
     reason = summary.get("dtype_reason")
-    machine = summary.get("machine")
     return (
-        f" Trained in {summary['dtype']}"
-        + (f" ({reason})." if reason else ".")
-        + (f" Machine: {describe_machine(machine)}." if machine else "")
+        f" Trained in {summary['dtype']}" + (f" ({reason})." if reason else ".") + _machine(summary)
     )
+
+
+def _machine(record: dict[str, Any]) -> str:
+    """`` Machine: ...`` for a record that names its machine; records made before the field
+    existed name none."""
+    machine = record.get("machine")
+    return f" Machine: {describe_machine(machine)}." if machine else ""
 
 
 def _position(key: str) -> int:
@@ -189,12 +193,11 @@ SPEEDUPS = (
 
 
 def _setting(bench: dict[str, Any], prompts: str = "held-out") -> str:
-    machine = bench.get("machine")  # absent from records made before it was kept
     return (
         f"Benchmark on target `{Path(bench['target']).name}`: {bench['num_prompts']} {prompts} "
         f"prompts x {bench['max_new_tokens']} tokens, batch 1, N = {bench['num_draft_tokens']} "
         f"draft tokens, interleaved per prompt{_repeats_clause(bench.get('repeats', 1))}."
-        + (f" Machine: {describe_machine(machine)}." if machine else "")
+        + _machine(bench)
     )
 
 
