@@ -143,11 +143,18 @@ def main_job_run(summary: dict[str, Any]) -> str:
     ]
     minutes = summary.get("minutes")  # absent from results transcribed by hand
     length = f" in {minutes:.1f} min" if minutes is not None else ""
+    mass = held.get("draftable_mass")  # pruned draft vocabularies, recorded since it existed
+    cap = (
+        f" (the target's probability on the draft vocabulary, which caps each overlap: {_f(mass)})"
+        if mass is not None
+        else ""
+    )
     return (
         f"The run: a `{summary['drafter_kind']}` drafter, loss `{summary['loss']}`, "
         f"{summary['steps']} steps ({summary['stop_reason']}){length} on "
         f"{summary['train_sequences']:,} training sequences; held-out overlap per draft "
-        f"position {per_position[0]}, greedy agreement {per_position[1]}.{_trained_in(summary)}"
+        f"position {per_position[0]}{cap}, greedy agreement {per_position[1]}."
+        f"{_trained_in(summary)}"
     )
 
 

@@ -286,13 +286,7 @@ def overlap(
     decoder's acceptance rate. ``temperature == 0`` means greedy decoding: both distributions
     are one-hot at their argmax and the overlap is 1 where the argmaxes agree, else 0.
     """
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise TypeError(f"temperature must be a number >= 0, got {temperature!r}")
-    if temperature < 0 or not math.isfinite(temperature):
-        raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {temperature}")
-    _check_logits(draft_logits, "draft_logits")
-    keep = _check_mask(mask, draft_logits)
-    out = torch.zeros(keep.shape, dtype=_compute_dtype(draft_logits), device=draft_logits.device)
+    keep, out = _evaluation_rows(draft_logits, mask, temperature)
     if not bool(keep.any()):
         return out
     if temperature == 0:
@@ -305,6 +299,33 @@ def overlap(
     common = torch.promote_types(log_q.dtype, log_p.dtype)
     overlaps = torch.minimum(log_q.to(common).exp(), log_p.to(common).exp()).sum(-1)
     out[keep] = overlaps.to(out.dtype)
+    return out
+
+
+@torch.no_grad()
+def draftable_mass(
+    draft_logits: torch.Tensor,  # [B, T, V] in the target vocabulary, -inf: not draftable
+    target_logits: Target,  # [B, T, V] logits or log-probs, or TargetProbs
+    mask: torch.Tensor,  # [B, T] bool or 0/1
+    temperature: float = 1.0,
+) -> torch.Tensor:  # [B, T] float, 0 at masked positions
+    """The target's probability on the tokens the draft can propose: a cap on the overlap
+    of every draft position, whatever the drafter learns.
+
+    ``alpha = sum_x min(p(x), q(x)) <= sum_{x in V_draft} p(x)``, because ``q`` is 0 outside
+    a pruned draft vocabulary (EAGLE-3's, Li et al. 2025). ``temperature == 0`` gives 1 where
+    the target's argmax is draftable, else 0.
+    """
+    keep, out = _evaluation_rows(draft_logits, mask, temperature)
+    if not bool(keep.any()):
+        return out
+    log_p = _upcast(_target_logprobs(target_logits, draft_logits.shape)[keep])  # [N, V]
+    draftable = torch.isfinite(draft_logits[keep])  # [N, V]
+    if temperature == 0:
+        mass = draftable.gather(-1, log_p.argmax(-1, keepdim=True))[:, 0]
+    else:
+        mass = F.softmax(log_p / temperature, dim=-1).masked_fill(~draftable, 0.0).sum(-1)
+    out[keep] = mass.to(out.dtype)
     return out
 
 
@@ -695,6 +716,22 @@ def _check_temperature(temperature: float) -> None:
             f"temperature must be finite and > 0 for a training loss, got {temperature}; "
             "for greedy acceptance use overlap(..., temperature=0)"
         )
+
+
+def _evaluation_rows(
+    draft_logits: torch.Tensor,  # [B, T, V]
+    mask: torch.Tensor,  # [B, T] bool or 0/1
+    temperature: float,  # a decoding temperature: >= 0, 0 = greedy
+) -> tuple[torch.Tensor, torch.Tensor]:  # kept positions [B, T] bool, zeros [B, T]
+    """An evaluation metric's checked inputs and its output, 0 until filled at the kept rows."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"temperature must be a number >= 0, got {temperature!r}")
+    if temperature < 0 or not math.isfinite(temperature):
+        raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {temperature}")
+    _check_logits(draft_logits, "draft_logits")
+    keep = _check_mask(mask, draft_logits)
+    out = torch.zeros(keep.shape, dtype=_compute_dtype(draft_logits), device=draft_logits.device)
+    return keep, out
 
 
 def _check_beta(beta: float) -> None:

@@ -135,6 +135,11 @@ def test_the_main_job_table_reads_a_run_summary(tmp_path: Path) -> None:
         "(bfloat16 was slower here). Machine: Xeon, 2 logical CPUs, 2 torch threads, CPU "
         "kernels AVX512 + AVX512-BF16 (no AMX), torch 2.13.0."
     )
+    summary["held_out"]["draftable_mass"] = 0.8412
+    assert "position 0.75 / 0.50 (the target's probability on the draft vocabulary, which " in (
+        report.main_job_run(summary)
+    )
+    assert "caps each overlap: 0.84), greedy" in report.main_job_run(summary)
 
 
 def test_a_run_without_a_speed_step_is_refused(tmp_path: Path) -> None:

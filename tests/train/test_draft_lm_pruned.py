@@ -80,6 +80,8 @@ def test_loss_against_the_restricted_target_trains(
     )
     assert 0.0 < mean["label_in_draft_vocab"] < 1.0  # some labels were pruned
     assert mean["overlap@1"] <= 1.0 and "draft_nll" in mean
+    # the target's mass on the draft vocabulary: below 1 once tokens are pruned, and a cap
+    assert mean["overlap@1"] <= mean["draftable_mass"] < 1.0
 
 
 def test_restricted_target_is_the_target_renormalised(

@@ -19,6 +19,7 @@ from train.losses import (
     TargetProbs,
     build_loss,
     cross_entropy,
+    draftable_mass,
     forward_kl,
     generalized_jsd,
     lk_hybrid,
@@ -498,6 +499,43 @@ def test_overlap_at_temperature_zero_is_argmax_agreement() -> None:
     assert agree.any() and (mask & ~agree).any()
     cached = TargetProbs(torch.softmax(target, -1))
     torch.testing.assert_close(overlap(draft, cached, mask, 0.0), agree.float())
+
+
+def _pruned(draft: torch.Tensor, keep: int) -> torch.Tensor:  # [B, T, V], -inf off support
+    """``draft`` with only its first ``keep`` vocabulary entries draftable."""
+    return draft.masked_fill(torch.arange(V) >= keep, -math.inf)
+
+
+@pytest.mark.parametrize("tau", [0.5, 1.0, 2.0])
+def test_draftable_mass_is_the_target_mass_on_the_draft_support_and_caps_the_overlap(
+    tau: float,
+) -> None:
+    target, mask = _logits(31), _mask()
+    p = torch.softmax(target / tau, -1)
+    expected = p[..., :4].sum(-1) * mask
+    mass = draftable_mass(_pruned(_logits(32), 4), target, mask, tau)
+    torch.testing.assert_close(mass, expected)
+    for seed in range(33, 38):  # any draft on that support stays under the cap
+        assert (overlap(_pruned(_logits(seed), 4), target, mask, tau) <= mass + 1e-6).all()
+    # p renormalised on the support reaches it: min(p, p / m) = p there, since m <= 1
+    reaching = _pruned(target / tau, 4)
+    torch.testing.assert_close(overlap(reaching, target / tau, mask), expected)
+    as_probs = TargetProbs(torch.softmax(target, -1))  # the offline cache's form
+    torch.testing.assert_close(
+        draftable_mass(_pruned(_logits(32), 4), as_probs, mask, tau), expected
+    )
+    full = draftable_mass(_logits(32), target, mask, tau)  # nothing pruned: the whole mass
+    torch.testing.assert_close(full, mask.float())
+
+
+def test_draftable_mass_at_temperature_zero_is_whether_the_target_argmax_is_draftable() -> None:
+    target, mask = _logits(38), _mask()
+    draftable = target.argmax(-1) < 4
+    assert (draftable & mask).any() and (~draftable & mask).any()
+    mass = draftable_mass(_pruned(_logits(39), 4), target, mask, 0)
+    torch.testing.assert_close(mass, (draftable & mask).float())
+    with pytest.raises(ValueError, match="temperature must be finite and >= 0"):
+        draftable_mass(_logits(39), target, mask, -1.0)
 
 
 # ------------------------------------------------------------------------- stability

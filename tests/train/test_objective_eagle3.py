@@ -97,7 +97,10 @@ def test_pruned_vocabulary_comes_from_label_counts_and_overlap_stays_in_target_v
     mask = torch.zeros_like(inside, dtype=torch.bool)
     mask[:, 1:-1] = future_mask(batch, 2)
     assert 0 < metrics["overlap@1"] <= float(inside[mask].mean()) + 1e-6
+    assert metrics["draftable_mass"] == pytest.approx(float(inside[mask].mean()), rel=1e-5)
     assert objective.describe()["draft_vocab_size"] == 20
+    full = bind(make_objective(target, loss="fkl", unroll_steps=2))
+    assert "draftable_mass" not in full.evaluate(batch)  # nothing pruned, nothing to cap
 
 
 def test_offline_cache_gives_the_online_loss(tmp_path: Path) -> None:

@@ -31,8 +31,10 @@ space by ``train.objectives.heads.cached_target_logprobs``, indexed at the draft
 losses' ``log_softmax`` renormalises); a ``ce`` term drops labels outside the draft vocabulary.
 Held-out overlap is measured in the *target* vocabulary with ``q`` placed there (zero
 elsewhere), which is what speculative sampling accepts; ``label_in_draft_vocab`` is the share
-of held-out labels the draft can propose at all. The exported folder keeps the head and the
-maps apart from the Hugging Face weights (:meth:`DraftLMObjective.save_drafter`).
+of held-out labels the draft can propose at all, ``draftable_mass`` the target's probability
+on the draft vocabulary at the decoding temperature (the cap on ``overlap@1``). The exported
+folder keeps the head and the maps apart from the Hugging Face weights
+(:meth:`DraftLMObjective.save_drafter`).
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ from train.drafter_models import (
     vocab_size_of,
 )
 from train.generation import sample_continuations
-from train.losses import Loss, TargetProbs, cross_entropy, overlap
+from train.losses import Loss, TargetProbs, cross_entropy, draftable_mass, overlap
 from train.objectives import Batch, MetricSums, Objective
 from train.objectives.causal_lm import next_token_logits, next_token_targets
 from train.objectives.eagle3 import count_tokens
@@ -225,6 +227,9 @@ class DraftLMObjective(Objective):
             "overlap@1": (float(sampled.sum()), count),
             "greedy_match@1": (float(greedy.sum()), count),
         }
+        if draft_logits.shape[-1] < draft_full.shape[-1]:  # a pruned draft vocabulary
+            mass = draftable_mass(draft_full, target, mask, self.eval_temperature)
+            out["draftable_mass"] = (float(mass.sum()), count)
         draft_labels, in_vocab = self._draft_labels(labels, mask)
         loss_mask = in_vocab if self.loss.needs_labels else mask
         kept = float(loss_mask.sum())

@@ -35,6 +35,9 @@ Held-out metrics per draft position j: ``overlap@j``, the mean of ``sum_x min(p(
 the decoding temperature in the *target* vocabulary, the expected acceptance rate of draft
 position j given the earlier ones accepted (Leviathan et al. 2023; the ``alpha_j`` of
 docs/theory.md §5); ``greedy_match@j``, the same at temperature 0; ``loss@j`` and ``loss``.
+With a pruned draft vocabulary, ``draftable_mass``: the target's probability on the draft
+vocabulary at the decoding temperature, the most any ``overlap@j`` can reach
+(``train.losses.draftable_mass``).
 
 References: Li et al., EAGLE-3, 2025; Cai et al., Medusa, 2024; Hu et al., GRIFFIN: Effective
 Token Alignment for Faster Speculative Decoding, 2025 (arXiv 2502.11018).
@@ -51,7 +54,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from train.losses import Loss, overlap
+from train.losses import Loss, draftable_mass, overlap
 from train.objectives import Batch, MetricSums, Objective
 
 if TYPE_CHECKING:
@@ -361,6 +364,9 @@ class HeadObjective(Objective):
             greedy = overlap_at(draft_full, target_k, mask, 0.0)
             out[f"overlap@{k + 1}"] = (float(sampled.sum()), count)
             out[f"greedy_match@{k + 1}"] = (float(greedy.sum()), count)
+            if k == 0 and draft.shape[-1] < draft_full.shape[-1]:  # a pruned draft vocabulary
+                mass = draftable_mass(draft_full, target_k, mask, self.eval_temperature)
+                out["draftable_mass"] = (float(mass.sum()), count)
             draft_labels, loss_mask = self._draft_labels(labels, mask)
             if not bool(loss_mask.any()):
                 continue
