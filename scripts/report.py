@@ -369,24 +369,34 @@ def depth_overlaps_table(path: Path) -> str:
     source = tau_source(cells)
     temperatures = temperatures_of(cells)
     depths = max(len(entry["overlap"]) for entry in cells)
+    with_mass = any("draftable_mass" in entry for entry in cells)
     header = ["cell", "seeds", *(f"overlap@{d + 1}" for d in range(depths))]
+    header += ["draftable mass"] if with_mass else []
     header += [f"tau T={t}" for t in temperatures]
     rows = []
     for entry in cells:
         taus = entry[source]["tau"] if source == "tau_check" else entry["tau"]
         overlaps = [*entry["overlap"], *([None] * (depths - len(entry["overlap"])))]
+        mass = [_mean_std(entry.get("draftable_mass"), 3)] if with_mass else []
         rows.append(
             [
                 entry["key"],
                 str(len(entry["seeds"])),
                 *(_mean_std(o, 3) for o in overlaps),
+                *mass,
                 *(_mean_std(taus.get(t), 2) for t in temperatures),
             ]
         )
     steps = results["settings"].get("max_steps")
+    mass_note = (
+        " draftable mass: the target's held-out probability on the draft vocabulary, the most"
+        " any overlap can reach (– where nothing is pruned);"
+        if with_mass
+        else ""
+    )
     intro = (
         f"mean ± std over seeds; {steps} steps per run; overlap@k: held-out overlap of draft "
-        "depth k; tau: tokens per target pass on held-out prompts, chains of 4."
+        f"depth k;{mass_note} tau: tokens per target pass on held-out prompts, chains of 4."
     )
     return "\n".join([intro, "", *_table(header, rows)])
 

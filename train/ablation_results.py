@@ -43,7 +43,8 @@ def spread(values: Sequence[float]) -> dict[str, float]:
 
 
 def summarize(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per cell: overlap and greedy match per position and tau per temperature over seeds."""
+    """Per cell: overlap and greedy match per position, tau per temperature and, with a pruned
+    draft vocabulary, the target's probability on it (``draftable_mass``), over seeds."""
     by_cell: dict[str, list[dict[str, Any]]] = {}
     for record in runs.values():
         by_cell.setdefault(cell_key(record["cell"]), []).append(record)
@@ -58,6 +59,9 @@ def summarize(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         for metric in ("overlap", "greedy_match"):
             length = min(len(r[metric]) for r in records)
             entry[metric] = [spread([r[metric][j] for r in records]) for j in range(length)]
+        masses = [r.get("held_out", {}).get("draftable_mass") for r in records]
+        if all(m is not None for m in masses):  # a pruned draft vocabulary's cap on overlap
+            entry["draftable_mass"] = spread(masses)
         temperatures = set.intersection(*(set(r["tau"]) for r in records))
         entry["tau"] = {
             t: spread([r["tau"][t] for r in records]) for t in sorted(temperatures, key=float)

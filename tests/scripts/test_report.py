@@ -178,3 +178,28 @@ def test_a_prompt_set_other_than_the_headline_reads_as_the_headline() -> None:
     view = report.prompt_set(bench, "ood")
     assert view["by_temperature"] is rows and view["best_against_hf"] == {"0": {"hf": "x"}}
     assert view["num_prompts"] == 6 and bench["by_temperature"] == {"0": []}  # a copy
+
+
+def test_the_depth_table_names_the_draftable_mass_where_a_cell_has_one(tmp_path: Path) -> None:
+    from train import ablation_results
+
+    runs = {}
+    for vocab, mass in (("2048", 0.87), ("8192", None)):
+        held_out = {} if mass is None else {"draftable_mass": mass}
+        runs[ablation_results.run_key({"draft_vocab_size": vocab}, 0)] = {
+            "cell": {"draft_vocab_size": vocab}, "seed": 0, "overlap": [0.6, 0.5],
+            "greedy_match": [0.5, 0.4], "tau": {"1": 2.5}, "held_out": held_out,
+        }  # fmt: skip
+    results = {
+        "format_version": 1, "settings": {"max_steps": 100}, "runs": runs,
+        "cells": ablation_results.summarize(runs), "baselines": {}, "skipped": {}, "failed": {},
+    }  # fmt: skip
+    path = tmp_path / "ablation.json"
+    path.write_text(json.dumps(results))
+    lines = report.depth_overlaps_table(path).splitlines()
+    assert "draftable mass: the target's held-out probability on the draft vocabulary" in lines[0]
+    assert lines[2] == "| cell | seeds | overlap@1 | overlap@2 | draftable mass | tau T=1 |"
+    assert lines[4].startswith(
+        "| draft_vocab_size=2048 | 1 | 0.600 ± 0.000 | 0.500 ± 0.000 | 0.870"
+    )
+    assert lines[5].startswith("| draft_vocab_size=8192 | 1 | 0.600 ± 0.000 | 0.500 ± 0.000 | – |")

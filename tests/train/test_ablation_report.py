@@ -97,3 +97,18 @@ def test_a_cell_missing_from_a_column_is_a_dash() -> None:
     ]  # fmt: skip
     text = format_markdown(results)
     assert "| loss=ce | 0.550 ± 0.071 | 2.10 ± 0.14 | 4.20 ± 0.28 | – | – | – |" in text
+
+
+def test_a_pruned_cell_keeps_the_draftable_mass_of_its_seeds_and_a_full_one_none() -> None:
+    runs = {}
+    for vocab, masses in (("2048", (0.86, 0.88)), ("8192", (None, None))):
+        for seed, mass in enumerate(masses):
+            held_out = {"overlap@1": 0.6} | ({} if mass is None else {"draftable_mass": mass})
+            runs[ablation_results.run_key({"draft_vocab_size": vocab}, seed)] = {
+                "cell": {"draft_vocab_size": vocab}, "seed": seed, "overlap": [0.6],
+                "greedy_match": [0.5], "tau": {"1": 2.5}, "held_out": held_out,
+            }  # fmt: skip
+    cells = {c["key"]: c for c in ablation_results.summarize(runs)}
+    pruned = cells["draft_vocab_size=2048"]["draftable_mass"]
+    assert pruned["mean"] == 0.87 and pruned["n"] == 2
+    assert "draftable_mass" not in cells["draft_vocab_size=8192"]
