@@ -314,8 +314,9 @@ def draftable_mass(
     of every draft position, whatever the drafter learns.
 
     ``alpha = sum_x min(p(x), q(x)) <= sum_{x in V_draft} p(x)``, because ``q`` is 0 outside
-    a pruned draft vocabulary (EAGLE-3's, Li et al. 2025). ``temperature == 0`` gives 1 where
-    the target's argmax is draftable, else 0.
+    a pruned draft vocabulary (EAGLE-3's, Li et al. 2025; docs/theory.md §6, "The
+    vocabulary's cap"). ``temperature == 0`` gives 1 where the target's argmax is draftable,
+    else 0.
     """
     keep, out = _evaluation_rows(draft_logits, mask, temperature)
     if not bool(keep.any()):
@@ -552,6 +553,7 @@ class _ForwardKLAndTV(torch.autograd.Function):
     and passes; this keeps two (``q`` and ``q - p``), which on a CPU halves the loss's share of
     a head's training step (a pruned 2048-token vocabulary, 2,040 positions x 4 draft
     positions: 1.18 s against 0.61 s forward and backward). Terms with ``p(x) = 0`` are 0.
+    docs/theory.md §6 has the gradients.
     """
 
     @staticmethod
