@@ -40,6 +40,7 @@ ABLATION_PEAGLE = RESULTS / "ablation_peagle" / "ablation.json"
 ABLATION_PEAGLE_WEIGHTS = RESULTS / "ablation_peagle_weights" / "ablation.json"
 ABLATION_PEAGLE_LAYERS = RESULTS / "ablation_peagle_layers" / "ablation.json"
 ABLATION_PEAGLE_NO_AMX = RESULTS / "ablation_peagle_no_amx" / "ablation.json"
+ABLATION_VOCAB_NO_AMX = RESULTS / "ablation_vocab_no_amx" / "ablation.json"
 ABLATION_RETUNE = RESULTS / "ablation_retune" / "ablation.json"
 PARALLEL_CEILING = RESULTS / "parallel_ceiling_demo.json"
 FOLLOW_UPS = (  # the 150-step runs after the grid, each its own results file
@@ -362,10 +363,10 @@ def ablation_tables(path: Path) -> str:
 def depth_overlaps_table(path: Path) -> str:
     """One row per cell: the held-out overlap at every draft depth and tau, mean ± std."""
     from train.ablation_report import _mean_std, tau_source, temperatures_of
-    from train.ablation_results import read_results
+    from train.ablation_results import read_results, summarize
 
     results = read_results(REPO / path)
-    cells = results["cells"]
+    cells = summarize(results["runs"])  # from the runs: every figure today's summary keeps
     source = tau_source(cells)
     temperatures = temperatures_of(cells)
     depths = max(len(entry["overlap"]) for entry in cells)
@@ -373,11 +374,14 @@ def depth_overlaps_table(path: Path) -> str:
     header = ["cell", "seeds", *(f"overlap@{d + 1}" for d in range(depths))]
     header += ["draftable mass"] if with_mass else []
     header += [f"tau T={t}" for t in temperatures]
+    with_speed = any("train_tokens_per_s" in entry for entry in cells)
+    header += ["training tokens/s"] if with_speed else []
     rows = []
     for entry in cells:
         taus = entry[source]["tau"] if source == "tau_check" else entry["tau"]
         overlaps = [*entry["overlap"], *([None] * (depths - len(entry["overlap"])))]
         mass = [_mean_std(entry.get("draftable_mass"), 3)] if with_mass else []
+        speed = [_mean_std(entry.get("train_tokens_per_s"), 0)] if with_speed else []
         rows.append(
             [
                 entry["key"],
@@ -385,6 +389,7 @@ def depth_overlaps_table(path: Path) -> str:
                 *(_mean_std(o, 3) for o in overlaps),
                 *mass,
                 *(_mean_std(taus.get(t), 2) for t in temperatures),
+                *speed,
             ]
         )
     steps = results["settings"].get("max_steps")
@@ -396,7 +401,12 @@ def depth_overlaps_table(path: Path) -> str:
     )
     intro = (
         f"mean ± std over seeds; {steps} steps per run; overlap@k: held-out overlap of draft "
-        f"depth k;{mass_note} tau: tokens per target pass on held-out prompts, chains of 4."
+        f"depth k;{mass_note} tau: tokens per target pass on held-out prompts, chains of 4"
+        + (
+            "; training tokens/s: the run's own throughput (shared cores slow it)."
+            if with_speed
+            else "."
+        )
     )
     return "\n".join([intro, "", *_table(header, rows)])
 
@@ -486,6 +496,7 @@ SECTIONS: dict[str, Callable[[], str]] = {
     "ablation-peagle-weights": lambda: ablation_tables(ABLATION_PEAGLE_WEIGHTS),
     "ablation-peagle-no-amx": lambda: ablation_tables(ABLATION_PEAGLE_NO_AMX),
     "ablation-peagle-layers": lambda: depth_overlaps_table(ABLATION_PEAGLE_LAYERS),
+    "ablation-vocab-no-amx": lambda: depth_overlaps_table(ABLATION_VOCAB_NO_AMX),
     "ablation-retune": lambda: ablation_tables(ABLATION_RETUNE),
     "parallel-ceiling": lambda: ceiling_table(_read(PARALLEL_CEILING)),
     "ablation-follow-ups": follow_ups_table,

@@ -107,8 +107,14 @@ def test_a_pruned_cell_keeps_the_draftable_mass_of_its_seeds_and_a_full_one_none
             runs[ablation_results.run_key({"draft_vocab_size": vocab}, seed)] = {
                 "cell": {"draft_vocab_size": vocab}, "seed": seed, "overlap": [0.6],
                 "greedy_match": [0.5], "tau": {"1": 2.5}, "held_out": held_out,
+                "tokens_seen": 60_000 * (seed + 1), "minutes": 2.0,
             }  # fmt: skip
     cells = {c["key"]: c for c in ablation_results.summarize(runs)}
     pruned = cells["draft_vocab_size=2048"]["draftable_mass"]
     assert pruned["mean"] == 0.87 and pruned["n"] == 2
     assert "draftable_mass" not in cells["draft_vocab_size=8192"]
+    speed = cells["draft_vocab_size=8192"]["train_tokens_per_s"]  # 500 and 1000 tokens/s
+    assert (speed["mean"], speed["min"], speed["max"]) == (750.0, 500.0, 1000.0)
+    del runs[ablation_results.run_key({"draft_vocab_size": "8192"}, 1)]["minutes"]
+    cells = {c["key"]: c for c in ablation_results.summarize(runs)}
+    assert "train_tokens_per_s" not in cells["draft_vocab_size=8192"]  # a run did not record it
