@@ -41,6 +41,7 @@ ABLATION_PEAGLE_WEIGHTS = RESULTS / "ablation_peagle_weights" / "ablation.json"
 ABLATION_PEAGLE_LAYERS = RESULTS / "ablation_peagle_layers" / "ablation.json"
 ABLATION_PEAGLE_NO_AMX = RESULTS / "ablation_peagle_no_amx" / "ablation.json"
 ABLATION_VOCAB_NO_AMX = RESULTS / "ablation_vocab_no_amx" / "ablation.json"
+ABLATION_VOCAB_NO_AMX_8MIN = RESULTS / "ablation_vocab_no_amx_8min" / "ablation.json"
 ABLATION_RETUNE = RESULTS / "ablation_retune" / "ablation.json"
 PARALLEL_CEILING = RESULTS / "parallel_ceiling_demo.json"
 FOLLOW_UPS = (  # the 150-step runs after the grid, each its own results file
@@ -376,12 +377,18 @@ def depth_overlaps_table(path: Path) -> str:
     header += [f"tau T={t}" for t in temperatures]
     with_speed = any("train_tokens_per_s" in entry for entry in cells)
     header += ["training tokens/s"] if with_speed else []
+    steps = results["settings"].get("max_steps")
+    timed_out = any(  # a time box ended some run before the step cap: say how far each got
+        entry.get("steps", {}).get("min", steps) != steps for entry in cells
+    )
+    header += ["steps"] if timed_out else []
     rows = []
     for entry in cells:
         taus = entry[source]["tau"] if source == "tau_check" else entry["tau"]
         overlaps = [*entry["overlap"], *([None] * (depths - len(entry["overlap"])))]
         mass = [_mean_std(entry.get("draftable_mass"), 3)] if with_mass else []
         speed = [_mean_std(entry.get("train_tokens_per_s"), 0)] if with_speed else []
+        speed += [_mean_std(entry.get("steps"), 0)] if timed_out else []
         rows.append(
             [
                 entry["key"],
@@ -392,7 +399,12 @@ def depth_overlaps_table(path: Path) -> str:
                 *speed,
             ]
         )
-    steps = results["settings"].get("max_steps")
+    minutes = results["settings"].get("max_minutes")
+    budget = (
+        f"up to {steps} steps or {minutes:g} minutes per run"
+        if timed_out
+        else f"{steps} steps per run"
+    )
     mass_note = (
         " draftable mass: the target's held-out probability on the draft vocabulary, the most"
         " any overlap can reach (– where nothing is pruned);"
@@ -400,7 +412,7 @@ def depth_overlaps_table(path: Path) -> str:
         else ""
     )
     intro = (
-        f"mean ± std over seeds; {steps} steps per run; overlap@k: held-out overlap of draft "
+        f"mean ± std over seeds; {budget}; overlap@k: held-out overlap of draft "
         f"depth k;{mass_note} tau: tokens per target pass on held-out prompts, chains of 4"
         + (
             "; training tokens/s: the run's own throughput (shared cores slow it)."
@@ -497,6 +509,7 @@ SECTIONS: dict[str, Callable[[], str]] = {
     "ablation-peagle-no-amx": lambda: ablation_tables(ABLATION_PEAGLE_NO_AMX),
     "ablation-peagle-layers": lambda: depth_overlaps_table(ABLATION_PEAGLE_LAYERS),
     "ablation-vocab-no-amx": lambda: depth_overlaps_table(ABLATION_VOCAB_NO_AMX),
+    "ablation-vocab-no-amx-8min": lambda: depth_overlaps_table(ABLATION_VOCAB_NO_AMX_8MIN),
     "ablation-retune": lambda: ablation_tables(ABLATION_RETUNE),
     "parallel-ceiling": lambda: ceiling_table(_read(PARALLEL_CEILING)),
     "ablation-follow-ups": follow_ups_table,

@@ -43,9 +43,9 @@ def spread(values: Sequence[float]) -> dict[str, float]:
 
 
 def summarize(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per cell: overlap and greedy match per position, tau per temperature, training tokens/s
-    and, with a pruned draft vocabulary, the target's probability on it (``draftable_mass``),
-    over seeds."""
+    """Per cell: overlap and greedy match per position, tau per temperature, the steps trained,
+    training tokens/s and, with a pruned draft vocabulary, the target's probability on it
+    (``draftable_mass``), over seeds."""
     by_cell: dict[str, list[dict[str, Any]]] = {}
     for record in runs.values():
         by_cell.setdefault(cell_key(record["cell"]), []).append(record)
@@ -60,6 +60,9 @@ def summarize(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         for metric in ("overlap", "greedy_match"):
             length = min(len(r[metric]) for r in records)
             entry[metric] = [spread([r[metric][j] for r in records]) for j in range(length)]
+        steps = [r["steps"] for r in records if isinstance(r.get("steps"), int)]
+        if len(steps) == len(records):  # what each run trained, its time box included
+            entry["steps"] = spread(steps)
         speeds = [r["tokens_seen"] / (60 * r["minutes"]) for r in records if r.get("minutes")]
         if len(speeds) == len(records):  # training throughput, where every run recorded it
             entry["train_tokens_per_s"] = spread(speeds)

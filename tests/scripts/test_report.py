@@ -203,3 +203,27 @@ def test_the_depth_table_names_the_draftable_mass_where_a_cell_has_one(tmp_path:
         "| draft_vocab_size=2048 | 1 | 0.600 ± 0.000 | 0.500 ± 0.000 | 0.870"
     )
     assert lines[5].startswith("| draft_vocab_size=8192 | 1 | 0.600 ± 0.000 | 0.500 ± 0.000 | – |")
+
+
+def test_the_depth_table_says_how_far_a_time_boxed_run_got(tmp_path: Path) -> None:
+    from train import ablation_results
+
+    runs = {}
+    for vocab, steps in (("2048", 141), ("8192", 71)):
+        runs[ablation_results.run_key({"draft_vocab_size": vocab}, 0)] = {
+            "cell": {"draft_vocab_size": vocab}, "seed": 0, "overlap": [0.7],
+            "greedy_match": [0.6], "tau": {"0": 2.6}, "steps": steps,
+        }  # fmt: skip
+    settings = {"max_steps": 300, "max_minutes": 8.0}
+    results = {"format_version": 1, "settings": settings, "runs": runs}
+    path = tmp_path / "ablation.json"
+    path.write_text(json.dumps(results))
+    lines = report.depth_overlaps_table(path).splitlines()
+    assert "up to 300 steps or 8 minutes per run;" in lines[0]
+    assert lines[2] == "| cell | seeds | overlap@1 | tau T=0 | steps |"
+    assert lines[5].endswith("| 71 ± 0 |")
+    settings["max_steps"] = 71  # where no run stopped early: no column, the cap is the budget
+    runs[ablation_results.run_key({"draft_vocab_size": "2048"}, 0)]["steps"] = 71
+    path.write_text(json.dumps(results))
+    lines = report.depth_overlaps_table(path).splitlines()
+    assert "71 steps per run;" in lines[0] and lines[2] == "| cell | seeds | overlap@1 | tau T=0 |"
