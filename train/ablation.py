@@ -528,8 +528,10 @@ def run_grid(
     new_runs = 0
     stopped = False
     total = len(cells) * len(seeds)
+    position = 0  # this grid's run being started, among its cells x seeds
     for seed in seeds:
         for cell in cells:
+            position += 1
             key = run_key(cell, seed)
             run_dir = run_folder(settings.output, key)
             try:
@@ -543,7 +545,7 @@ def run_grid(
             if max_runs is not None and new_runs >= max_runs:
                 stopped = True
                 break
-            log(f"[ablate] run {len(runs) + 1}/{total}: {key}")
+            log(f"[ablate] run {position}/{total}: {key}")
             start = time.perf_counter()
             try:
                 measured = train_and_measure(run_args, settings, run_dir / "drafter")

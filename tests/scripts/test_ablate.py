@@ -246,6 +246,8 @@ def test_grid_of_two_cells_and_two_seeds_resumes_after_an_interruption(
     out = capsys.readouterr().out
     assert "loss=ce,seed=0: done already, skipped" in out
     assert out.count("[ablate] run ") == 3  # only the three missing runs trained
+    # each counted by its place in the grid, not by the runs the file already holds
+    assert "[ablate] run 2/4: loss=lk,seed=0" in out and "[ablate] run 4/4: loss=lk,seed=1" in out
     saved = json.loads((output / "ablation.json").read_text())
     status = ("stopped", "new_runs", "path")  # the runner's own report, not in the file
     assert saved == {k: v for k, v in json.loads(json.dumps(results)).items() if k not in status}
