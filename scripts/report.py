@@ -387,8 +387,8 @@ def depth_overlaps_table(path: Path) -> str:
         taus = entry[source]["tau"] if source == "tau_check" else entry["tau"]
         overlaps = [*entry["overlap"], *([None] * (depths - len(entry["overlap"])))]
         mass = [_mean_std(entry.get("draftable_mass"), 3)] if with_mass else []
-        speed = [_mean_std(entry.get("train_tokens_per_s"), 0)] if with_speed else []
-        speed += [_mean_std(entry.get("steps"), 0)] if timed_out else []
+        run_length = [_mean_std(entry.get("train_tokens_per_s"), 0)] if with_speed else []
+        run_length += [_mean_std(entry.get("steps"), 0)] if timed_out else []
         rows.append(
             [
                 entry["key"],
@@ -396,7 +396,7 @@ def depth_overlaps_table(path: Path) -> str:
                 *(_mean_std(o, 3) for o in overlaps),
                 *mass,
                 *(_mean_std(taus.get(t), 2) for t in temperatures),
-                *speed,
+                *run_length,
             ]
         )
     minutes = results["settings"].get("max_minutes")

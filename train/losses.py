@@ -577,10 +577,11 @@ class _ForwardKLAndTV(torch.autograd.Function):
     def backward(ctx, grad_kl: torch.Tensor | None, grad_tv: torch.Tensor | None):
         q, q_minus_p, *target_side = ctx.saved_tensors
         s = q_minus_p.sign().mul_(0.5)  # d TV / d q
-        grad = torch.zeros_like(q)  # [N, V] d / d draft
-        if grad_tv is not None:
+        if grad_tv is not None:  # [N, V] d / d draft
             q_s = s * q
             grad = q_s.sub_(q * q_s.sum(-1, keepdim=True)).mul_(grad_tv[:, None])
+        else:
+            grad = torch.zeros_like(q)
         if grad_kl is not None:
             grad.add_(q_minus_p * grad_kl[:, None])
         if not target_side:
@@ -601,7 +602,7 @@ class _Rows:
 
     def __init__(self, draft: torch.Tensor, log_p: torch.Tensor) -> None:  # [N, V] each
         self.draft = draft  # logits / temperature
-        self.log_p = log_p  # log-softmax of the target's logits / temperature, no gradient
+        self.log_p = log_p  # log-softmax of the target's logits / temperature (frozen, usually)
         self._log_q: torch.Tensor | None = None
         self._kl_tv: tuple[torch.Tensor, torch.Tensor] | None = None
 
