@@ -14,10 +14,13 @@ high temperature) falls back to plain decoding rather than slowing it down. Esti
 geometrically so they follow a change of prompt or temperature; every ``probe_every``-th
 round tries a neighbouring length so that the deeper positions and the costs stay measured
 (a measured length uses its own smoothed time: a plain step is not on the drafting rounds'
-line, having no draft pass at all; the line only extrapolates to lengths not yet run);
-and the policy keeps its length until another promises ``switch_margin`` more tokens per
-second, since switching has a cost of its own (a draft LM reads the tokens of skipped rounds
-in its next pass) and round times are noisy.
+line, having no draft pass at all; the line only extrapolates to lengths not yet run). A
+length's first round counts its acceptance but not its time: it pays one-time costs (oneDNN
+builds a kernel for each new row count, a layout is prepared on first use; on the demo target
+in bfloat16 a fresh decoder's first 4-draft round took 32-40 ms against 13-15 for its second,
+its first plain step 11-14 against 8), so a length runs twice before its time is compared. The policy keeps its length until another promises
+``switch_margin`` more tokens per second, since switching has a cost of its own (a draft LM
+reads the tokens of skipped rounds in its next pass) and round times are noisy.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ class AdaptiveDraftLength(RoundPolicy):
         self._reached = [PRIOR_REACHED] * max_tokens  # decayed drafts verified at position j
         self._accepted = [PRIOR_ACCEPTED] * max_tokens  # decayed drafts accepted at position j
         self._seconds: dict[int, float] = {}  # w -> round duration, smoothed (weight 0.1)
+        self._warmed: set[int] = set()  # lengths whose first (untimed) round has run
         self._rounds = 0
 
     @property
@@ -97,7 +101,8 @@ class AdaptiveDraftLength(RoundPolicy):
         limit = min(limit, self.max_tokens)
         if limit <= 0:
             return 0
-        # Measure the longest length first, then a plain step: two points fix the line.
+        # Time the longest length first, then a plain step (each after its warm-up round): two
+        # points fix the line.
         for width in (self.max_tokens, 0):
             if width not in self._seconds and width <= limit:
                 return width
@@ -121,10 +126,12 @@ class AdaptiveDraftLength(RoundPolicy):
     ) -> None:
         """Fold in one round: ``width`` drafts per row, their acceptance, its wall time."""
         self._rounds += 1
-        previous = self._seconds.get(width)
-        self._seconds[width] = (
-            seconds if previous is None else previous + 0.1 * (seconds - previous)
-        )
+        if width in self._warmed:
+            previous = self._seconds.get(width)
+            self._seconds[width] = (
+                seconds if previous is None else previous + 0.1 * (seconds - previous)
+            )
+        self._warmed.add(width)
         if width == 0 or num_accepted.numel() == 0:
             return
         counts = torch.bincount(num_accepted.clamp(max=width), minlength=width + 1).tolist()

@@ -56,7 +56,9 @@ over the shapes that fit the rows' remaining room: expected tokens per second. T
 the plain step are on the menu, so in expectation it never does worse than the best chain.
 As in the chain policy, rates are decayed counts (factor 0.99, prior one acceptance in two);
 the longest chain, a plain step, a half-length chain (three points of the cost plane) and the
-largest tree are measured first (every top-k tree, whose rates are its own); every
+largest tree are measured first (every top-k tree, whose rates are its own), each shape's
+first round counting its acceptance but not its time, which pays one-time costs (a kernel
+built for a new row count, a layout prepared on first use; ``decode.draft_length``); every
 ``probe_every``-th round runs the runner-up or the least recently run of the five best
 shapes, and the current shape is kept until another promises ``switch_margin`` more tokens
 per second. The state carries over from one ``generate`` call to the next.
@@ -195,6 +197,8 @@ class TreeSizePolicy(RoundPolicy):
         self._lengths_cache: dict[RoundShape, list[int]] = {}
         self._ratio_sums: dict[RoundShape, tuple[float, float]] = {}
         self._scored: dict[RoundShape, int] = {}  # scored tokens where a shape has run
+        self._warmed: set[RoundShape] = set()  # shapes whose first (untimed) round has run
+        self._timed: set[RoundShape] = set()  # shapes whose time the cost model has seen
         self._last_run: dict[RoundShape, int] = {}
         self._current: RoundShape | None = None
         self._greedy = True  # the mode of the latest choice (chain rounds report into it)
@@ -265,7 +269,7 @@ class TreeSizePolicy(RoundPolicy):
         full = self.menus[SAMPLED if sampled else TOP_K]
         menu = [s for s in full if s.depth <= limit]
         for shape in self._first_measured(full):
-            if shape not in self._scored and shape.depth <= limit:
+            if shape not in self._timed and shape.depth <= limit:
                 return self._ran(shape)
         tables = self._tables(greedy)
         rates = {s: self._expected(s, greedy, tables) / self.round_seconds(s) for s in menu}
@@ -354,6 +358,10 @@ class TreeSizePolicy(RoundPolicy):
     def _time(self, shape: RoundShape, scored: int, seconds: float) -> None:
         self._rounds += 1
         self._scored[shape] = scored
+        if shape not in self._warmed:  # one-time costs: its acceptance counts, its time not
+            self._warmed.add(shape)
+            return
+        self._timed.add(shape)
         features = self._features(shape)
         predicted = self.cost.pinned(features)
         if predicted is not None:  # what the plane misses about this shape, load aside

@@ -44,19 +44,27 @@ _LEARNED, _NONE = 0, -1
 
 @dataclass
 class _Yield:
-    """Decayed running means of tokens emitted per row-round and seconds per round."""
+    """Decayed running means of tokens emitted per row-round and seconds per round.
+
+    A source's first round is not counted: it pays one-time costs (a kernel built for a new row
+    count, a layout prepared on first use; ``decode.draft_length``), so the source is tried
+    again before it is compared."""
 
     tokens: float = 0.0
     seconds: float = 0.0
     weight: float = 0.0  # decayed count of observations (0: never measured)
+    warmed: bool = False  # the first, uncounted round has run
 
     def add(self, tokens: float, seconds: float) -> None:
+        if not self.warmed:
+            self.warmed = True
+            return
         self.tokens = DECAY * self.tokens + tokens
         self.seconds = DECAY * self.seconds + seconds
         self.weight = DECAY * self.weight + 1.0
 
     @property
-    def rate(self) -> float:  # tokens per second; inf until measured (try it once)
+    def rate(self) -> float:  # tokens per second; inf until measured (try it)
         return float("inf") if self.weight == 0 else self.tokens / max(self.seconds, 1e-9)
 
 

@@ -32,12 +32,27 @@ def _feed(policy: AdaptiveDraftLength, rounds: int, alpha: float, seconds) -> li
 
 def test_policy_measures_the_longest_length_then_a_plain_step_first() -> None:
     policy = AdaptiveDraftLength(max_tokens=4)
-    assert policy.choose(4) == 4
-    policy.update(4, torch.tensor([2]), 0.02)
-    assert policy.choose(4) == 0
-    policy.update(0, torch.tensor([0]), 0.01)
+    for width, seconds in ((4, 0.02), (0, 0.01)):
+        assert policy.choose(4) == width  # a warm-up round: its one-time costs are not timed
+        policy.update(width, torch.tensor([2 if width else 0]), 1.0)
+        assert policy.choose(4) == width
+        policy.update(width, torch.tensor([2 if width else 0]), seconds)
     assert policy.round_seconds(2) == pytest.approx(0.015)  # the line through both points
+    reached, accepted = 2.0, 1.0  # the prior, then both rounds of 4 drafts (2 accepted)
+    for _ in range(2):
+        reached, accepted = 0.99 * reached + 1, 0.99 * accepted + 1
+    assert policy.alpha[0] == pytest.approx(accepted / reached)  # the warm-up's counts too
     assert policy.choose(1) <= 1  # never beyond the room the rows have left
+
+
+def test_a_lengths_first_round_counts_its_acceptance_not_its_time() -> None:
+    policy = AdaptiveDraftLength(max_tokens=2, probe_every=0)
+    policy.update(1, torch.tensor([1]), 5.0)  # a stall: a kernel built for a new row count
+    assert policy.round_seconds(1) is None
+    assert policy.alpha[0] == pytest.approx((0.99 * 1 + 1) / (0.99 * 2 + 1))
+    policy.update(1, torch.tensor([1]), 0.012)
+    policy.update(1, torch.tensor([1]), 0.014)
+    assert policy.round_seconds(1) == pytest.approx(0.012 + 0.1 * 0.002)
 
 
 def test_policy_drafts_the_longest_when_drafts_are_accepted_and_cheap() -> None:
@@ -57,9 +72,9 @@ def test_policy_falls_back_to_plain_steps_when_drafts_are_rejected() -> None:
 
 def test_policy_keeps_its_length_unless_another_is_clearly_faster() -> None:
     policy = AdaptiveDraftLength(max_tokens=2, probe_every=0, switch_margin=0.1)
-    policy.update(2, torch.tensor([2]), 0.030)
-    policy.update(0, torch.tensor([0]), 0.010)  # plain steps: 100 tokens/s
-    policy.update(1, torch.tensor([0]), 0.050)
+    for width, accepted, seconds in ((2, 2, 0.030), (0, 0, 0.010), (1, 0, 0.050)):
+        for _ in range(2):  # a warm-up round, then a timed one; plain steps: 100 tokens/s
+            policy.update(width, torch.tensor([accepted]), seconds)
     two = policy.expected_tokens(2)
     for rate, expected in ((95.0, 0), (104.0, 0), (130.0, 2)):  # 2 drafts at this rate
         policy._seconds[2] = two / rate

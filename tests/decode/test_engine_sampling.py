@@ -61,8 +61,9 @@ def test_emitted_tokens_follow_target_law(
     adaptive = drafter_name.endswith("adaptive")
     decoder = SpeculativeDecoder(target, drafters[drafter_name](), 3, adaptive=adaptive)
     if adaptive:  # estimates that make one draft worth it (the prefill emits the first token)
-        decoder.draft_length.update(3, torch.tensor([3]), 0.004)
-        decoder.draft_length.update(0, torch.tensor([0]), 0.003)
+        for _ in range(2):  # a warm-up round, then a timed one, of each length
+            decoder.draft_length.update(3, torch.tensor([3]), 0.004)
+            decoder.draft_length.update(0, torch.tensor([0]), 0.003)
     out = decoder.generate(
         prompt[None].repeat(ROWS, 1),
         max_new_tokens=3 if adaptive else 2,  # adaptive rounds never draft for the last token

@@ -14,7 +14,7 @@ from decode_helpers import (
 from tiny_models import tiny_llama
 
 from decode import DraftModelDrafter, SpeculativeDecoder
-from decode.drafters.hybrid import HybridDrafter
+from decode.drafters.hybrid import DECAY, HybridDrafter, _Yield
 from decode.sampling import SamplingConfig
 
 # Row 0 repeats itself (lookup matches), row 1 does not at first (the learned drafter drafts).
@@ -105,3 +105,12 @@ def test_hybrid_refuses_a_drafter_that_cannot_commit_other_drafts(
 ) -> None:
     with pytest.raises(ValueError, match="cannot commit drafts it did not propose"):
         HybridDrafter(tiny_medusa_drafter(target))
+
+
+def test_a_sources_first_round_is_a_warm_up_it_does_not_count() -> None:
+    source = _Yield()
+    source.add(3.0, 5.0)  # a stall: a kernel built for a new row count
+    assert source.rate == float("inf")  # still unmeasured: tried again
+    source.add(3.0, 0.02)
+    source.add(1.0, 0.01)
+    assert source.rate == pytest.approx((DECAY * 3.0 + 1.0) / (DECAY * 0.02 + 0.01))

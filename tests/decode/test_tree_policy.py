@@ -135,10 +135,38 @@ def test_updates_count_acceptance_per_sibling_rank_and_depth() -> None:
 
 # -- choices -----------------------------------------------------------------------------------
 def _measured(policy: TreeSizePolicy, cost, shapes, greedy: bool = False) -> None:
-    """Give each shape a measured time ``cost(n, s, tree)`` without touching the acceptance."""
+    """Give each shape a measured time ``cost(n, s, tree)`` without touching the acceptance
+    (after a warm-up round whose time the policy ignores)."""
     policy._greedy = greedy
     for shape in shapes:
-        policy._time(shape, shape.scored_tokens, _cost(cost, shape))
+        for _ in range(2):
+            policy._time(shape, shape.scored_tokens, _cost(cost, shape))
+
+
+def test_a_shapes_first_round_is_a_warm_up_whose_time_is_ignored() -> None:
+    policy = TreeSizePolicy(SPEC, 3, probe_every=0)
+    tree = RoundShape(SAMPLED, 3, 3, 8)
+    first = [*map(RoundShape.chain, (3, 0, 2)), tree]
+    assert policy.choose_shape(3, greedy=False, sampled=True) == first[0]
+    policy.update(3, torch.tensor([1]), 9.0)  # one-time costs of a new row count
+    assert policy.cost.coefficients() is None
+    assert policy._chain[False].reached[0] == pytest.approx(0.99 * 2.0 + 1)  # counted
+    assert policy.choose_shape(3, greedy=False, sampled=True) == first[0]  # timed now
+
+    def cost(n, s, tree):
+        return 0.010 + 0.002 * n + 0.003 * s + 0.004 * tree
+
+    policy.update(3, torch.tensor([1]), _cost(cost, first[0]))
+    for shape in first[1:]:
+        for warm_up in (True, False):
+            assert policy.choose_shape(3, greedy=False, sampled=True) == shape
+            seconds = 50.0 if warm_up else _cost(cost, shape)
+            if shape.kind == CHAIN:
+                policy.update(shape.depth, torch.tensor([0]), seconds)
+            else:
+                policy.update_tree(shape, torch.full((1, shape.depth), -1), shape.nodes, seconds)
+    for shape in policy.menus[SAMPLED]:  # the stalls of the warm-up rounds left no trace
+        assert policy.round_seconds(shape) == pytest.approx(_cost(cost, shape), rel=1e-4)
 
 
 def _cost(cost, shape: RoundShape) -> float:
@@ -204,14 +232,15 @@ def test_policy_takes_plain_steps_when_nothing_is_accepted() -> None:
 def test_policy_measures_chains_plain_and_the_largest_tree_first() -> None:
     policy = TreeSizePolicy(SPEC, 3)
     order = []
-    for _ in range(4):
+    for _ in range(8):
         shape = policy.choose_shape(3, greedy=False, sampled=True)
         order.append(shape)
         if shape.kind == CHAIN:
             policy.update(shape.depth, torch.tensor([1]), 0.01)
         else:
             policy.update_tree(shape, torch.tensor([[0, -1, -1]]), shape.nodes, 0.02)
-    assert order == [RoundShape.chain(w) for w in (3, 0, 2)] + [RoundShape(SAMPLED, 3, 3, 8)]
+    first = [RoundShape.chain(w) for w in (3, 0, 2)] + [RoundShape(SAMPLED, 3, 3, 8)]
+    assert order == [shape for shape in first for _ in range(2)]  # a warm-up, then timed
 
 
 def test_policy_converges_to_the_best_shape_of_a_simulated_drafter() -> None:
