@@ -18,12 +18,15 @@ line, having no draft pass at all; the line only extrapolates to lengths not yet
 length's first round counts its acceptance but not its time: it pays one-time costs (oneDNN
 builds a kernel for each new row count, a layout is prepared on first use; on the demo target
 in bfloat16 a fresh decoder's first 4-draft round took 32-40 ms against 13-15 for its second,
-its first plain step 11-14 against 8), so a length runs twice before its time is compared. The policy keeps its length until another promises
-``switch_margin`` more tokens per second, since switching has a cost of its own (a draft LM
-reads the tokens of skipped rounds in its next pass) and round times are noisy.
+its first plain step 11-14 against 8), so a length runs twice before its time is compared.
+The policy keeps its length until another promises ``switch_margin`` more tokens per second,
+since switching has a cost of its own (a draft LM reads the tokens of skipped rounds in its
+next pass) and round times are noisy.
 """
 
 from __future__ import annotations
+
+from collections.abc import Hashable
 
 import torch
 
@@ -33,8 +36,8 @@ PRIOR_REACHED, PRIOR_ACCEPTED = 2.0, 1.0
 
 class RoundPolicy:
     """What the chain-length and tree-size policies share: estimates that decay by ``decay``
-    per round, a probe every ``probe_every`` rounds (0: never), and a switch only for ``switch_margin``
-    more expected tokens per second."""
+    per round, a probe every ``probe_every`` rounds (0: never), a switch only for ``switch_margin``
+    more expected tokens per second, and an untimed first round of every option."""
 
     def __init__(self, decay: float, probe_every: int, switch_margin: float) -> None:
         if not 0.0 < decay < 1.0:
@@ -42,6 +45,14 @@ class RoundPolicy:
         self.decay = decay
         self.probe_every = probe_every
         self.switch_margin = switch_margin
+        self._warmed: set[Hashable] = set()  # options whose first (untimed) round has run
+
+    def _warming_up(self, option: Hashable) -> bool:
+        """Whether this is ``option``'s first round, whose time pays one-time costs and is not
+        counted (the module docstring); marks it run."""
+        first = option not in self._warmed
+        self._warmed.add(option)
+        return first
 
 
 class AdaptiveDraftLength(RoundPolicy):
@@ -62,7 +73,6 @@ class AdaptiveDraftLength(RoundPolicy):
         self._reached = [PRIOR_REACHED] * max_tokens  # decayed drafts verified at position j
         self._accepted = [PRIOR_ACCEPTED] * max_tokens  # decayed drafts accepted at position j
         self._seconds: dict[int, float] = {}  # w -> round duration, smoothed (weight 0.1)
-        self._warmed: set[int] = set()  # lengths whose first (untimed) round has run
         self._rounds = 0
 
     @property
@@ -126,12 +136,11 @@ class AdaptiveDraftLength(RoundPolicy):
     ) -> None:
         """Fold in one round: ``width`` drafts per row, their acceptance, its wall time."""
         self._rounds += 1
-        if width in self._warmed:
+        if not self._warming_up(width):
             previous = self._seconds.get(width)
             self._seconds[width] = (
                 seconds if previous is None else previous + 0.1 * (seconds - previous)
             )
-        self._warmed.add(width)
         if width == 0 or num_accepted.numel() == 0:
             return
         counts = torch.bincount(num_accepted.clamp(max=width), minlength=width + 1).tolist()

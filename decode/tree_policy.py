@@ -197,7 +197,6 @@ class TreeSizePolicy(RoundPolicy):
         self._lengths_cache: dict[RoundShape, list[int]] = {}
         self._ratio_sums: dict[RoundShape, tuple[float, float]] = {}
         self._scored: dict[RoundShape, int] = {}  # scored tokens where a shape has run
-        self._warmed: set[RoundShape] = set()  # shapes whose first (untimed) round has run
         self._timed: set[RoundShape] = set()  # shapes whose time the cost model has seen
         self._last_run: dict[RoundShape, int] = {}
         self._current: RoundShape | None = None
@@ -358,8 +357,7 @@ class TreeSizePolicy(RoundPolicy):
     def _time(self, shape: RoundShape, scored: int, seconds: float) -> None:
         self._rounds += 1
         self._scored[shape] = scored
-        if shape not in self._warmed:  # one-time costs: its acceptance counts, its time not
-            self._warmed.add(shape)
+        if self._warming_up(shape):  # one-time costs: its acceptance counts, its time not
             return
         self._timed.add(shape)
         features = self._features(shape)
