@@ -3,12 +3,17 @@
 Chains draft one head step per token; EAGLE-2 dynamic trees (Li et al. 2024) expand the most
 likely children by cumulative draft log-probability. Committed entries (target feature, next
 token) stay in the head's own KV cache; drafted entries are dropped after each proposal.
+
+The head reads committed entries lazily: ``commit`` records them and the next proposal runs
+one head pass over everything recorded since the last one. A round that drafts nothing (a
+plain step chosen by an adaptive length, a round the hybrid drafter gives to prompt lookup)
+then costs no head pass, and a run of such rounds costs one pass over all their entries.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
@@ -30,16 +35,32 @@ from decode.tree import (
     sampled_tree_layout,
 )
 
+# Committed entries the head has not read are read at once when they reach this many, so a
+# long run of rounds without drafts keeps its features and its catch-up pass bounded.
+MAX_UNREAD_ENTRIES = 64
+
+
+@dataclass
+class _UnreadBlock:
+    """One commit's entries (f_t, x_{t+1}), recorded for the head's next pass."""
+
+    tokens: torch.Tensor  # [B, W] the token paired with each entry
+    valid: torch.Tensor  # [B, W] bool: entries a row kept (the rest are holes)
+    positions: torch.Tensor  # [B, W]
+    features: torch.Tensor  # [B, W, A*H] the target's hidden states the head fuses
+    last: torch.Tensor  # [B] column of each row's last kept entry
+
 
 @dataclass
 class _DrafterState:
     cache: PreallocatedStack  # per layer [B, KV, S, D]: committed entries (holes in `valid`)
     valid: torch.Tensor  # [B, S] bool
     has_holes: bool  # some committed slot of some row is invalid (padding or a hole)
-    hidden: torch.Tensor  # [B, H] pre-norm output of each row's last committed entry
-    logits: torch.Tensor  # [B, V_draft] draft logits for the token after the pending one
+    hidden: torch.Tensor  # [B, H] pre-norm output of each row's last entry the head read
+    logits: torch.Tensor  # [B, V_draft] draft logits after that entry
     next_pos: torch.Tensor  # [B] position of the next entry (the pending token's pair)
     drafts: torch.Tensor | None = None  # [B, N] the last chain proposal, until committed
+    unread: list[_UnreadBlock] = field(default_factory=list)  # committed, not yet in the cache
 
 
 class Eagle3Drafter(Drafter):
@@ -132,10 +153,10 @@ class Eagle3Drafter(Drafter):
         self, num_tokens: int, sampling: SamplingConfig, generator: torch.Generator | None
     ) -> DraftProposal:
         """Draft ``num_tokens`` tokens per row autoregressively (argmax or sampled)."""
-        state = self._require_state()
         empty = self._empty_round(num_tokens)
         if empty is not None:
             return empty
+        state = self._read_state()
         committed = state.cache.get_seq_length()
         logits, hidden = state.logits, state.hidden
         tokens, probs = [], []
@@ -205,7 +226,7 @@ class Eagle3Drafter(Drafter):
         Verify it with :func:`decode.tree.verify_tree_greedy` / ``verify_tree_stochastic`` over
         the target's pass on ``tree.input_ids(pending)``, then call :meth:`commit_tree`.
         """
-        state = self._require_state()
+        state = self._read_state()
         top_k = spec.top_k
         # Near the end of generation the depth shrinks; keep as many nodes as still fit.
         total_tokens = min(spec.total_tokens, top_k + (depth - 1) * top_k * top_k)
@@ -270,7 +291,7 @@ class Eagle3Drafter(Drafter):
             raise ValueError(
                 "sampled trees are for temperature > 0: at T = 0 use propose_tree (top-k children)"
             )
-        state = self._require_state()
+        state = self._read_state()
         lengths = sampled_tree_chain_lengths(spec.top_k, depth, spec.total_tokens)
         parents, depths = sampled_tree_layout(lengths)
         batch, device = state.hidden.shape[0], state.valid.device
@@ -342,7 +363,7 @@ class Eagle3Drafter(Drafter):
     # -- continuous batching ----------------------------------------------------------------
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep ``rows``, each with its valid entries right-aligned (holes dropped)."""
-        state = self._require_state()
+        state = self._read_state()
         rows = rows.to(state.valid.device, torch.long)
         valid = state.valid[rows]  # [R, S]
         live = int(valid.sum(1).max()) if rows.numel() else 0
@@ -357,7 +378,7 @@ class Eagle3Drafter(Drafter):
         """Append ``other``'s rows, both caches right-aligned (holes in front)."""
         if not isinstance(other, Eagle3Drafter) or other.head is not self.head:
             raise TypeError("only a spawn of this EAGLE-3 drafter can be merged into it")
-        state, theirs = self._require_state(), other._require_state()
+        state, theirs = self._read_state(), other._read_state()
         slots = max(state.valid.shape[1], theirs.valid.shape[1])
         state.cache.merge_rows(theirs.cache, slots)
         state.valid = torch.cat([pad_front(state.valid, slots), pad_front(theirs.valid, slots)])
@@ -380,39 +401,67 @@ class Eagle3Drafter(Drafter):
         next_tokens: torch.Tensor,  # [B]
         hidden_states: Sequence[torch.Tensor],  # each [B, D + 1, H]: [pending, d_1 .. d_D]
     ) -> None:
-        """Add entries (f_pending, d_1), ..., (f_{d_n}, next) per row; the rest are holes.
+        """Record entries (f_pending, d_1), ..., (f_{d_n}, next) per row for the head's next
+        pass (:meth:`_read_state`); the rest are holes.
 
-        Entries past the longest kept row are never computed, so a batch of one never holds
+        Entries past the longest kept row are never recorded, so a batch of one never holds
         holes and a round that kept little costs little.
         """
         state = self._require_state()
-        # Only the first max(num_accepted) + 1 entries of any row are kept: run those alone.
-        fewest, most = (int(n) + 1 for n in torch.aminmax(num_accepted))
+        most = int(num_accepted.max()) + 1  # only these first entries of any row are kept
         cols = torch.arange(most, device=drafts.device)
         padded = torch.cat((drafts, next_tokens[:, None]), dim=1)[:, :most]
-        tokens = torch.where(cols < num_accepted[:, None], padded, next_tokens[:, None])
-        block_valid = cols <= num_accepted[:, None]
-        positions = state.next_pos[:, None] + cols
-        fused = self.lean.fuse(self.head.gather_aux([h[:, :most] for h in hidden_states]))
+        state.unread.append(
+            _UnreadBlock(
+                tokens=torch.where(cols < num_accepted[:, None], padded, next_tokens[:, None]),
+                valid=cols <= num_accepted[:, None],
+                positions=state.next_pos[:, None] + cols,
+                features=self.head.gather_aux([h[:, :most] for h in hidden_states]),
+                last=num_accepted,
+            )
+        )
+        state.next_pos = state.next_pos + num_accepted + 1
+        state.drafts = None
+        if sum(block.tokens.shape[1] for block in state.unread) >= MAX_UNREAD_ENTRIES:
+            self._read_state()
+
+    @torch.inference_mode()  # select_rows and merge run outside the engine's inference mode
+    def _read_state(self) -> _DrafterState:
+        """The state once the head has read every recorded entry: one pass over the unread
+        blocks side by side (each entry sees the valid ones before it, holes masked), the
+        last kept entry's output and first draft logits refreshed."""
+        state = self._require_state()
+        if not state.unread:
+            return state
+        blocks, state.unread = state.unread, []
+        tokens, valid, positions, features = (
+            torch.cat([getattr(block, name) for block in blocks], dim=1)
+            for name in ("tokens", "valid", "positions", "features")
+        )  # [B, W], [B, W], [B, W], [B, W, A*H]
         visible = None
-        if most > 1 or state.has_holes:
-            visible = block_visibility(state.valid, block_valid)
-        seen = torch.cat((state.valid, block_valid), 1)
-        next_pos = state.next_pos + num_accepted + 1
+        if tokens.shape[1] > 1 or state.has_holes:
+            visible = block_visibility(state.valid, valid)
+        seen = torch.cat((state.valid, valid), 1)
         prenorm = self._committed_pass(
-            fused, self._embed(tokens), positions, state.cache, visible, seen, next_pos
+            self.lean.fuse(features),
+            self._embed(tokens),
+            positions,
+            state.cache,
+            visible,
+            seen,
+            state.next_pos,
         )
         state.valid = seen
-        state.has_holes = state.has_holes or fewest < most
-        rows = torch.arange(drafts.shape[0], device=drafts.device)
-        state.hidden = prenorm[rows, num_accepted]
+        state.has_holes = state.has_holes or not bool(valid.all())
+        rows = torch.arange(tokens.shape[0], device=tokens.device)
+        last = blocks[-1]
+        state.hidden = prenorm[rows, tokens.shape[1] - last.tokens.shape[1] + last.last]
         state.logits = self._first_logits(state.hidden)
-        state.next_pos = next_pos
-        state.drafts = None
         if state.has_holes:
             live = int(state.valid.sum(1).max())
             if state.valid.shape[1] > 2 * live:  # amortised: each compaction halves the cache
                 self._compact(live)
+        return state
 
     def _empty_round(self, num_tokens: int) -> DraftProposal | None:
         """The proposal of a round without drafts (``num_tokens == 0``; commit still reads its

@@ -6,13 +6,16 @@ elsewhere a learned drafter (a draft LM or an EAGLE-3 head) guesses. Each round 
 takes its drafts from one of the two, or drafts nothing:
 
 * prompt lookup, when the row's newest ``n``-gram occurred before and lookup's measured yield
-  for matches of that length beats the learned drafter's, ``E_lookup(n) / T_lookup >=
-  E_learned / T_learned`` (``E``: tokens emitted per round, ``T``: the round's wall time,
-  both decayed running means; a round in which no row needs the learned drafter skips its
-  network entirely, so ``T_lookup`` is a bare verify pass);
-* the learned drafter otherwise, when its measured yield beats a plain target step's (where a
-  drafted token costs nearly as much as it saves, a round without drafts is the faster choice;
-  each losing option is still tried every ``PROBE_EVERY``-th time, so a change is noticed).
+  for matches of that length beats the learned drafter's in the same context (rows whose
+  newest ``n``-gram matched), ``E_lookup(n) / T_lookup(n) >= E_learned(n) / T_learned(n)``
+  (``E``: tokens emitted per round, ``T``: the round's wall time, both decayed running means;
+  a round in which no row needs the learned drafter skips its network entirely, so
+  ``T_lookup`` is a bare verify pass). Where a match is short the learned drafter's guesses
+  are often no better than the copy, and its yield over all contexts would overrate it;
+* the learned drafter otherwise, when its measured yield in that context beats a plain
+  target step's (where a drafted token costs nearly as much as it saves, a round without
+  drafts is the faster choice; each losing option is still tried every ``PROBE_EVERY``-th
+  time, so a change is noticed).
 
 Lookup drafts are deterministic: their ``q`` is one-hot (accepted with probability ``p(x)``,
 docs/theory.md §2), while the learned drafter's rows keep the ``q`` they were sampled from, so
@@ -107,11 +110,14 @@ class HybridDrafter(Drafter):
         self.lookup = NgramDrafter(learned.vocab_size, max_ngram=max_ngram, min_ngram=min_ngram)
         self.needs_hidden_states = learned.needs_hidden_states
         self._lookup_yield = [_Yield() for _ in range(max_ngram + 1)]  # by matched length
-        self._learned_yield = _Yield()
+        self._learned_yield = [
+            _Yield() for _ in range(max_ngram + 1)
+        ]  # by matched length (0: none)
         self._plain_yield = _Yield()  # rounds with no drafting at all
         self._usage = HybridUsage()
-        # Per row: the matched n-gram length (lookup), _LEARNED or _NONE; the network ran; t0.
-        self._round: tuple[list[int], bool, float] | None = None
+        # Per row: the matched n-gram length (lookup), _LEARNED or _NONE, and the length matched
+        # whatever the source; whether the network ran; the round's start.
+        self._round: tuple[list[int], list[int], bool, float] | None = None
         self._skipped = 0  # decisions against a source (every PROBE_EVERY-th tries it anyway)
 
     @property
@@ -140,11 +146,13 @@ class HybridDrafter(Drafter):
     ) -> DraftProposal:
         start = time.perf_counter()
         found = [self.lookup.lookup(history, num_tokens) for history in self.lookup.histories]
+        contexts = [n for _, n in found]  # the matched n-gram length of each row (0: none)
         if num_tokens == 0:  # a plain step chosen by the engine: nothing to learn from it
             sources = [_NONE] * len(found)
         else:
-            sources = [n if self._prefers_lookup(n) else _LEARNED for _, n in found]
-            if _LEARNED in sources and not self._prefers_learned():
+            sources = [n if self._prefers_lookup(n) else _LEARNED for n in contexts]
+            learned = [n for n, s in zip(contexts, sources, strict=True) if s == _LEARNED]
+            if learned and not any(self._prefers_learned(n) for n in learned):
                 sources = [_NONE if s == _LEARNED else s for s in sources]
         lookup_rows = [s > 0 for s in sources]
         if _LEARNED not in sources:  # no network this round: lookup rows, plain steps elsewhere
@@ -160,7 +168,7 @@ class HybridDrafter(Drafter):
             replaced = torch.ones(len(found), dtype=torch.bool, device=tokens.device)
             self.learned.replace_drafts(tokens, replaced)
             self.lookup.replace_drafts(tokens, replaced)
-            self._round = (sources, False, start) if num_tokens else None
+            self._round = (sources, contexts, False, start) if num_tokens else None
             return DraftProposal(tokens=tokens, probs=None)
         proposal = self.learned.propose(num_tokens, sampling, generator)
         tokens, probs = proposal.tokens, proposal.probs
@@ -173,7 +181,7 @@ class HybridDrafter(Drafter):
                 probs = torch.where(replaced[:, None, None], one_hot, probs)
             self.learned.replace_drafts(tokens, replaced)
         self.lookup.replace_drafts(tokens, torch.ones_like(replaced))
-        self._round = (sources, True, start)
+        self._round = (sources, contexts, True, start)
         return DraftProposal(tokens=tokens, probs=probs)
 
     def commit(
@@ -186,17 +194,18 @@ class HybridDrafter(Drafter):
         self.lookup.commit(num_accepted, next_tokens, target_pass)
         if self._round is None:
             return
-        sources, network, start = self._round
+        sources, contexts, network, start = self._round
         self._round = None
         seconds = time.perf_counter() - start  # drafting, verification and this commit
         usage = self._usage
-        for source, accepted in zip(sources, num_accepted.tolist(), strict=True):
+        rows = zip(sources, contexts, num_accepted.tolist(), strict=True)
+        for source, context, accepted in rows:
             if source > 0:
                 self._lookup_yield[source].add(accepted + 1, seconds)
                 usage.lookup_rows += 1
                 usage.lookup_accepted += accepted
             elif source == _LEARNED:
-                self._learned_yield.add(accepted + 1, seconds)
+                self._learned_yield[context].add(accepted + 1, seconds)
                 usage.learned_rows += 1
                 usage.learned_accepted += accepted
             else:
@@ -227,17 +236,18 @@ class HybridDrafter(Drafter):
 
     def _prefers_lookup(self, matched: int) -> bool:
         """Lookup drafts a row whose newest ``matched``-gram occurred before, when its measured
-        tokens per second beat the learned drafter's and a plain step's (probing now and then
-        when they do not)."""
+        tokens per second beat the learned drafter's in rows with such a match and a plain
+        step's (probing now and then when they do not)."""
         if matched == 0:
             return False
-        best_other = max(self._learned_yield.rate, self._plain_yield.rate)
+        best_other = max(self._learned_yield[matched].rate, self._plain_yield.rate)
         return self._lookup_yield[matched].rate >= best_other or self._probe()
 
-    def _prefers_learned(self) -> bool:
-        """The learned drafter drafts the rows lookup does not, when its measured tokens per
-        second beat a plain step's (a plain step is one target pass, no drafting)."""
-        return self._learned_yield.rate >= self._plain_yield.rate or self._probe()
+    def _prefers_learned(self, matched: int) -> bool:
+        """The learned drafter drafts a row lookup does not (its newest n-gram matched
+        ``matched`` tokens, 0 for none) when its measured tokens per second in such rows beat a
+        plain step's (a plain step is one target pass, no drafting)."""
+        return self._learned_yield[matched].rate >= self._plain_yield.rate or self._probe()
 
     def _probe(self) -> bool:
         """Every ``PROBE_EVERY``-th decision against a source tries it anyway."""

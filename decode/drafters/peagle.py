@@ -212,10 +212,10 @@ class PEagleDrafter(Eagle3Drafter):
         self, num_tokens: int, sampling: SamplingConfig, generator: torch.Generator | None
     ) -> DraftProposal:
         """Draw draft j from q_j for j = 1..N at once (argmax when greedy)."""
-        state = self._require_state()
         empty = self._empty_round(num_tokens)
         if empty is not None:
             return empty
+        state = self._read_state()
         self.lookahead = num_tokens
         logits = state.logits[:, None]  # [B, 1, V_draft]
         rows = num_tokens - 1
@@ -236,6 +236,9 @@ class PEagleDrafter(Eagle3Drafter):
             self._ahead = self._ahead[rows.to(self._ahead.device, torch.long)]
 
     def merge(self, other: Drafter) -> None:
+        if isinstance(other, PEagleDrafter):  # each side's mask rows follow its newest entry
+            self._read_state()
+            other._read_state()
         mine, theirs = self._ahead, getattr(other, "_ahead", None)
         super().merge(other)
         same = mine is not None and theirs is not None and mine.shape[1] == theirs.shape[1]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from decode_helpers import randomize_later_layers
+from decode_helpers import randomize_later_layers, tiny_eagle_drafter, tiny_peagle_drafter
 from head_helpers import (
     PROMPTS,
     check_from_pretrained_names_the_problem,
@@ -288,7 +288,7 @@ def test_drafter_matches_recomputation_round_after_round(
         drafter.commit(num_accepted, next_tokens, scratch_pass(target, rows, num_drafts + 1))
         appended += num_drafts + 1
         extend_committed(committed, proposal.tokens, num_accepted, next_tokens)
-    assert drafter._state.valid.shape[1] < appended  # holes were compacted away
+    assert drafter._read_state().valid.shape[1] < appended  # holes were compacted away
     greedy = drafter.propose(2, SamplingConfig(), None)
     assert greedy.probs is None
     for row in range(2):
@@ -312,7 +312,7 @@ def test_dynamic_tree_decoding_is_greedy_exact_and_keeps_state_in_step() -> None
         extend_committed(committed, result.accepted_tokens, result.num_accepted, result.next_tokens)
         for row in range(2):
             expected = _scratch_draft_logits(head, target, committed[row], [0])[0]
-            torch.testing.assert_close(drafter._state.logits[row], expected)
+            torch.testing.assert_close(drafter._read_state().logits[row], expected)
     with torch.no_grad():
         for row, prompt in enumerate(PROMPTS):
             sequence = list(prompt)
@@ -360,8 +360,70 @@ def test_commit_tree_of_any_accepted_path_keeps_state_in_step() -> None:
         extend_committed(committed, result.accepted_tokens, result.num_accepted, result.next_tokens)
         for row in range(2):
             expected = _scratch_draft_logits(head, target, committed[row], [0])[0]
-            torch.testing.assert_close(drafter._state.logits[row], expected)
+            torch.testing.assert_close(drafter._read_state().logits[row], expected)
     chain = drafter.propose(3, SamplingConfig(temperature=1.0), generator)
     for row in range(2):
         expected = _scratch_draft_logits(head, target, committed[row], chain.tokens[row].tolist())
         torch.testing.assert_close(chain.probs[row], torch.softmax(expected, -1).float())
+
+
+def _kind_drafter(kind: str, target: torch.nn.Module):
+    if kind == "eagle3":
+        return tiny_eagle_drafter(target)
+    return tiny_peagle_drafter(target, num_depths=3)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "peagle"])
+def test_rounds_without_drafts_are_read_in_one_later_pass_that_equals_reading_each(
+    kind: str,
+) -> None:
+    """A commit is read by the head's next pass: a run of rounds that draft nothing (plain
+    steps, rounds the hybrid gives to lookup) costs one pass over all their entries, and the
+    drafts that follow are those of a drafter that read every commit at once (holes too)."""
+    target = tiny_llama(num_layers=4).double()
+    lazy = _kind_drafter(kind, target)
+    eager = lazy.spawn()
+    committed = prefill_prompts(lazy, target, [11, 12])
+    prefill_prompts(eager, target, [11, 12])
+    passes = []
+    counted = lazy._committed_pass
+    lazy._committed_pass = lambda *args: (passes.append(args[0].shape[1]), counted(*args))[1]
+    sampling = SamplingConfig(temperature=1.0)
+    coins = torch.Generator().manual_seed(4)
+    schedule = [(3, [0, 2]), (0, [0, 0]), (0, [0, 0]), (3, [3, 0]), (0, [0, 0]), (2, [1, 0])]
+    schedule += [(0, [0, 0])] * 3 + [(3, [0, 3]), (3, [2, 1])]
+    for num_tokens, accepted in schedule:
+        seed = int(torch.randint(1 << 30, (1,), generator=coins))
+        proposal = lazy.propose(num_tokens, sampling, torch.Generator().manual_seed(seed))
+        reference = eager.propose(num_tokens, sampling, torch.Generator().manual_seed(seed))
+        assert torch.equal(proposal.tokens, reference.tokens)
+        if num_tokens:
+            torch.testing.assert_close(proposal.probs, reference.probs)
+        next_tokens = torch.randint(3, 64, (2,), generator=coins)
+        rows = [committed[r] + proposal.tokens[r].tolist() for r in range(2)]
+        verify = scratch_pass(target, rows, num_tokens + 1)
+        lazy.commit(torch.tensor(accepted), next_tokens, verify)
+        eager.commit(torch.tensor(accepted), next_tokens, verify)
+        eager._read_state()
+        extend_committed(committed, proposal.tokens, accepted, next_tokens)
+    drafted_rounds = sum(1 for num_tokens, _ in schedule[1:] if num_tokens)
+    assert len(passes) == drafted_rounds  # one pass per drafted round, none for the others
+    assert passes[0] == 3 + 1 + 1  # a round that kept up to 3 entries, two plain steps: one pass
+    torch.testing.assert_close(lazy._read_state().logits, eager._read_state().logits)
+
+
+def test_unread_entries_are_read_once_they_reach_the_bound() -> None:
+    from decode.drafters.eagle_drafter import MAX_UNREAD_ENTRIES
+
+    target = tiny_llama(num_layers=4).double()
+    drafter = tiny_eagle_drafter(target)
+    committed = prefill_prompts(drafter, target, [11, 12])
+    for _ in range(MAX_UNREAD_ENTRIES + 3):  # plain steps only
+        drafter.propose(0, SamplingConfig(), None)
+        next_tokens = torch.tensor([5, 6])
+        drafter.commit(torch.tensor([0, 0]), next_tokens, scratch_pass(target, committed, 1))
+        extend_committed(committed, torch.zeros(2, 0, dtype=torch.long), [0, 0], next_tokens)
+        assert sum(block.tokens.shape[1] for block in drafter._state.unread) < MAX_UNREAD_ENTRIES
+    for row in range(2):
+        expected = _scratch_draft_logits(drafter.head, target, committed[row], [0])[0]
+        torch.testing.assert_close(drafter._read_state().logits[row], expected)

@@ -100,6 +100,22 @@ def test_hybrid_counts_every_round(target: torch.nn.Module) -> None:
     assert round(accepted) == sum(out.stats.accepted_per_position)
 
 
+def test_rounds_given_to_lookup_run_no_head_pass(target: torch.nn.Module) -> None:
+    """The EAGLE-3 head reads the entries of lookup rounds in its next drafting pass, so a
+    round whose rows all draft by lookup runs the target alone."""
+    learned = tiny_eagle_drafter(target)
+    passes = []
+    counted = learned._committed_pass
+    learned._committed_pass = lambda *args: (passes.append(args[0].shape[1]), counted(*args))[1]
+    hybrid = HybridDrafter(learned)
+    decoder = SpeculativeDecoder(target, hybrid, 4)
+    out = decoder.generate(torch.tensor([REPEATING]), max_new_tokens=40, eos_token_id=[])
+    usage = hybrid.usage()
+    assert usage["rounds_without_network"] > 0, usage
+    network_rounds = out.stats.rounds - usage["rounds_without_network"]
+    assert len(passes) - 1 <= network_rounds  # the prefill, then at most one per drafting round
+
+
 def test_hybrid_refuses_a_drafter_that_cannot_commit_other_drafts(
     target: torch.nn.Module,
 ) -> None:
@@ -114,3 +130,25 @@ def test_a_sources_first_round_is_a_warm_up_it_does_not_count() -> None:
     source.add(3.0, 0.02)
     source.add(1.0, 0.01)
     assert source.rate == pytest.approx((DECAY * 3.0 + 1.0) / (DECAY * 0.02 + 0.01))
+
+
+def test_lookup_and_the_learned_drafter_are_compared_in_the_same_context(
+    target: torch.nn.Module,
+) -> None:
+    """After a one-token match the learned drafter's guesses earn less than where nothing
+    matched; lookup of that match is weighed against the former, not against its overall mean."""
+    hybrid = HybridDrafter(tiny_eagle_drafter(target))
+
+    def measured(source: _Yield, tokens: float, seconds: float) -> None:
+        for _ in range(3):  # the first round is a warm-up
+            source.add(tokens, seconds)
+
+    measured(hybrid._plain_yield, 1.0, 0.010)  # 100 tokens/s
+    measured(hybrid._learned_yield[0], 3.0, 0.010)  # 300 tokens/s where nothing matched
+    measured(hybrid._learned_yield[1], 2.0, 0.016)  # 125 tokens/s after a one-token match
+    measured(hybrid._lookup_yield[1], 1.7, 0.0125)  # 136 tokens/s
+    measured(hybrid._lookup_yield[2], 2.5, 0.0125)  # 200 tokens/s
+    measured(hybrid._learned_yield[2], 2.0, 0.008)  # 250 tokens/s
+    assert hybrid._prefers_lookup(1)
+    assert not hybrid._prefers_lookup(2)
+    assert hybrid._prefers_learned(0) and hybrid._prefers_learned(2)
