@@ -11,7 +11,8 @@ takes its drafts from one of the two, or drafts nothing:
   (``E``: tokens emitted per round, ``T``: the round's wall time, both decayed running means;
   a round in which no row needs the learned drafter skips its network entirely, so
   ``T_lookup`` is a bare verify pass). Where a match is short the learned drafter's guesses
-  are often no better than the copy, and its yield over all contexts would overrate it;
+  are often no better than the copy, and its yield over all contexts would overrate it; a
+  context seen in few rounds leans on that overall yield (``_learned_rate``);
 * the learned drafter otherwise, when its measured yield in that context beats a plain
   target step's (where a drafted token costs nearly as much as it saves, a round without
   drafts is the faster choice; each losing option is still tried every ``PROBE_EVERY``-th
@@ -41,6 +42,9 @@ DECAY = 0.9
 # A source that lost the comparison is still tried every PROBE_EVERY-th round it could draft,
 # so a change in the text (a repetitive stretch starting) is noticed.
 PROBE_EVERY = 16
+# The learned drafter's yield in one context (matched n-gram length) starts from its yield over
+# all rows, counted as this many rounds: rare contexts are not judged on a round or two.
+CONTEXT_PRIOR_ROUNDS = 2.0
 # Row sources besides lookup (whose source is the matched n-gram length, >= 1).
 _LEARNED, _NONE = 0, -1
 
@@ -110,9 +114,8 @@ class HybridDrafter(Drafter):
         self.lookup = NgramDrafter(learned.vocab_size, max_ngram=max_ngram, min_ngram=min_ngram)
         self.needs_hidden_states = learned.needs_hidden_states
         self._lookup_yield = [_Yield() for _ in range(max_ngram + 1)]  # by matched length
-        self._learned_yield = [
-            _Yield() for _ in range(max_ngram + 1)
-        ]  # by matched length (0: none)
+        self._learned_yield = _Yield()  # over all rows
+        self._learned_by_context = [_Yield() for _ in range(max_ngram + 1)]  # 0: no match
         self._plain_yield = _Yield()  # rounds with no drafting at all
         self._usage = HybridUsage()
         # Per row: the matched n-gram length (lookup), _LEARNED or _NONE, and the length matched
@@ -205,7 +208,8 @@ class HybridDrafter(Drafter):
                 usage.lookup_rows += 1
                 usage.lookup_accepted += accepted
             elif source == _LEARNED:
-                self._learned_yield[context].add(accepted + 1, seconds)
+                self._learned_yield.add(accepted + 1, seconds)
+                self._learned_by_context[context].add(accepted + 1, seconds)
                 usage.learned_rows += 1
                 usage.learned_accepted += accepted
             else:
@@ -240,14 +244,26 @@ class HybridDrafter(Drafter):
         step's (probing now and then when they do not)."""
         if matched == 0:
             return False
-        best_other = max(self._learned_yield[matched].rate, self._plain_yield.rate)
+        best_other = max(self._learned_rate(matched), self._plain_yield.rate)
         return self._lookup_yield[matched].rate >= best_other or self._probe()
 
     def _prefers_learned(self, matched: int) -> bool:
         """The learned drafter drafts a row lookup does not (its newest n-gram matched
         ``matched`` tokens, 0 for none) when its measured tokens per second in such rows beat a
         plain step's (a plain step is one target pass, no drafting)."""
-        return self._learned_yield[matched].rate >= self._plain_yield.rate or self._probe()
+        return self._learned_rate(matched) >= self._plain_yield.rate or self._probe()
+
+    def _learned_rate(self, matched: int) -> float:
+        """The learned drafter's tokens per second in rows whose newest n-gram matched
+        ``matched`` tokens: ``(E_n + k E / w) / (T_n + k T / w)``, its own decayed sums with
+        ``k`` = ``CONTEXT_PRIOR_ROUNDS`` mean rounds over all rows (``E``, ``T``, ``w``: the
+        pooled sums and weight) added, so a context seen in a few rounds leans on the pool."""
+        pooled, own = self._learned_yield, self._learned_by_context[matched]
+        if pooled.weight == 0:
+            return float("inf")  # never measured: try it
+        prior = CONTEXT_PRIOR_ROUNDS / pooled.weight
+        seconds = own.seconds + prior * pooled.seconds
+        return (own.tokens + prior * pooled.tokens) / max(seconds, 1e-9)
 
     def _probe(self) -> bool:
         """Every ``PROBE_EVERY``-th decision against a source tries it anyway."""

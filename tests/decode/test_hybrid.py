@@ -136,19 +136,29 @@ def test_lookup_and_the_learned_drafter_are_compared_in_the_same_context(
     target: torch.nn.Module,
 ) -> None:
     """After a one-token match the learned drafter's guesses earn less than where nothing
-    matched; lookup of that match is weighed against the former, not against its overall mean."""
+    matched; lookup of that match is weighed against the former, not against the learned
+    drafter's mean over all rows, once that context has been seen often enough."""
     hybrid = HybridDrafter(tiny_eagle_drafter(target))
 
-    def measured(source: _Yield, tokens: float, seconds: float) -> None:
-        for _ in range(3):  # the first round is a warm-up
+    def measured(source: _Yield, tokens: float, seconds: float, rounds: int = 3) -> None:
+        for _ in range(rounds):  # the first round is a warm-up
             source.add(tokens, seconds)
 
+    def learned(context: int, tokens: float, seconds: float, rounds: int) -> None:
+        measured(hybrid._learned_yield, tokens, seconds, rounds)
+        measured(hybrid._learned_by_context[context], tokens, seconds, rounds)
+
     measured(hybrid._plain_yield, 1.0, 0.010)  # 100 tokens/s
-    measured(hybrid._learned_yield[0], 3.0, 0.010)  # 300 tokens/s where nothing matched
-    measured(hybrid._learned_yield[1], 2.0, 0.016)  # 125 tokens/s after a one-token match
+    learned(0, 3.0, 0.010, rounds=40)  # 300 tokens/s where nothing matched
     measured(hybrid._lookup_yield[1], 1.7, 0.0125)  # 136 tokens/s
+    learned(1, 1.0, 0.016, rounds=2)  # one measured round after a one-token match: 62 tokens/s
+    assert not hybrid._prefers_lookup(1)  # one round does not outweigh the pool
+    for _ in range(20):  # both contexts in turn: the pool earns 154 tokens/s
+        learned(0, 3.0, 0.010, rounds=1)
+        learned(1, 1.0, 0.016, rounds=1)
+    assert hybrid._prefers_lookup(1)  # many rounds do
+    assert hybrid._learned_rate(1) < 136 < hybrid._learned_yield.rate
     measured(hybrid._lookup_yield[2], 2.5, 0.0125)  # 200 tokens/s
-    measured(hybrid._learned_yield[2], 2.0, 0.008)  # 250 tokens/s
-    assert hybrid._prefers_lookup(1)
+    learned(2, 2.0, 0.008, rounds=40)  # 250 tokens/s
     assert not hybrid._prefers_lookup(2)
     assert hybrid._prefers_learned(0) and hybrid._prefers_learned(2)
