@@ -39,9 +39,12 @@ from decode.sampling import SamplingConfig
 
 # Smoothing of the running yields: about the last 1 / (1 - DECAY) rounds count.
 DECAY = 0.9
-# A source that lost the comparison is still tried every PROBE_EVERY-th round it could draft,
-# so a change in the text (a repetitive stretch starting) is noticed.
+# A source that lost the comparison is still tried now and then, so that a change in the text
+# (a repetitive stretch starting) is noticed: after PROBE_EVERY decisions against it, stretched
+# by how far its measured rate trails the winner's (at most MAX_PROBE_STRETCH times), so a
+# source that clearly loses (lookup when sampling) costs few rounds.
 PROBE_EVERY = 16
+MAX_PROBE_STRETCH = 8.0
 # The learned drafter's yield in one context (matched n-gram length) starts from its yield over
 # all rows, counted as this many rounds: rare contexts are not judged on a round or two.
 CONTEXT_PRIOR_ROUNDS = 2.0
@@ -61,6 +64,7 @@ class _Yield:
     seconds: float = 0.0
     weight: float = 0.0  # decayed count of observations (0: never measured)
     warmed: bool = False  # the first, uncounted round has run
+    skipped: int = 0  # decisions against this source since it was last tried
 
     def add(self, tokens: float, seconds: float) -> None:
         if not self.warmed:
@@ -121,7 +125,6 @@ class HybridDrafter(Drafter):
         # Per row: the matched n-gram length (lookup), _LEARNED or _NONE, and the length matched
         # whatever the source; whether the network ran; the round's start.
         self._round: tuple[list[int], list[int], bool, float] | None = None
-        self._skipped = 0  # decisions against a source (every PROBE_EVERY-th tries it anyway)
 
     @property
     def vocab_size(self) -> int:
@@ -244,14 +247,16 @@ class HybridDrafter(Drafter):
         step's (probing now and then when they do not)."""
         if matched == 0:
             return False
+        lookup = self._lookup_yield[matched]
         best_other = max(self._learned_rate(matched), self._plain_yield.rate)
-        return self._lookup_yield[matched].rate >= best_other or self._probe()
+        return lookup.rate >= best_other or _probe(lookup, best_other)
 
     def _prefers_learned(self, matched: int) -> bool:
         """The learned drafter drafts a row lookup does not (its newest n-gram matched
         ``matched`` tokens, 0 for none) when its measured tokens per second in such rows beat a
         plain step's (a plain step is one target pass, no drafting)."""
-        return self._learned_rate(matched) >= self._plain_yield.rate or self._probe()
+        learned, plain = self._learned_rate(matched), self._plain_yield.rate
+        return learned >= plain or _probe(self._learned_by_context[matched], plain, learned)
 
     def _learned_rate(self, matched: int) -> float:
         """The learned drafter's tokens per second in rows whose newest n-gram matched
@@ -265,10 +270,17 @@ class HybridDrafter(Drafter):
         seconds = own.seconds + prior * pooled.seconds
         return (own.tokens + prior * pooled.tokens) / max(seconds, 1e-9)
 
-    def _probe(self) -> bool:
-        """Every ``PROBE_EVERY``-th decision against a source tries it anyway."""
-        self._skipped += 1
-        return self._skipped % PROBE_EVERY == 0
+
+def _probe(source: _Yield, best: float, rate: float | None = None) -> bool:
+    """Whether a source that lost to a ``best`` tokens/s is tried anyway this time: once every
+    ``PROBE_EVERY * min(best / rate, MAX_PROBE_STRETCH)`` decisions against it."""
+    rate = source.rate if rate is None else rate
+    source.skipped += 1
+    stretch = min(best / max(rate, 1e-9), MAX_PROBE_STRETCH)
+    if source.skipped < PROBE_EVERY * stretch:
+        return False
+    source.skipped = 0
+    return True
 
 
 def _padded(

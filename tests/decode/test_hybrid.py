@@ -14,7 +14,7 @@ from decode_helpers import (
 from tiny_models import tiny_llama
 
 from decode import DraftModelDrafter, SpeculativeDecoder
-from decode.drafters.hybrid import DECAY, HybridDrafter, _Yield
+from decode.drafters.hybrid import DECAY, PROBE_EVERY, HybridDrafter, _Yield
 from decode.sampling import SamplingConfig
 
 # Row 0 repeats itself (lookup matches), row 1 does not at first (the learned drafter drafts).
@@ -162,3 +162,25 @@ def test_lookup_and_the_learned_drafter_are_compared_in_the_same_context(
     learned(2, 2.0, 0.008, rounds=40)  # 250 tokens/s
     assert not hybrid._prefers_lookup(2)
     assert hybrid._prefers_learned(0) and hybrid._prefers_learned(2)
+
+
+def test_a_losing_source_is_probed_less_often_the_further_it_trails(
+    target: torch.nn.Module,
+) -> None:
+    """Lookup of a one-token match at a quarter of the learned drafter's rate (sampling) is
+    tried once every 4 x PROBE_EVERY decisions; one that trails by a tenth, every 1.1 x."""
+    hybrid = HybridDrafter(tiny_eagle_drafter(target))
+    for source, tokens, seconds in (
+        (hybrid._plain_yield, 1.0, 0.010),  # 100 tokens/s
+        (hybrid._learned_yield, 2.0, 0.010),  # 200 tokens/s
+        (hybrid._lookup_yield[1], 1.0, 0.020),  # 50 tokens/s
+        (hybrid._lookup_yield[2], 1.8, 0.010),  # 180 tokens/s
+    ):
+        for _ in range(3):  # the first round is a warm-up
+            source.add(tokens, seconds)
+    decisions = 8 * PROBE_EVERY
+    far = [i for i in range(decisions) if hybrid._prefers_lookup(1)]
+    near = [i for i in range(decisions) if hybrid._prefers_lookup(2)]
+    assert len(far) == decisions // (4 * PROBE_EVERY)
+    assert far[1] - far[0] == 4 * PROBE_EVERY
+    assert len(near) == decisions // 18 and near[1] - near[0] == 18  # ceil(16 x 200 / 180)
