@@ -49,6 +49,7 @@ class _UnreadBlock:
     positions: torch.Tensor  # [B, W]
     features: torch.Tensor  # [B, W, A*H] the target's hidden states the head fuses
     last: torch.Tensor  # [B] column of each row's last kept entry
+    holes: bool  # some row kept fewer entries than another
 
 
 @dataclass
@@ -408,7 +409,8 @@ class Eagle3Drafter(Drafter):
         holes and a round that kept little costs little.
         """
         state = self._require_state()
-        most = int(num_accepted.max()) + 1  # only these first entries of any row are kept
+        # Only the first max(num_accepted) + 1 entries of any row are kept: record those alone.
+        fewest, most = (int(n) + 1 for n in torch.aminmax(num_accepted))
         cols = torch.arange(most, device=drafts.device)
         padded = torch.cat((drafts, next_tokens[:, None]), dim=1)[:, :most]
         state.unread.append(
@@ -418,6 +420,7 @@ class Eagle3Drafter(Drafter):
                 positions=state.next_pos[:, None] + cols,
                 features=self.head.gather_aux([h[:, :most] for h in hidden_states]),
                 last=num_accepted,
+                holes=fewest < most,
             )
         )
         state.next_pos = state.next_pos + num_accepted + 1
@@ -434,10 +437,15 @@ class Eagle3Drafter(Drafter):
         if not state.unread:
             return state
         blocks, state.unread = state.unread, []
-        tokens, valid, positions, features = (
-            torch.cat([getattr(block, name) for block in blocks], dim=1)
-            for name in ("tokens", "valid", "positions", "features")
-        )  # [B, W], [B, W], [B, W], [B, W, A*H]
+        last = blocks[-1]
+        tokens, valid, positions, features = (  # [B, W], [B, W], [B, W], [B, W, A*H]
+            (last.tokens, last.valid, last.positions, last.features)
+            if len(blocks) == 1  # the usual case: the round just committed
+            else (
+                torch.cat([getattr(block, name) for block in blocks], dim=1)
+                for name in ("tokens", "valid", "positions", "features")
+            )
+        )
         visible = None
         if tokens.shape[1] > 1 or state.has_holes:
             visible = block_visibility(state.valid, valid)
@@ -452,9 +460,8 @@ class Eagle3Drafter(Drafter):
             state.next_pos,
         )
         state.valid = seen
-        state.has_holes = state.has_holes or not bool(valid.all())
+        state.has_holes = state.has_holes or any(block.holes for block in blocks)
         rows = torch.arange(tokens.shape[0], device=tokens.device)
-        last = blocks[-1]
         state.hidden = prenorm[rows, tokens.shape[1] - last.tokens.shape[1] + last.last]
         state.logits = self._first_logits(state.hidden)
         if state.has_holes:
@@ -464,7 +471,7 @@ class Eagle3Drafter(Drafter):
         return state
 
     def _empty_round(self, num_tokens: int) -> DraftProposal | None:
-        """The proposal of a round without drafts (``num_tokens == 0``; commit still reads its
+        """The proposal of a round without drafts (``num_tokens == 0``; commit still records its
         features), None when there are drafts to make; a negative count is refused."""
         state = self._require_state()
         if num_tokens < 0:

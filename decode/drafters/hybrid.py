@@ -249,14 +249,14 @@ class HybridDrafter(Drafter):
             return False
         lookup = self._lookup_yield[matched]
         best_other = max(self._learned_rate(matched), self._plain_yield.rate)
-        return lookup.rate >= best_other or _probe(lookup, best_other)
+        return lookup.rate >= best_other or _probe(lookup, lookup.rate, best_other)
 
     def _prefers_learned(self, matched: int) -> bool:
         """The learned drafter drafts a row lookup does not (its newest n-gram matched
         ``matched`` tokens, 0 for none) when its measured tokens per second in such rows beat a
         plain step's (a plain step is one target pass, no drafting)."""
         learned, plain = self._learned_rate(matched), self._plain_yield.rate
-        return learned >= plain or _probe(self._learned_by_context[matched], plain, learned)
+        return learned >= plain or _probe(self._learned_by_context[matched], learned, plain)
 
     def _learned_rate(self, matched: int) -> float:
         """The learned drafter's tokens per second in rows whose newest n-gram matched
@@ -271,10 +271,9 @@ class HybridDrafter(Drafter):
         return (own.tokens + prior * pooled.tokens) / max(seconds, 1e-9)
 
 
-def _probe(source: _Yield, best: float, rate: float | None = None) -> bool:
-    """Whether a source that lost to a ``best`` tokens/s is tried anyway this time: once every
-    ``PROBE_EVERY * min(best / rate, MAX_PROBE_STRETCH)`` decisions against it."""
-    rate = source.rate if rate is None else rate
+def _probe(source: _Yield, rate: float, best: float) -> bool:
+    """Whether a source whose ``rate`` (tokens/s) lost to ``best`` is tried anyway this time:
+    once every ``PROBE_EVERY * min(best / rate, MAX_PROBE_STRETCH)`` decisions against it."""
     source.skipped += 1
     stretch = min(best / max(rate, 1e-9), MAX_PROBE_STRETCH)
     if source.skipped < PROBE_EVERY * stretch:
