@@ -274,6 +274,12 @@ class OptimConfig:
     max_minutes: float | None = _f(
         8.0, "wall-clock budget of the training loop; stops cleanly and checkpoints (null: none)"
     )
+    schedule_by_time: bool = _f(
+        True,
+        "with max_minutes set, the decay follows the larger of the steps done and the budget "
+        "spent, so a time-boxed run anneals by its deadline (false: steps only, which a resumed "
+        "time-boxed run replays bit for bit)",
+    )
     per_device_batch_size: int = _f(8, "sequences per process per micro-batch")
     gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step")
     mixed_precision: str = _f(

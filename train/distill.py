@@ -325,6 +325,7 @@ def _train(config: DistillConfig, plan: _Plan, run: _Run, tracker: Any) -> Any:
         min_lr_ratio=config.optim.min_lr_ratio,
         max_grad_norm=config.optim.max_grad_norm,
         max_minutes=config.optim.max_minutes,
+        schedule_by_time=config.optim.schedule_by_time and config.optim.max_minutes is not None,
         eval_every=config.logging.eval_every,
         checkpoint_every=config.output.checkpoint_every,
         log_every=config.logging.log_every,
