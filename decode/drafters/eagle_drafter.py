@@ -1,8 +1,9 @@
 """The EAGLE-3 runtime drafter: an :class:`Eagle3Head` next to a Hugging Face target.
 
-Chains draft one head step per token; EAGLE-2 dynamic trees (Li et al. 2024) expand the most
-likely children by cumulative draft log-probability. Committed entries (target feature, next
-token) stay in the head's own KV cache; drafted entries are dropped after each proposal.
+Chains draft one head step per token here; dynamic and sampled trees grow in
+``decode.drafters.eagle_trees``. Committed entries (target feature, next token) stay in the
+head's own KV cache (``decode.drafters.eagle_state``); drafted entries are dropped after each
+proposal.
 
 The head reads committed entries lazily: ``commit`` records them and the next proposal runs
 one head pass over everything recorded since the last one. A round that drafts nothing (a
@@ -13,7 +14,6 @@ then costs no head pass, and a run of such rounds costs one pass over all their 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
@@ -24,44 +24,15 @@ from decode.drafters.base import Drafter, DraftProposal, TargetPass, TreeSpec
 from decode.drafters.eagle import Eagle3Head
 from decode.drafters.eagle_layers import block_visibility, positions_from_mask
 from decode.drafters.eagle_lean import LeanEagle3
+from decode.drafters.eagle_state import HeadState, UnreadBlock
+from decode.drafters.eagle_trees import dynamic_tree, sampled_tree
 from decode.kv_cache import PreallocatedStack, pad_front
-from decode.sampling import SamplingConfig, logits_to_probs, sample, select_tokens
-from decode.tree import (
-    Frontier,
-    TreeProposal,
-    TreeVerification,
-    build_dynamic_tree,
-    sampled_tree_chain_lengths,
-    sampled_tree_layout,
-)
+from decode.sampling import SamplingConfig, select_tokens
+from decode.tree import TreeProposal, TreeVerification
 
 # Committed entries the head has not read are read at once when they reach this many, so a
 # long run of rounds without drafts keeps its features and its catch-up pass bounded.
 MAX_UNREAD_ENTRIES = 64
-
-
-@dataclass
-class _UnreadBlock:
-    """One commit's entries (f_t, x_{t+1}), recorded for the head's next pass."""
-
-    tokens: torch.Tensor  # [B, W] the token paired with each entry
-    valid: torch.Tensor  # [B, W] bool: entries a row kept (the rest are holes)
-    positions: torch.Tensor  # [B, W]
-    features: torch.Tensor  # [B, W, A*H] the target's hidden states the head fuses
-    last: torch.Tensor  # [B] column of each row's last kept entry
-    holes: bool  # some row kept fewer entries than another
-
-
-@dataclass
-class _DrafterState:
-    cache: PreallocatedStack  # per layer [B, KV, S, D]: committed entries (holes in `valid`)
-    valid: torch.Tensor  # [B, S] bool
-    has_holes: bool  # some committed slot of some row is invalid (padding or a hole)
-    hidden: torch.Tensor  # [B, H] pre-norm output of each row's last entry the head read
-    logits: torch.Tensor  # [B, V_draft] draft logits after that entry
-    next_pos: torch.Tensor  # [B] position of the next entry (the pending token's pair)
-    drafts: torch.Tensor | None = None  # [B, N] the last chain proposal, until committed
-    unread: list[_UnreadBlock] = field(default_factory=list)  # committed, not yet in the cache
 
 
 class Eagle3Drafter(Drafter):
@@ -100,7 +71,7 @@ class Eagle3Drafter(Drafter):
         self.head = head.to(device=embed.weight.device, dtype=embed.weight.dtype).eval()
         self.lean = LeanEagle3(self.head)
         self._embed = embed
-        self._state: _DrafterState | None = None
+        self._state: HeadState | None = None
         self.check_compatible(target)
 
     @classmethod
@@ -140,7 +111,7 @@ class Eagle3Drafter(Drafter):
             positions[:, -1] + 1,
         )
         last = prenorm[:, -1]
-        self._state = _DrafterState(
+        self._state = HeadState(
             cache=cache,
             valid=valid,
             has_holes=not bool(valid.all()),
@@ -218,48 +189,14 @@ class Eagle3Drafter(Drafter):
         else:
             state.drafts = torch.where(replaced[:, None], tokens, drafts)
 
-    # -- trees ----------------------------------------------------------------------------
+    # -- trees (decode.drafters.eagle_trees) ---------------------------------------------
     @torch.no_grad()
     def propose_tree(self, spec: TreeSpec, depth: int) -> TreeProposal:
-        """EAGLE-2 dynamic tree from the head's own log-probabilities (deterministic children).
-
-        The tree is built over the draft vocabulary and its tokens mapped to target ids.
-        Verify it with :func:`decode.tree.verify_tree_greedy` / ``verify_tree_stochastic`` over
-        the target's pass on ``tree.input_ids(pending)``, then call :meth:`commit_tree`.
-        """
+        """EAGLE-2 dynamic tree from the head's own log-probabilities
+        (:func:`decode.drafters.eagle_trees.dynamic_tree`); commit with :meth:`commit_tree`."""
         state = self._read_state()
-        top_k = spec.top_k
-        # Near the end of generation the depth shrinks; keep as many nodes as still fit.
-        total_tokens = min(spec.total_tokens, top_k + (depth - 1) * top_k * top_k)
-        if top_k > self.head.config.draft_vocab_size:
-            raise ValueError(
-                f"top_k={top_k} exceeds the draft vocabulary ({self.head.config.draft_vocab_size})"
-            )
-        batch = state.hidden.shape[0]
-        committed = state.cache.get_seq_length()
-        outputs = state.hidden[:, None].expand(batch, top_k, -1)  # parents' outputs
-        seen = torch.zeros(batch, top_k, 0, dtype=torch.bool, device=state.valid.device)
-
-        def expand(frontier: Frontier) -> torch.Tensor:  # [B, K, V_draft] children log-probs
-            nonlocal outputs, seen
-            slots = frontier.parent_slots.clamp(min=0)
-            hidden_in = outputs.gather(1, slots[..., None].expand(-1, -1, outputs.shape[-1]))
-            ancestors = seen.gather(1, slots[..., None].expand(-1, -1, seen.shape[-1]))
-            own = torch.eye(top_k, dtype=torch.bool, device=seen.device).expand(batch, -1, -1)
-            seen = torch.cat((ancestors, own), dim=-1)
-            visible = torch.cat((state.valid[:, None].expand(-1, top_k, -1), seen), dim=-1)
-            positions = (state.next_pos + frontier.step)[:, None].expand(-1, top_k)
-            tokens = self.lean.to_target_ids(frontier.tokens)
-            outputs = self.lean.step(
-                hidden_in, self._embed(tokens), positions, state.cache, visible
-            )
-            return torch.log_softmax(self.lean.draft_logits(outputs).float(), dim=-1)
-
-        root = torch.log_softmax(state.logits.float(), dim=-1)
+        tree = dynamic_tree(state, self.lean, self._embed, spec, depth)
         state.drafts = None
-        tree = build_dynamic_tree(root, expand, top_k=top_k, depth=depth, total_tokens=total_tokens)
-        state.cache.crop(committed - state.cache.get_seq_length())
-        tree.tokens = self.lean.to_target_ids(tree.tokens)
         return tree
 
     @torch.no_grad()
@@ -272,74 +209,14 @@ class Eagle3Drafter(Drafter):
         *,
         replacement: bool = False,
     ) -> TreeProposal:
-        """A multi-draft tree sampled from the head's own q, for verification at T > 0.
-
-        The shape is fixed by ``spec.top_k`` (children of the root), ``depth`` and
-        ``spec.total_tokens`` (:func:`decode.tree.sampled_tree_chain_lengths`): the root's
-        children, each continued as a chain, every token drawn from the head's q after the
-        sampling transforms, so no node's existence depends on a sampled value. The root's
-        children are drawn without replacement (child i from q with children 1..i-1 removed
-        and renormalised; recursive rejection sampling, Yang et al. 2024), or i.i.d. from q
-        with ``replacement`` (SpecInfer, Miao et al. 2024). Should the support run out before
-        the last child, that child is drawn from the full q (any proposal fixed by the earlier
-        draws keeps verification exact). ``draft_probs`` holds the q each node was drawn from,
-        in the target vocabulary; verify with :func:`decode.tree.verify_tree_stochastic`
-        (docs/theory.md §4), then call :meth:`commit_tree`. Chains are stepped together as a
-        [B, a] block of head entries (a = chains still alive at that level), each seeing the
-        committed entries and its own chain's; they are cropped off at the end.
-        """
-        if sampling.greedy:
-            raise ValueError(
-                "sampled trees are for temperature > 0: at T = 0 use propose_tree (top-k children)"
-            )
+        """A multi-draft tree sampled from the head's own q, for verification at T > 0
+        (:func:`decode.drafters.eagle_trees.sampled_tree`); commit with :meth:`commit_tree`."""
         state = self._read_state()
-        lengths = sampled_tree_chain_lengths(spec.top_k, depth, spec.total_tokens)
-        parents, depths = sampled_tree_layout(lengths)
-        batch, device = state.hidden.shape[0], state.valid.device
-        committed = state.cache.get_seq_length()
-        state.drafts = None
-
-        # Level 1: the root's children from q_root.
-        q_root = logits_to_probs(state.logits, sampling)  # [B, V_draft]
-        level_tokens, level_q = [], []
-        remaining = q_root
-        for _ in lengths:
-            q = remaining
-            if not replacement:
-                mass = remaining.sum(-1, keepdim=True)
-                q = torch.where(mass > 0, remaining / mass.clamp(min=1e-30), q_root)
-            token = sample(q, generator)  # [B]
-            level_tokens.append(token)
-            level_q.append(q)
-            if not replacement:
-                remaining = q.scatter(1, token[:, None], 0.0)
-        tokens = torch.stack(level_tokens, 1)  # [B, k] draft ids of the current level
-        all_tokens, all_q = [tokens], [torch.stack(level_q, 1)]  # [B, a], [B, a, V_draft]
-
-        outputs = state.hidden[:, None].expand(batch, len(lengths), -1)  # [B, k, H]
-        seen = torch.zeros(batch, len(lengths), 0, dtype=torch.bool, device=device)
-        for level in range(1, lengths[0]):  # nodes at depth `level` grow children
-            alive = sum(length > level for length in lengths)
-            ancestors = seen[:, :alive]
-            own = torch.eye(alive, dtype=torch.bool, device=device).expand(batch, -1, -1)
-            seen = torch.cat((ancestors, own), dim=-1)  # [B, a, drafted + a]
-            visible = torch.cat((state.valid[:, None].expand(-1, alive, -1), seen), dim=-1)
-            positions = (state.next_pos + level - 1)[:, None].expand(-1, alive)
-            embeds = self._embed(self.lean.to_target_ids(tokens[:, :alive]))
-            outputs = self.lean.step(
-                outputs[:, :alive], embeds, positions, state.cache, visible
-            )  # [B, a, H]
-            q = logits_to_probs(self.lean.draft_logits(outputs), sampling)  # [B, a, V_draft]
-            tokens = sample(q, generator)  # [B, a]
-            all_tokens.append(tokens)
-            all_q.append(q)
-        state.cache.crop(committed - state.cache.get_seq_length())
-        return TreeProposal(
-            tokens=self.lean.to_target_ids(torch.cat(all_tokens, 1)),
-            parents=parents.to(device).expand(batch, -1),
-            depths=depths.to(device).expand(batch, -1),
-            draft_probs=self.lean.to_target_probs(torch.cat(all_q, 1)),
+        tree = sampled_tree(
+            state, self.lean, self._embed, spec, depth, sampling, generator, replacement=replacement
         )
+        state.drafts = None
+        return tree
 
     @torch.no_grad()
     def commit_tree(
@@ -390,7 +267,7 @@ class Eagle3Drafter(Drafter):
         state.drafts = None
 
     # -- internals ------------------------------------------------------------------------
-    def _require_state(self) -> _DrafterState:
+    def _require_state(self) -> HeadState:
         if self._state is None:
             raise RuntimeError("the drafter has no batch: call prefill() first")
         return self._state
@@ -414,7 +291,7 @@ class Eagle3Drafter(Drafter):
         cols = torch.arange(most, device=drafts.device)
         padded = torch.cat((drafts, next_tokens[:, None]), dim=1)[:, :most]
         state.unread.append(
-            _UnreadBlock(
+            UnreadBlock(
                 tokens=torch.where(cols < num_accepted[:, None], padded, next_tokens[:, None]),
                 valid=cols <= num_accepted[:, None],
                 positions=state.next_pos[:, None] + cols,
@@ -429,7 +306,7 @@ class Eagle3Drafter(Drafter):
             self._read_state()
 
     @torch.inference_mode()  # select_rows and merge run outside the engine's inference mode
-    def _read_state(self) -> _DrafterState:
+    def _read_state(self) -> HeadState:
         """The state once the head has read every recorded entry: one pass over the unread
         blocks side by side (each entry sees the valid ones before it, holes masked), the
         last kept entry's output and first draft logits refreshed."""
