@@ -275,10 +275,10 @@ class OptimConfig:
         8.0, "wall-clock budget of the training loop; stops cleanly and checkpoints (null: none)"
     )
     schedule_by_time: bool = _f(
-        True,
-        "with max_minutes set, the decay follows the larger of the steps done and the budget "
-        "spent, so a time-boxed run anneals by its deadline (false: steps only, which a resumed "
-        "time-boxed run replays bit for bit)",
+        False,
+        "with max_minutes set, decay by the larger of the share of max_steps done and of the "
+        "budget spent, so a run the time box stops has annealed by then (false: by steps alone, "
+        "which a resumed time-boxed run replays bit for bit)",
     )
     per_device_batch_size: int = _f(8, "sequences per process per micro-batch")
     gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step")

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
     from train.config import DistillConfig
+    from train.loop import LoopConfig
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -291,7 +292,7 @@ def _train(config: DistillConfig, plan: _Plan, run: _Run, tracker: Any) -> Any:
     from data.cache import collate_cached
     from data.sequences import collate_rows
     from train.batches import ShardedBatches, shard_list
-    from train.loop import LoopConfig, run_training
+    from train.loop import run_training
 
     accelerator, pad_id = run.accelerator, run.tokenizer.pad_token_id
 
@@ -314,7 +315,23 @@ def _train(config: DistillConfig, plan: _Plan, run: _Run, tracker: Any) -> Any:
         process_index=accelerator.process_index,
         num_processes=accelerator.num_processes,
     )
-    loop_config = LoopConfig(
+    return run_training(
+        run.objective,
+        train_batches,
+        loop_config(config),
+        accelerator,
+        eval_batches=eval_batches,
+        log=tracker.log,
+        checkpoints=plan.checkpoints,
+        resume_from=plan.resume,
+    )
+
+
+def loop_config(config: DistillConfig) -> LoopConfig:
+    """The training loop's settings from the recipe's optim and logging sections."""
+    from train.loop import LoopConfig
+
+    return LoopConfig(
         max_steps=config.optim.max_steps,
         learning_rate=config.optim.learning_rate,
         weight_decay=config.optim.weight_decay,
@@ -331,16 +348,6 @@ def _train(config: DistillConfig, plan: _Plan, run: _Run, tracker: Any) -> Any:
         log_every=config.logging.log_every,
         progress_bar=config.logging.progress_bar,
         description=f"distil {config.drafter.drafter_kind}",
-    )
-    return run_training(
-        run.objective,
-        train_batches,
-        loop_config,
-        accelerator,
-        eval_batches=eval_batches,
-        log=tracker.log,
-        checkpoints=plan.checkpoints,
-        resume_from=plan.resume,
     )
 
 

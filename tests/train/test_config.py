@@ -174,3 +174,16 @@ def test_a_recipe_that_is_not_plain_yaml_is_a_value_error_naming_it(
 def test_counts_and_rates_out_of_range_are_refused_by_name(flags: list[str], expected: str) -> None:
     with pytest.raises(ValueError, match=expected):
         parse_config(flags)
+
+
+def test_a_time_box_drives_the_decay_when_asked() -> None:
+    from train.distill import loop_config
+
+    assert not loop_config(parse_config([])).schedule_by_time  # steps alone by default
+    assert loop_config(parse_config(["--schedule_by_time"])).schedule_by_time  # 8 minutes
+    assert not loop_config(parse_config(["--schedule_by_time", "false"])).schedule_by_time
+    # Without a time box the flag has nothing to follow: steps alone, and no error.
+    untimed = loop_config(
+        parse_config(["--config", str(CONFIGS / "tiny.yaml"), "--schedule_by_time"])
+    )
+    assert untimed.max_minutes is None and not untimed.schedule_by_time

@@ -118,6 +118,32 @@ def test_cosine_schedule_warms_up_then_decays_to_the_floor() -> None:
     assert rates[5] == pytest.approx(expected_5)
 
 
+class _StoppedClock:
+    """A training clock that reads what the test sets."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def elapsed(self) -> float:
+        return self.seconds
+
+
+def test_a_time_boxed_schedule_decays_by_the_larger_of_steps_and_budget_spent() -> None:
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    clock = _StoppedClock()
+    timed = LoopConfig(max_steps=100, max_minutes=1.0, schedule_by_time=True)
+    scheduler = build_scheduler(optimizer, timed, clock)  # type: ignore[arg-type]
+    multiplier = scheduler.lr_lambdas[0]
+    assert multiplier(10) == pytest.approx(lr_multiplier(0.1, "cosine", 0.1))  # steps lead
+    clock.seconds = 30.0  # half the budget spent at step 10: time leads
+    assert multiplier(10) == pytest.approx(0.55)
+    clock.seconds = 60.0  # the deadline: fully annealed whatever the step
+    assert multiplier(10) == pytest.approx(0.1)
+    assert multiplier(90) == pytest.approx(0.1)
+    by_steps = build_scheduler(optimizer, LoopConfig(max_steps=100, max_minutes=1.0), clock)  # type: ignore[arg-type]
+    assert by_steps.lr_lambdas[0](10) == pytest.approx(lr_multiplier(0.1, "cosine", 0.1))
+
+
 def test_loop_learns_a_rule_and_reports_held_out_metrics() -> None:
     losses, result = _run(steps=30)
     assert result.steps == 30
