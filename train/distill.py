@@ -552,16 +552,9 @@ def _cache_rows(
     from train.target_cache import build_or_reuse_cache, cache_key, cache_stats, open_cached_rows
 
     data = config.data
-    key = {
-        "target": target_name,
-        "dataset": data.dataset,
-        "block_size": data.block_size,
-        "data_format": data.data_format,
-        "max_files": data.max_files,
-        "seed": config.optim.seed,
-    }
+    key = {"target": target_name}  # the rows enter the key by their tokens (cache_key)
     if data.target_outputs == "cache_only":
-        wanted = cache_key(key, data.cache_top_k, len(rows), hidden, data.cache_dtype)
+        wanted = cache_key(key, data.cache_top_k, rows, hidden, data.cache_dtype)
         return open_cached_rows(rows, folder, wanted), cache_stats(folder)
     stats = build_or_reuse_cache(
         target,

@@ -11,8 +11,8 @@ Every process of a launch writes its share into one folder: the sequences fall i
 ``shard-p`` (``data.cache.save_shard``). A build killed at any moment leaves whole parts and
 no half-written one; run again, it keeps the finished parts and scores only the missing ones,
 so no sequence is lost or written twice. When every part exists the main process writes
-``cache.json``, which carries the run's key (target, data, k, sequences, hidden layers,
-dtype). A folder whose key differs from the run's is refused by name (:class:`CacheKeyError`),
+``cache.json``, which carries the run's key (target, k, the number of sequences and a digest
+of their tokens, hidden layers, dtype). A folder whose key differs from the run's is refused by name (:class:`CacheKeyError`),
 never reused or silently overwritten. A sharded target (``train.target_sharding``) takes part
 in collective forwards, so every process runs the same number of them (a process with fewer
 sequences runs one-token passes).
@@ -20,6 +20,7 @@ sequences runs one-token passes).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from collections.abc import Sequence
@@ -87,18 +88,36 @@ class CachedRows(Sequence):
 def cache_key(
     key: dict[str, Any],
     k: int,
-    num_sequences: int,
+    rows: Sequence[dict[str, Any]],
     hidden_layer_ids: list[int] | None,
     dtype: str,
 ) -> dict[str, Any]:
-    """The full key a cache folder must carry to serve a run."""
+    """The full key a cache folder must carry to serve a run: the caller's fields (the target),
+    the settings, and the rows themselves (:func:`rows_digest`), so a cache serves exactly the
+    token sequences it scored, whatever recipe made them."""
     return {
         **key,
         "k": k,
-        "num_sequences": num_sequences,
+        "num_sequences": len(rows),
+        "tokens": rows_digest(rows),
         "hidden_layer_ids": hidden_layer_ids,
         "dtype": dtype,
     }
+
+
+def rows_digest(rows: Sequence[dict[str, Any]]) -> str:
+    """SHA-256 (first 16 hex digits) of the rows' token ids in order, each row's length first.
+
+    Two row sets share a digest only when every sequence is the same, so a cache is reused
+    across seeds and recipes that produce the same tokens, and refused (not silently reused)
+    for rows of the same count and length but other tokens. Loss masks are not part of it: they
+    come from the run's rows, never from the cache."""
+    digest = hashlib.sha256()
+    for row in rows:
+        ids = torch.as_tensor(row["input_ids"], dtype=torch.int64).reshape(-1)
+        digest.update(ids.numel().to_bytes(8, "little"))
+        digest.update(ids.numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def check_key(folder: Path, found: dict[str, Any] | None, wanted: dict[str, Any]) -> None:
@@ -155,7 +174,7 @@ def build_or_reuse_cache(
     from data.atomic_io import write_json_atomic
 
     folder = Path(folder)
-    wanted = cache_key(key, k, len(rows), hidden_layer_ids, dtype)
+    wanted = cache_key(key, k, rows, hidden_layer_ids, dtype)
     rank, world = _rank_world(accelerator)
     state = cache_state(folder, wanted)
     written = 0

@@ -111,6 +111,8 @@ def test_offline_cache_is_smaller_than_logits_and_reused(tmp_path: Path, tiny_ar
     before = shard.stat().st_mtime_ns
     main([*argv, "--overwrite_output_dir"])
     assert shard.stat().st_mtime_ns == before
+    main([*argv, "--overwrite_output_dir", "--seed", "1"])  # same rows, another training seed
+    assert shard.stat().st_mtime_ns == before
 
 
 def test_lora_trains_adapters_and_exports_merged_weights(tmp_path: Path, tiny_argv: Argv) -> None:

@@ -10,6 +10,7 @@ reproduces online training.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -164,6 +165,35 @@ def test_cache_of_another_key_is_refused_by_name(tmp_path: Path) -> None:
     (folder / BUILD_FILE).write_text(json.dumps({"k": 4}))
     with pytest.raises(CacheKeyError, match="k: cache 4, run 8"):
         _build(folder, k=8)
+
+
+def test_cache_serves_the_tokens_it_scored_and_no_others(tmp_path: Path) -> None:
+    folder = tmp_path / "cache"
+    rows = cache_rows()
+    build = functools.partial(
+        build_or_reuse_cache,
+        cache_target(),
+        folder=folder,
+        k=8,
+        key={"test": "tokens"},
+        pad_token_id=0,
+        device=torch.device("cpu"),
+        batch_size=1,
+        progress=False,
+    )
+    assert build(rows).parts_written > 0
+    copied = [
+        {"input_ids": list(r["input_ids"]), "loss_mask": [0] * len(r["loss_mask"])} for r in rows
+    ]
+    assert build(copied).parts_written == 0  # the same tokens (other loss masks): reused
+    changed = [dict(row) for row in rows]  # one token of one row differs; counts and lengths equal
+    changed[5] = {
+        **rows[5],
+        "input_ids": [*rows[5]["input_ids"][:-1], rows[5]["input_ids"][-1] % 60 + 3 + 1],
+    }
+    assert changed[5]["input_ids"] != rows[5]["input_ids"]
+    with pytest.raises(CacheKeyError, match=r"tokens: cache '[0-9a-f]{16}', run '[0-9a-f]{16}'"):
+        build(changed)
 
 
 def test_cache_states_its_bytes_per_token_at_8b_and_70b(tmp_path: Path) -> None:
