@@ -42,6 +42,8 @@ ABLATION_PEAGLE_LAYERS = RESULTS / "ablation_peagle_layers" / "ablation.json"
 ABLATION_PEAGLE_NO_AMX = RESULTS / "ablation_peagle_no_amx" / "ablation.json"
 ABLATION_VOCAB_NO_AMX = RESULTS / "ablation_vocab_no_amx" / "ablation.json"
 ABLATION_VOCAB_NO_AMX_8MIN = RESULTS / "ablation_vocab_no_amx_8min" / "ablation.json"
+ABLATION_CACHE_NO_AMX = RESULTS / "ablation_cache_no_amx" / "ablation.json"
+ABLATION_CACHE256_NO_AMX = RESULTS / "ablation_cache256_no_amx" / "ablation.json"
 ABLATION_SCHEDULE_NO_AMX = RESULTS / "ablation_schedule_no_amx" / "ablation.json"
 ABLATION_RETUNE = RESULTS / "ablation_retune" / "ablation.json"
 PARALLEL_CEILING = RESULTS / "parallel_ceiling_demo.json"
@@ -511,6 +513,8 @@ SECTIONS: dict[str, Callable[[], str]] = {
     "ablation-peagle-layers": lambda: depth_overlaps_table(ABLATION_PEAGLE_LAYERS),
     "ablation-vocab-no-amx": lambda: depth_overlaps_table(ABLATION_VOCAB_NO_AMX),
     "ablation-vocab-no-amx-8min": lambda: depth_overlaps_table(ABLATION_VOCAB_NO_AMX_8MIN),
+    "ablation-cache-no-amx": lambda: depth_overlaps_table(ABLATION_CACHE_NO_AMX),
+    "ablation-cache256-no-amx": lambda: depth_overlaps_table(ABLATION_CACHE256_NO_AMX),
     "ablation-schedule-no-amx": lambda: depth_overlaps_table(ABLATION_SCHEDULE_NO_AMX),
     "ablation-retune": lambda: ablation_tables(ABLATION_RETUNE),
     "parallel-ceiling": lambda: ceiling_table(_read(PARALLEL_CEILING)),

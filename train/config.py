@@ -166,7 +166,11 @@ class DataConfig:
         "cache_only: train and evaluate from a complete cache without the target's layers",
     )
     cache_dir: str | None = _f(None, "offline cache folder (default: <output_dir>/target_cache)")
-    cache_top_k: int = _f(32, "log-probs kept per token in the offline cache")
+    cache_top_k: int = _f(
+        256,
+        "log-probs kept per token in the offline cache (the rest mass is spread evenly over the "
+        "other tokens: too small a k teaches a flat tail and costs acceptance when sampling)",
+    )
     cache_dtype: str = _f(
         "float16", f"dtype of the cached log-probs and hidden states: {', '.join(CACHE_DTYPES)}"
     )
