@@ -12,10 +12,10 @@ Every process of a launch writes its share into one folder: the sequences fall i
 no half-written one; run again, it keeps the finished parts and scores only the missing ones,
 so no sequence is lost or written twice. When every part exists the main process writes
 ``cache.json``, which carries the run's key (target, k, the number of sequences and a digest
-of their tokens, hidden layers, dtype). A folder whose key differs from the run's is refused by name (:class:`CacheKeyError`),
-never reused or silently overwritten. A sharded target (``train.target_sharding``) takes part
-in collective forwards, so every process runs the same number of them (a process with fewer
-sequences runs one-token passes).
+of their tokens, hidden layers, dtype). A folder whose key differs from the run's is refused
+by name (:class:`CacheKeyError`), never reused or silently overwritten. A sharded target
+(``train.target_sharding``) takes part in collective forwards, so every process runs the same
+number of them (a process with fewer sequences runs one-token passes).
 """
 
 from __future__ import annotations
