@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from decode.kv_cache import AttentionLayout, PreallocatedLayer
-from decode.llama_math import apply_rope, rms_norm
+from decode.llama_math import apply_rope, attention, rms_norm
 from decode.output_head import LLAMA_FAMILY_MODEL_TYPES
 from decode.projection import Layout, Projection, fused_projection, layer_layout
 
@@ -261,9 +261,7 @@ def decoder_layer(
         k = apply_rope(rms_norm(k, weights.k_norm, shape.eps).transpose(1, 2), cos, sin)
     # q [B, Q, W, D], k [B, KV, W, D]
     keys, values = cache_layer.update(k, v.transpose(1, 2))  # [B, KV, S + W, D]
-    attended = F.scaled_dot_product_attention(
-        q, keys, values, attn_mask=mask, enable_gqa=kv_heads != heads
-    )  # [B, Q, W, D]
+    attended = attention(q, keys, values, mask)  # [B, Q, W, D]
     x = x + weights.out(attended.transpose(1, 2).reshape(batch, width, heads * dim))
     gate, up = weights.gate_up(rms_norm(x, weights.post_norm, shape.eps)).chunk(2, dim=-1)
     return x + weights.down(F.silu(gate) * up)  # gate, up: [B, W, I] each

@@ -41,6 +41,8 @@ def test_evaluate_writes_report(tiny_pair_dirs, tmp_path, kind: str) -> None:
         str(out),
         "--drafter-kind",
         kind,
+        "--dtype",  # exact greedy equality is float32's; bf16 agrees up to near-ties (test_bfloat16)
+        "float32",
     ]
     if kind == "draft_lm":
         argv += ["--drafter", str(draft_dir)]

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from tiny_models import tiny_causal_lm, tiny_llama
 
 from decode.kv_cache import CachedSequence
 from decode.lean_decoder import LeanDecoder
+from decode.llama_math import attention
 from decode.output_head import OutputHead
 
 # Mistral with full attention; Qwen2 has q/k/v biases, Qwen3 per-head q/k norms.
@@ -122,7 +124,8 @@ def test_lean_forward_in_bfloat16_is_as_close_to_float64_as_the_models_own(
     (exact_seq, _), (reference, lean) = _pair(exact, 2), _pair(model, 2)
     errors = {"model": 0.0, "lean": 0.0}
     with torch.no_grad():
-        for tokens in (prompt, torch.randint(3, 64, (2, 5), generator=generator)):
+        steps = [torch.randint(3, 64, (2, width), generator=generator) for width in (5, 1, 1)]
+        for tokens in (prompt, *steps):  # widths 1 take the single-query attention path
             truth = exact_seq.extend(tokens=tokens).logits
             scale = truth.abs().max()
             for name, sequence in (("model", reference), ("lean", lean)):
@@ -131,3 +134,36 @@ def test_lean_forward_in_bfloat16_is_as_close_to_float64_as_the_models_own(
                 error = float((logits.double() - truth).abs().max() / scale)
                 errors[name] = max(errors[name], error)
     assert errors["lean"] <= 2 * errors["model"] + 1e-3, errors
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+@pytest.mark.parametrize("masked", [False, True])
+def test_single_query_attention_in_bfloat16_rounds_no_worse_than_the_kernel(
+    kv_heads: int, masked: bool
+) -> None:
+    """One bfloat16 query attends over float32 copies: within bfloat16 rounding of the float64
+    attention, no further from it than ATen's bfloat16 kernel; other widths are the kernel."""
+    generator = torch.Generator().manual_seed(11)
+    q64 = torch.randn(2, 4, 1, 16, generator=generator, dtype=torch.float64)
+    k64, v64 = torch.randn(2, 2, kv_heads, 37, 16, generator=generator, dtype=torch.float64)
+    mask = torch.rand(2, 1, 1, 37, generator=generator) < 0.7 if masked else None
+    if mask is not None:
+        mask[..., -1] = True  # a query always sees its own slot
+    grouped = kv_heads != 4
+    truth = F.scaled_dot_product_attention(q64, k64, v64, attn_mask=mask, enable_gqa=grouped)
+    q, k, v = (t.to(torch.bfloat16) for t in (q64, k64, v64))
+    ours = attention(q, k, v, mask)
+    kernel = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=grouped)
+    assert ours.dtype == torch.bfloat16 and ours.shape == truth.shape
+    ours_error = float((ours.double() - truth).abs().max())
+    kernel_error = float((kernel.double() - truth).abs().max())
+    assert ours_error <= max(kernel_error, 2**-7 * float(truth.abs().max())), (
+        ours_error,
+        kernel_error,
+    )
+    wide_q = torch.cat((q, q), dim=2)  # [2, 4, 2, 16]: two queries keep the kernel
+    wide_mask = None if mask is None else mask.expand(2, 1, 2, 37)
+    assert torch.equal(
+        attention(wide_q, k, v, wide_mask),
+        F.scaled_dot_product_attention(wide_q, k, v, attn_mask=wide_mask, enable_gqa=grouped),
+    )
