@@ -34,6 +34,8 @@ MAIN_JOB = RESULTS / "main_job.json"
 BENCH_DEMO = RESULTS / "bench_demo.json"
 BENCH_BENCH = RESULTS / "bench" / "bench_bench.json"
 BENCH_NO_AMX = RESULTS / "bench_no_amx" / "bench.json"
+BENCH_AMD = RESULTS / "bench_amd" / "bench.json"
+MAIN_JOB_AMD = RESULTS / "main_job_amd.json"
 ABLATION60 = RESULTS / "ablation" / "ablation.json"
 ABLATION150 = RESULTS / "ablation150" / "ablation.json"
 ABLATION_PEAGLE = RESULTS / "ablation_peagle" / "ablation.json"
@@ -129,13 +131,27 @@ def main_job_table(summary: dict[str, Any]) -> str:
             method,
             temperature,
             _x(r["speedup_over_draftsmith_plain"]),
+            _x(r.get("speedup_over_fastest_plain")),  # absent from runs before it existed
             _x(r["speedup"]),
             _f(r["tau"]),
+            _f(r.get("distinct_4gram_share")),
             _f(r["draft_cost_ratio"]),
+            _f(r.get("verify_cost_ratio")),
         ]
         for prompts, method, temperature, r in _main_job_rows(summary)
     ]
-    header = ["prompts", "method", "T", "vs ours", "vs HF", "tau", "draft/target step"]
+    header = [
+        "prompts",
+        "method",
+        "T",
+        "vs ours",
+        "vs fastest plain",
+        "vs HF",
+        "tau",
+        "4-grams",
+        "draft/target step",
+        "verify/target step",
+    ]
     return "\n".join(_table(header, rows))
 
 
@@ -504,6 +520,21 @@ SECTIONS: dict[str, Callable[[], str]] = {
     "cost-model-no-amx": lambda: "\n\n".join(
         cost_model(_read(BENCH_NO_AMX), method)
         for method in ("draftsmith EAGLE-3 chain", "draftsmith P-EAGLE chain")
+    ),
+    "main-job-amd-run": lambda: main_job_run(_read(MAIN_JOB_AMD)),
+    "main-job-amd": lambda: main_job_table(_read(MAIN_JOB_AMD)),
+    "bench-amd": lambda: bench_table(_read(BENCH_AMD)),
+    "bench-amd-ood": lambda: bench_table(
+        prompt_set(_read(BENCH_AMD), "ood"), "out-of-distribution (`ood`)"
+    ),
+    "cost-model-amd": lambda: "\n\n".join(
+        cost_model(_read(BENCH_AMD), method)
+        for method in (
+            "draftsmith EAGLE-3 chain",
+            "draftsmith P-EAGLE chain",
+            "draftsmith EAGLE-3 tree",
+            "draftsmith EAGLE-3 tree (sampled)",
+        )
     ),
     "ablation60": lambda: ablation_tables(ABLATION60),
     "ablation150": lambda: ablation_tables(ABLATION150),

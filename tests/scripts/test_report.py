@@ -121,7 +121,17 @@ def test_the_main_job_table_reads_a_run_summary(tmp_path: Path) -> None:
     report.take_main_job(run, destination)
     summary = json.loads(destination.read_text())
     table = report.main_job_table(summary).splitlines()
-    assert table[2] == "| held-out | eagle3 chain | 0 | 1.10x | 1.65x | 2.50 | 0.30 |"
+    # a summary from before the fastest-plain, 4-gram and verify fields: "-" in their columns
+    assert table[2] == "| held-out | eagle3 chain | 0 | 1.10x | - | 1.65x | 2.50 | - | 0.30 | - |"
+    first = summary["speed"]["0"]
+    first |= {
+        "speedup_over_fastest_plain": 1.05,
+        "distinct_4gram_share": 0.61,
+        "verify_cost_ratio": 1.12,
+    }
+    assert report.main_job_table(summary).splitlines()[2] == (
+        "| held-out | eagle3 chain | 0 | 1.10x | 1.05x | 1.65x | 2.50 | 0.61 | 0.30 | 1.12 |"
+    )
     assert table[5].startswith("| ood | hybrid | 0 | 1.40x |")
     text = report.main_job_run(summary)
     assert "10 steps (max_steps) in 1.2 min" in text and "position 0.75 / 0.50," in text
