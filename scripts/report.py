@@ -42,6 +42,7 @@ ABLATION_PEAGLE = RESULTS / "ablation_peagle" / "ablation.json"
 ABLATION_PEAGLE_WEIGHTS = RESULTS / "ablation_peagle_weights" / "ablation.json"
 ABLATION_PEAGLE_LAYERS = RESULTS / "ablation_peagle_layers" / "ablation.json"
 ABLATION_PEAGLE_NO_AMX = RESULTS / "ablation_peagle_no_amx" / "ablation.json"
+ABLATION_PEAGLE_AMD = RESULTS / "ablation_peagle_amd" / "ablation.json"
 ABLATION_VOCAB_NO_AMX = RESULTS / "ablation_vocab_no_amx" / "ablation.json"
 ABLATION_VOCAB_NO_AMX_8MIN = RESULTS / "ablation_vocab_no_amx_8min" / "ablation.json"
 ABLATION_CACHE_NO_AMX = RESULTS / "ablation_cache_no_amx" / "ablation.json"
@@ -541,6 +542,8 @@ SECTIONS: dict[str, Callable[[], str]] = {
     "ablation-peagle": lambda: ablation_tables(ABLATION_PEAGLE),
     "ablation-peagle-weights": lambda: ablation_tables(ABLATION_PEAGLE_WEIGHTS),
     "ablation-peagle-no-amx": lambda: ablation_tables(ABLATION_PEAGLE_NO_AMX),
+    "ablation-peagle-amd": lambda: ablation_tables(ABLATION_PEAGLE_AMD),
+    "ablation-peagle-amd-depths": lambda: depth_overlaps_table(ABLATION_PEAGLE_AMD),
     "ablation-peagle-layers": lambda: depth_overlaps_table(ABLATION_PEAGLE_LAYERS),
     "ablation-vocab-no-amx": lambda: depth_overlaps_table(ABLATION_VOCAB_NO_AMX),
     "ablation-vocab-no-amx-8min": lambda: depth_overlaps_table(ABLATION_VOCAB_NO_AMX_8MIN),
