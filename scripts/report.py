@@ -323,6 +323,16 @@ def cost_model(bench: dict[str, Any], method: str = "draftsmith EAGLE-3 chain") 
     return f"{method}, times in ms:\n\n" + "\n".join(lines)
 
 
+CHAIN_COST_MODELS = ("draftsmith EAGLE-3 chain", "draftsmith P-EAGLE chain")
+"""The benchmark rows whose cost model a results section shows by default."""
+
+
+def cost_models(bench: dict[str, Any], methods: tuple[str, ...] = CHAIN_COST_MODELS) -> str:
+    """``cost_model`` of each of ``methods`` the benchmark has, one block each."""
+    present = _by_method(bench)
+    return "\n\n".join(cost_model(bench, method) for method in methods if method in present)
+
+
 # --------------------------------------------------------------------------- the README's table
 
 
@@ -507,35 +517,23 @@ SECTIONS: dict[str, Callable[[], str]] = {
     "main-job": lambda: main_job_table(_read(MAIN_JOB)),
     "bench-demo": lambda: bench_table(_read(BENCH_DEMO)),
     "bench-demo-sweep": lambda: bench_sweep(_read(BENCH_DEMO)),
-    "cost-model": lambda: "\n\n".join(
-        cost_model(_read(BENCH_DEMO), method)
-        for method in ("draftsmith EAGLE-3 chain", "draftsmith P-EAGLE chain")
-        if method in _by_method(_read(BENCH_DEMO))
-    ),
+    "cost-model": lambda: cost_models(_read(BENCH_DEMO)),
     "bench-bench": lambda: bench_table(_read(BENCH_BENCH)),
     "bench-no-amx": lambda: bench_table(_read(BENCH_NO_AMX)),
     "bench-no-amx-ood": lambda: bench_table(
         prompt_set(_read(BENCH_NO_AMX), "ood"), "out-of-distribution (`ood`)"
     ),
     "bench-no-amx-sweep": lambda: bench_sweep(_read(BENCH_NO_AMX)),
-    "cost-model-no-amx": lambda: "\n\n".join(
-        cost_model(_read(BENCH_NO_AMX), method)
-        for method in ("draftsmith EAGLE-3 chain", "draftsmith P-EAGLE chain")
-    ),
+    "cost-model-no-amx": lambda: cost_models(_read(BENCH_NO_AMX)),
     "main-job-amd-run": lambda: main_job_run(_read(MAIN_JOB_AMD)),
     "main-job-amd": lambda: main_job_table(_read(MAIN_JOB_AMD)),
     "bench-amd": lambda: bench_table(_read(BENCH_AMD)),
     "bench-amd-ood": lambda: bench_table(
         prompt_set(_read(BENCH_AMD), "ood"), "out-of-distribution (`ood`)"
     ),
-    "cost-model-amd": lambda: "\n\n".join(
-        cost_model(_read(BENCH_AMD), method)
-        for method in (
-            "draftsmith EAGLE-3 chain",
-            "draftsmith P-EAGLE chain",
-            "draftsmith EAGLE-3 tree",
-            "draftsmith EAGLE-3 tree (sampled)",
-        )
+    "cost-model-amd": lambda: cost_models(
+        _read(BENCH_AMD),
+        (*CHAIN_COST_MODELS, "draftsmith EAGLE-3 tree", "draftsmith EAGLE-3 tree (sampled)"),
     ),
     "ablation60": lambda: ablation_tables(ABLATION60),
     "ablation150": lambda: ablation_tables(ABLATION150),
