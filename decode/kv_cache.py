@@ -345,14 +345,23 @@ class PreallocatedLayer(DynamicLayer):
     ``keys`` / ``values`` are views of the first ``length`` slots ([B, heads, S, d]); ``update``
     writes the new slots in place and ``crop`` only moves the end, so a decoding step costs a
     copy of its own keys rather than of the whole cache. Capacity doubles when exhausted.
+    ``storage_dtype`` (default: the first keys' dtype) is the dtype the slots are kept in; a
+    drafter keeps float32 slots on CPU (``llama_math.draft_cache_dtype``).
     """
+
+    def __init__(self, storage_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.storage_dtype = storage_dtype
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
         self.length = 0
         needed = key_states.shape[2]  # the first update (a prefill) sizes the buffer
-        self._key_buffer = key_states.new_empty(_buffer_shape(key_states, needed))
-        self._value_buffer = value_states.new_empty(_buffer_shape(value_states, needed))
+        dtype = self.storage_dtype or key_states.dtype
+        self._key_buffer = key_states.new_empty(_buffer_shape(key_states, needed), dtype=dtype)
+        self._value_buffer = value_states.new_empty(
+            _buffer_shape(value_states, needed), dtype=dtype
+        )
         self.is_initialized = True
 
     def update(
@@ -444,10 +453,15 @@ class PreallocatedStack:
     holds the same slots (a multi-layer drafter's cache, or the layers of a target's
     ``DynamicCache`` that ``CachedSequence`` moves)."""
 
-    def __init__(self, layers: int | list[PreallocatedLayer]) -> None:
-        """``layers``: a count of new, empty layers, or existing layers (shared, not copied)."""
+    def __init__(
+        self, layers: int | list[PreallocatedLayer], storage_dtype: torch.dtype | None = None
+    ) -> None:
+        """``layers``: a count of new, empty layers (keeping slots in ``storage_dtype``, default
+        the keys' own), or existing layers (shared, not copied)."""
         self.layers = (
-            [PreallocatedLayer() for _ in range(layers)] if isinstance(layers, int) else layers
+            [PreallocatedLayer(storage_dtype) for _ in range(layers)]
+            if isinstance(layers, int)
+            else layers
         )
 
     def get_seq_length(self) -> int:

@@ -27,6 +27,7 @@ from decode.drafters.eagle_lean import LeanEagle3
 from decode.drafters.eagle_state import HeadState, UnreadBlock
 from decode.drafters.eagle_trees import dynamic_tree, sampled_tree
 from decode.kv_cache import PreallocatedStack, pad_front
+from decode.llama_math import draft_cache_dtype
 from decode.sampling import SamplingConfig, select_tokens
 from decode.tree import TreeProposal, TreeVerification
 
@@ -100,7 +101,10 @@ class Eagle3Drafter(Drafter):
         next_ids = torch.cat((input_ids[:, 1:], pending[:, None]), dim=1)
         positions = positions_from_mask(attention_mask)
         fused = self.lean.fuse(self.head.gather_aux(hidden_states))
-        cache = PreallocatedStack(self.head.config.num_hidden_layers)
+        weight = next(self.head.parameters())  # the head runs in the target's dtype and device
+        cache = PreallocatedStack(
+            self.head.config.num_hidden_layers, draft_cache_dtype(weight.dtype, weight.device)
+        )
         prenorm = self._committed_pass(
             fused,
             self._embed(next_ids),

@@ -91,3 +91,16 @@ def test_greedy_output_equals_hf_bfloat16_up_to_near_ties(
         print(f"divergence at new token {position}: top-two gap {gap:.4g} (bf16 unit {unit:.3g})")
         assert gap <= NEAR_TIE_ULPS * unit, (position, gap, unit)
     assert equal >= len(prompts) // 2  # near-ties are rare: most outputs agree throughout
+
+
+def test_a_bfloat16_eagle_head_keeps_its_cache_in_float32_on_cpu(target: torch.nn.Module) -> None:
+    """The head's keys and values stay float32 through prefill, drafting and commits
+    (``decode.llama_math.draft_cache_dtype``); its products stay bfloat16."""
+    drafter = tiny_eagle_drafter(target)
+    decoder = SpeculativeDecoder(target, drafter, 3)
+    prompt = torch.randint(3, TINY_VOCAB, (1, 6), generator=torch.Generator().manual_seed(4))
+    decoder.generate(prompt, max_new_tokens=9, eos_token_id=[])
+    layers = drafter._read_state().cache.layers
+    assert next(drafter.head.parameters()).dtype == torch.bfloat16
+    assert all(layer.keys.dtype == torch.float32 for layer in layers)
+    assert all(layer.values.dtype == torch.float32 for layer in layers)

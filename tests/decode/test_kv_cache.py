@@ -221,3 +221,24 @@ def test_rows_merged_in_and_selected_out_keep_their_own_sequences(
             tokens = torch.cat([committed[row], follow[row]])
             fresh = model(tokens[None]).logits[0, -1]
             assert torch.allclose(stepped[index], fresh, atol=1e-9), (index, row)
+
+
+def test_a_layer_keeps_its_slots_in_the_storage_dtype_through_growth_and_merges() -> None:
+    """``storage_dtype`` float32 (a drafter's cache on CPU) holds bfloat16 keys exactly, also
+    after the buffer grows past its capacity and after rows are merged and selected."""
+    generator = torch.Generator().manual_seed(3)
+    keys = torch.randn(1, 2, 300, 8, generator=generator).to(torch.bfloat16)
+    layer, other = PreallocatedLayer(torch.float32), PreallocatedLayer(torch.float32)
+    layer.update(keys[:, :, :5], -keys[:, :, :5])
+    for start in range(5, 300, 7):  # past the initial capacity of 256 slots
+        stored_keys, stored_values = layer.update(
+            keys[:, :, start : start + 7], -keys[:, :, start : start + 7]
+        )
+    assert stored_keys.dtype == torch.float32 and stored_keys.shape[2] == 300
+    assert torch.equal(stored_keys, keys.float())
+    assert torch.equal(stored_values, -keys.float())
+    other.update(keys[:, :, :4], keys[:, :, :4])
+    layer.merge_rows(other, 300)
+    layer.select_slots(torch.tensor([1]), torch.arange(296, 300)[None])
+    assert layer.keys.dtype == torch.float32
+    assert torch.equal(layer.keys, keys[:, :, :4].float())

@@ -9,7 +9,7 @@ from tiny_models import tiny_causal_lm, tiny_llama
 
 from decode.kv_cache import CachedSequence
 from decode.lean_decoder import LeanDecoder
-from decode.llama_math import attention
+from decode.llama_math import attention, draft_cache_dtype
 from decode.output_head import OutputHead
 
 # Mistral with full attention; Qwen2 has q/k/v biases, Qwen3 per-head q/k norms.
@@ -167,3 +167,27 @@ def test_single_query_attention_in_bfloat16_rounds_no_worse_than_the_kernel(
         attention(wide_q, k, v, wide_mask),
         F.scaled_dot_product_attention(wide_q, k, v, attn_mask=wide_mask, enable_gqa=grouped),
     )
+
+
+@pytest.mark.parametrize("width", [1, 3])
+def test_keys_kept_in_float32_are_attended_without_rounding_the_cache(width: int) -> None:
+    """A drafter's float32 cache (``draft_cache_dtype``) is attended in float32 at every width:
+    exactly the float32 attention of the bfloat16 queries, rounded back to bfloat16."""
+    generator = torch.Generator().manual_seed(12)
+    q = torch.randn(2, 4, width, 16, generator=generator).to(torch.bfloat16)
+    k, v = torch.randn(2, 2, 2, 29, 16, generator=generator)  # [B, KV, S, D] float32 each
+    mask = torch.rand(2, 1, width, 29, generator=generator) < 0.7
+    mask[..., -1] = True
+    expected = F.scaled_dot_product_attention(q.float(), k, v, attn_mask=mask, enable_gqa=True)
+    ours = attention(q, k, v, mask)
+    assert ours.dtype == torch.bfloat16
+    assert torch.equal(ours, expected.to(torch.bfloat16))
+
+
+def test_drafters_keep_float32_caches_on_cpu_in_narrow_dtypes_only() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert draft_cache_dtype(torch.bfloat16, cpu) == torch.float32
+    assert draft_cache_dtype(torch.float16, cpu) == torch.float32
+    assert draft_cache_dtype(torch.float32, cpu) == torch.float32
+    assert draft_cache_dtype(torch.float64, cpu) == torch.float64
+    assert draft_cache_dtype(torch.bfloat16, cuda) == torch.bfloat16  # the GPU keeps its kernels
