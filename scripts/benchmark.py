@@ -40,6 +40,7 @@ from decode.plots import (
 from decode.precision import add_dtype_argument
 from decode.prompts import load_eval_prompts
 from decode.side_by_side import (
+    UNREPRODUCED_TIMING,
     EvalSettings,
     Method,
     MethodResult,
@@ -467,6 +468,7 @@ def main(argv: list[str] | None = None) -> dict:
         "plain_also": list(plain_copies),
         "num_prompts": len(prompts),
         "repeats": args.repeats,
+        "unreproduced_timing": UNREPRODUCED_TIMING,
         "max_new_tokens": args.max_new_tokens,
         "num_draft_tokens": args.num_draft_tokens,
         "drafter_flop_share": shares,

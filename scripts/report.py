@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from decode.machine import describe_machine
+from decode.side_by_side import UNREPRODUCED_TIMING
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path("docs/results")
@@ -225,8 +226,7 @@ def _setting(bench: dict[str, Any], prompts: str = "held-out") -> str:
     return (
         f"Benchmark on target `{Path(bench['target']).name}`: {bench['num_prompts']} {prompts} "
         f"prompts x {bench['max_new_tokens']} tokens, batch 1, N = {bench['num_draft_tokens']} "
-        f"draft tokens, interleaved per prompt{_repeats_clause(bench.get('repeats', 1))}."
-        + _machine(bench)
+        f"draft tokens, interleaved per prompt{_repeats_clause(bench)}." + _machine(bench)
     )
 
 
@@ -240,13 +240,21 @@ def prompt_set(bench: dict[str, Any], source: str) -> dict[str, Any]:
     }
 
 
-def _repeats_clause(repeats: int) -> str:
-    """How the benchmark timed each prompt when it ran the prompts more than once."""
+def _repeats_clause(bench: dict[str, Any]) -> str:
+    """How the benchmark timed each prompt when it ran the prompts more than once (records
+    before ``unreproduced_timing`` kept a non-reproducing method's first pass)."""
+    repeats = bench.get("repeats", 1)
     if repeats <= 1:
         return ""
-    return (
-        f"; {repeats} passes, each prompt of each method timed by its fastest pass of the same "
-        "tokens (a pass that decoded other tokens is not timed: rows whose policy adapts to "
+    clause = f"; {repeats} passes, each prompt of each method timed by its fastest pass of the same tokens"
+    if bench.get("unreproduced_timing") == UNREPRODUCED_TIMING:
+        return clause + (
+            " (a method whose passes decoded other tokens, the adaptive and hybrid rows when "
+            "sampling, is timed on the prompt's quietest pass, the one in which the methods that "
+            "reproduced took the least time together)"
+        )
+    return clause + (
+        " (a pass that decoded other tokens is not timed: rows whose policy adapts to "
         "measured times, the adaptive and hybrid ones, often keep their first pass when sampling)"
     )
 

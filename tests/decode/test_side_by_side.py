@@ -64,7 +64,7 @@ def test_each_prompt_is_timed_by_its_fastest_repeat(monkeypatch) -> None:
     assert result.stats.draft_seconds == pytest.approx(1.0 + 0.0)
 
 
-def test_a_repeat_that_decodes_other_tokens_is_not_timed(monkeypatch) -> None:
+def test_without_a_reproducing_method_a_changing_prompt_keeps_its_first_pass(monkeypatch) -> None:
     clock = ScriptedClock()
     monkeypatch.setattr(side_by_side, "time", SimpleNamespace(perf_counter=clock.perf_counter))
     durations = {0: [3.0, 1.0], 1: [2.0, 0.5]}
@@ -76,6 +76,28 @@ def test_a_repeat_that_decodes_other_tokens_is_not_timed(monkeypatch) -> None:
     assert results["m"].seconds == pytest.approx(3.0 + 0.5)
     assert results["m"].unreproduced == 1
     assert results["m"].outputs[0][0, -1].item() == 4  # the first repeat's output stays
+
+
+def test_a_method_that_does_not_reproduce_is_timed_on_the_quietest_pass(monkeypatch) -> None:
+    """Its own fastest pass would also be its luckiest sample: it takes the pass in which the
+    reproducing methods together ran fastest, with that pass's tokens and counters."""
+    clock = ScriptedClock()
+    monkeypatch.setattr(side_by_side, "time", SimpleNamespace(perf_counter=clock.perf_counter))
+    steady = {0: [2.0, 1.0, 3.0], 1: [1.0, 2.0, 3.0]}  # prompt 0: pass 1 quietest; 1: pass 0
+    other = {0: [1.0, 0.5, 0.25], 1: [6.0, 4.0, 5.0]}
+    methods = {
+        "reference": scripted_method(clock, {0: [5.0, 5.0, 5.0], 1: [1.0, 1.0, 1.0]}),
+        "steady": scripted_method(clock, steady),
+        "adaptive": scripted_method(clock, other, outputs={0: [4, 9, 9], 1: [6, 7, 6]}),
+    }
+    results = measure_side_by_side(torch.nn.Linear(2, 2), methods, PROMPTS, warmup=False, repeats=3)
+    adaptive = results["adaptive"]
+    assert adaptive.unreproduced == 2 + 1
+    assert adaptive.seconds == pytest.approx(0.5 + 6.0)  # passes 1 and 0; its own: 0.25 + 4
+    assert [out[0, -1].item() for out in adaptive.outputs] == [9, 6]
+    assert adaptive.stats.draft_seconds == pytest.approx(1.0 + 0.0)  # the same passes' stats
+    assert results["steady"].seconds == pytest.approx(1.0 + 1.0)  # its own fastest, as ever
+    assert results["steady"].unreproduced == 0
 
 
 def test_repeats_must_be_positive() -> None:

@@ -237,3 +237,13 @@ def test_the_depth_table_says_how_far_a_time_boxed_run_got(tmp_path: Path) -> No
     path.write_text(json.dumps(results))
     lines = report.depth_overlaps_table(path).splitlines()
     assert "71 steps per run;" in lines[0] and lines[2] == "| cell | seeds | overlap@1 | tau T=0 |"
+
+
+def test_the_timing_clause_names_the_rule_the_record_was_measured_under() -> None:
+    """Records before the quietest-pass rule kept a non-reproducing row's first pass; the
+    header says which rule a record used, and nothing for a single pass."""
+    assert report._repeats_clause({"repeats": 1}) == ""
+    older = report._repeats_clause({"repeats": 2})
+    newer = report._repeats_clause({"repeats": 2, "unreproduced_timing": "quietest pass"})
+    assert "keep their first pass" in older and "quietest pass" not in older
+    assert "quietest pass" in newer and "first pass" not in newer
