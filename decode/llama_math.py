@@ -51,15 +51,16 @@ def attention(
     ``draft_cache_dtype``) are attended in their own dtype, with no copy of the cache.
     """
     grouped = keys.shape[1] != q.shape[1]
-    wide = torch.promote_types(q.dtype, keys.dtype) if keys.dtype != q.dtype else None
-    if wide is None and q.shape[2] == 1 and q.device.type == "cpu":
-        wide = torch.float32 if q.dtype in _WIDENED_FOR_ONE_QUERY else None
-    if wide is not None:
-        out = F.scaled_dot_product_attention(
-            q.to(wide), keys.to(wide), values.to(wide), attn_mask=mask, enable_gqa=grouped
-        )
-        return out.to(q.dtype)
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=grouped)
+    if keys.dtype != q.dtype:  # a wider cache: attend in its dtype
+        wide = torch.promote_types(q.dtype, keys.dtype)
+    elif q.shape[2] == 1 and q.device.type == "cpu" and q.dtype in _WIDENED_FOR_ONE_QUERY:
+        wide = torch.float32
+    else:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=grouped)
+    out = F.scaled_dot_product_attention(
+        q.to(wide), keys.to(wide), values.to(wide), attn_mask=mask, enable_gqa=grouped
+    )
+    return out.to(q.dtype)
 
 
 def draft_cache_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:

@@ -259,6 +259,11 @@ def _repeats_clause(bench: dict[str, Any]) -> str:
     )
 
 
+def ood_bench_table(bench: dict[str, Any]) -> str:
+    """``bench_table`` of a run's out-of-distribution (``--prompts ood``) set."""
+    return bench_table(prompt_set(bench, "ood"), "out-of-distribution (`ood`)")
+
+
 def bench_table(bench: dict[str, Any], prompts: str = "held-out") -> str:
     """Every method of a benchmark run: tokens/s, both speedups, tau, draft cost per T."""
     temperatures = list(bench["by_temperature"])
@@ -528,17 +533,13 @@ SECTIONS: dict[str, Callable[[], str]] = {
     "cost-model": lambda: cost_models(_read(BENCH_DEMO)),
     "bench-bench": lambda: bench_table(_read(BENCH_BENCH)),
     "bench-no-amx": lambda: bench_table(_read(BENCH_NO_AMX)),
-    "bench-no-amx-ood": lambda: bench_table(
-        prompt_set(_read(BENCH_NO_AMX), "ood"), "out-of-distribution (`ood`)"
-    ),
+    "bench-no-amx-ood": lambda: ood_bench_table(_read(BENCH_NO_AMX)),
     "bench-no-amx-sweep": lambda: bench_sweep(_read(BENCH_NO_AMX)),
     "cost-model-no-amx": lambda: cost_models(_read(BENCH_NO_AMX)),
     "main-job-amd-run": lambda: main_job_run(_read(MAIN_JOB_AMD)),
     "main-job-amd": lambda: main_job_table(_read(MAIN_JOB_AMD)),
     "bench-amd": lambda: bench_table(_read(BENCH_AMD)),
-    "bench-amd-ood": lambda: bench_table(
-        prompt_set(_read(BENCH_AMD), "ood"), "out-of-distribution (`ood`)"
-    ),
+    "bench-amd-ood": lambda: ood_bench_table(_read(BENCH_AMD)),
     "cost-model-amd": lambda: cost_models(
         _read(BENCH_AMD),
         (*CHAIN_COST_MODELS, "draftsmith EAGLE-3 tree", "draftsmith EAGLE-3 tree (sampled)"),
