@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from decode.sampling import SamplingConfig, logits_to_probs, sample
+from decode.sampling import SamplingConfig, greedy_tokens, logits_to_probs, sample
 
 
 def verify_greedy(
@@ -23,7 +23,7 @@ def verify_greedy(
     target_logits: torch.Tensor,  # [B, N + 1, V]
 ) -> tuple[torch.Tensor, torch.Tensor]:  # num_accepted [B], next_tokens [B]
     """Accept the longest prefix of drafts equal to the target's argmax."""
-    target_choice = target_logits.argmax(-1)  # [B, N + 1]
+    target_choice = greedy_tokens(target_logits)  # [B, N + 1]
     num_accepted = _accepted_prefix_length(draft_tokens == target_choice[:, :-1])
     next_tokens = target_choice.gather(1, num_accepted[:, None]).squeeze(1)
     return num_accepted, next_tokens

@@ -80,7 +80,7 @@ def logits_to_probs(
     """
     logits = logits.float()
     if config.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
+        return torch.nn.functional.one_hot(greedy_tokens(logits), logits.shape[-1]).to(logits.dtype)
     logits = logits / config.temperature
     if 0 < config.top_k < logits.shape[-1]:
         kth_largest = torch.topk(logits, config.top_k, dim=-1).values[..., -1:]
@@ -134,6 +134,17 @@ def sample(
     return drawn.reshape(probs.shape[:-1])
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:  # [..., V] -> [...] int64
+    """The argmax of each row: the first index of the largest logit (NaN counts as largest).
+
+    ``max(-1).indices`` returns what ``argmax(-1)`` does, ties and NaN included, but ATen's
+    bfloat16 ``argmax`` on CPU is a scalar loop: over a verify pass's [1, 13, 8192] logits it
+    took 211 microseconds against 39 for ``max`` (46 for a float32 copy and its argmax), and 92
+    against 19 over 5 rows (torch 2.13, 2 threads, AMD EPYC with AVX512-BF16).
+    """
+    return logits.max(-1).indices
+
+
 def select_tokens(
     logits: torch.Tensor,  # [..., V]
     config: SamplingConfig,
@@ -145,6 +156,6 @@ def select_tokens(
     one-hot).
     """
     if config.greedy:
-        return logits.argmax(-1), None
+        return greedy_tokens(logits), None
     probs = logits_to_probs(logits, config)
     return sample(probs, generator), probs

@@ -39,7 +39,7 @@ from itertools import pairwise
 
 import torch
 
-from decode.sampling import sample
+from decode.sampling import greedy_tokens, sample
 
 
 @dataclass
@@ -403,7 +403,7 @@ def verify_tree_greedy(
     _check_verify_shapes(tree, target_logits)
     batch, nodes = tree.tokens.shape
     device = tree.tokens.device
-    choice = target_logits.argmax(-1)  # [B, M + 1]
+    choice = greedy_tokens(target_logits)  # [B, M + 1]
     max_depth = int(tree.depths.max()) if nodes else 0
     matches = tree.tokens == choice.gather(1, tree.parents + 1)  # [B, M]
     # an earlier sibling matched: the walk never tries this node

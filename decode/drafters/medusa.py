@@ -26,7 +26,7 @@ from torch import nn
 
 from decode.drafters.base import Drafter, DraftProposal, TargetPass, TreeSpec
 from decode.drafters.folder import config_from_fields, read_folder, save_native_folder
-from decode.sampling import SamplingConfig, logits_to_probs, sample
+from decode.sampling import SamplingConfig, greedy_tokens, logits_to_probs, sample
 from decode.tree import StaticTree, TreeProposal, TreeVerification
 
 MEDUSA_ARCHITECTURE = "MedusaModel"
@@ -256,7 +256,7 @@ class MedusaDrafter(Drafter):
             return DraftProposal(tokens=empty, probs=None)
         logits = self.heads(hidden)[:, :num_tokens]  # [B, N, V]
         if sampling.greedy:
-            return DraftProposal(tokens=logits.argmax(-1), probs=None)
+            return DraftProposal(tokens=greedy_tokens(logits), probs=None)
         probs = logits_to_probs(logits, sampling)
         return DraftProposal(tokens=sample(probs, generator), probs=probs)
 

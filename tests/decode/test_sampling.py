@@ -2,16 +2,31 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from decode_helpers import chi_square_p_value
 
 from decode.sampling import (
     GREEDY_TEMPERATURE_FLOOR,
     SamplingConfig,
+    greedy_tokens,
     logits_to_probs,
     sample,
     select_tokens,
 )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_greedy_tokens_are_argmax_with_ties_and_nan(dtype: torch.dtype) -> None:
+    """The first largest index, as argmax gives it, over coarse values full of ties."""
+    generator = torch.Generator().manual_seed(0)
+    for vocab in (1, 7, 2048, 8192):
+        logits = (torch.randint(-3, 4, (3, 13, vocab), generator=generator) * 0.5).to(dtype)
+        if vocab > 1:
+            logits[1, 2, vocab // 2] = float("nan")  # NaN wins, as in argmax
+            logits[2, 0] = 1.0  # one row entirely tied: index 0
+        assert torch.equal(greedy_tokens(logits), logits.argmax(-1))
+    assert greedy_tokens(logits)[2, 0] == 0
 
 
 def test_sample_follows_the_law_and_skips_zero_mass() -> None:
