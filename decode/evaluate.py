@@ -40,6 +40,7 @@ from decode.side_by_side import (
     Method,
     MethodResult,
     add_repeats_argument,
+    add_tree_frontier_argument,
     encode_prompt,
     hf_peer,
     measure_side_by_side,
@@ -397,6 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="nodes kept per tree (eagle3 sampled trees: the first child's chain gets up to "
         "--num-draft-tokens levels, the other children share the rest level by level)",
     )
+    add_tree_frontier_argument(parser)
     parser.add_argument("--no-peer", action="store_true", help="skip the Hugging Face peer")
     parser.add_argument(
         "--adaptive",
@@ -455,7 +457,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         peer=not args.no_peer,
         lean_target=not args.model_forward,
         adaptive=args.adaptive,
-        tree=TreeSpec(top_k=args.tree_top_k, total_tokens=args.tree_total_tokens)
+        tree=TreeSpec(args.tree_top_k, args.tree_total_tokens, frontier=args.tree_frontier)
         if args.tree and (args.temperature == 0 or args.tree_when_sampling)
         else None,
     )

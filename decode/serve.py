@@ -2,7 +2,8 @@
 
     python decode/serve.py --target PATH --drafter PATH [--drafter-kind KIND]
         [--host 127.0.0.1] [--port 8000] [--num-draft-tokens N] [--api-key KEY]
-        [--tree [--tree-top-k K] [--tree-total-tokens M] [--tree-when-sampling]]
+        [--tree [--tree-top-k K] [--tree-total-tokens M] [--tree-frontier F]
+               [--tree-when-sampling]]
     python decode/serve.py --target PATH --drafter-kind ngram      # prompt lookup, no weights
     python decode/serve.py --target PATH --drafter-kind none       # plain decoding, no drafter
 
@@ -61,7 +62,7 @@ def build_server(config: ServeConfig) -> OpenAIServer:
         model_name=config.served_model_name or Path(config.target).resolve().name,
         num_draft_tokens=config.num_draft_tokens,
         adaptive=config.adaptive,
-        tree=TreeSpec(top_k=config.tree_top_k, total_tokens=config.tree_total_tokens)
+        tree=TreeSpec(config.tree_top_k, config.tree_total_tokens, frontier=config.tree_frontier)
         if config.tree
         else None,
         tree_when_sampling=config.tree_when_sampling,

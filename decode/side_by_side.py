@@ -64,6 +64,18 @@ def add_repeats_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_tree_frontier_argument(parser: argparse.ArgumentParser) -> None:
+    """``--tree-frontier F`` for the commands that draft EAGLE-2 trees (evaluate, benchmark)."""
+    parser.add_argument(
+        "--tree-frontier",
+        type=int,
+        default=0,
+        help="nodes of each eagle3 tree level that grow --tree-top-k children (0: all of them, "
+        "EAGLE-2's rule; 1: the greedy chain with its runners-up beside it, every level a "
+        "one-row draft step; decode.drafters.base.TreeSpec)",
+    )
+
+
 def _at_least_one(text: str) -> int:
     try:
         value = int(text)

@@ -29,6 +29,8 @@ follows the child equal to the target's argmax.
 Static trees come from Medusa-style choices (Cai et al. 2024); dynamic trees are EAGLE-2's
 (Li et al. 2024): expand the top-k children of the k best frontier nodes by cumulative draft
 log-probability for ``depth`` levels, re-rank all candidates and keep the best ``total_tokens``.
+A narrower frontier (f < k nodes grow children per level) keeps each level's draft pass to f
+rows; f = 1 is the greedy chain with its runners-up as leaves.
 """
 
 from __future__ import annotations
@@ -242,57 +244,64 @@ def build_dynamic_tree(
     top_k: int,
     depth: int,
     total_tokens: int,
+    frontier: int = 0,
 ) -> TreeProposal:
     """EAGLE-2's dynamic draft tree (Li et al. 2024, section 4).
 
     Level 1 is the top-k of ``root_logprobs``. For ``depth - 1`` further levels, ``expand``
-    scores the children of the current frontier (the k best nodes of the last level), whose
-    top-k children each become candidates with cumulative log-probability ``score(parent) +
-    log q(child)``; the k best of those k*k form the next frontier. Finally the
-    ``total_tokens`` best candidates are kept. Scores never increase along a path and ties
-    prefer earlier candidates, so every kept node's ancestors are kept too. Children are
-    deterministic (top-k), so ``draft_probs`` is None.
+    scores the children of the current frontier (the f best nodes of the last level by
+    cumulative score; f = ``frontier``, or EAGLE-2's f = k when 0), whose top-k children each
+    become candidates with cumulative log-probability ``score(parent) + log q(child)``; the f
+    best of those f*k form the next frontier. Finally the ``total_tokens`` best candidates are
+    kept. Scores never increase along a path and ties prefer earlier candidates, so every kept
+    node's ancestors are kept too. Children are deterministic (top-k), so ``draft_probs`` is
+    None. With f = 1 the frontier is the greedy chain and every level adds its k - 1
+    runners-up as leaves.
     """
     batch, vocab = root_logprobs.shape
     if not 1 <= top_k <= vocab:
         raise ValueError(f"top_k must lie in [1, {vocab}], got {top_k}")
+    if not 0 <= frontier <= top_k:
+        raise ValueError(f"frontier must lie in [0, top_k={top_k}], got {frontier}")
+    width = frontier or top_k
     if depth < 1:
         raise ValueError(f"depth must be >= 1, got {depth}")
-    capacity = top_k + (depth - 1) * top_k * top_k
+    capacity = top_k + (depth - 1) * width * top_k
     if not 1 <= total_tokens <= capacity:
         raise ValueError(
-            f"total_tokens must lie in [1, {capacity}] for top_k={top_k} and depth={depth}, "
-            f"got {total_tokens}"
+            f"total_tokens must lie in [1, {capacity}] for top_k={top_k}, frontier={width} and "
+            f"depth={depth}, got {total_tokens}"
         )
     device = root_logprobs.device
     scores, tokens = root_logprobs.float().topk(top_k, dim=-1)  # [B, k]
     all_tokens, all_scores = [tokens], [scores]
     all_parents = [torch.full_like(tokens, -1)]
-    frontier = Frontier(
-        tokens=tokens,
-        node_ids=torch.arange(top_k, device=device).expand(batch, -1),
-        parent_slots=torch.full_like(tokens, -1),
+    best = torch.arange(width, device=device).expand(batch, -1)  # [B, f]: topk sorts its scores
+    frontier_nodes = Frontier(
+        tokens=tokens.gather(1, best),
+        node_ids=best,
+        parent_slots=torch.full_like(best, -1),
         step=0,
     )
-    frontier_scores, created = scores, top_k
+    frontier_scores, created = scores.gather(1, best), top_k
     for step in range(1, depth):
-        logprobs = expand(frontier)  # [B, k, V]
-        if logprobs.shape != (batch, top_k, vocab):
+        logprobs = expand(frontier_nodes)  # [B, f, V]
+        if logprobs.shape != (batch, width, vocab):
             raise ValueError(
-                f"expand must return log-probs [B, K, V] = {(batch, top_k, vocab)}, got "
+                f"expand must return log-probs [B, F, V] = {(batch, width, vocab)}, got "
                 f"{tuple(logprobs.shape)}"
             )
-        child_lp, child_tok = logprobs.float().topk(top_k, dim=-1)  # [B, k, k]
-        cumulative = (frontier_scores[:, :, None] + child_lp).flatten(1)  # [B, k*k]
+        child_lp, child_tok = logprobs.float().topk(top_k, dim=-1)  # [B, f, k]
+        cumulative = (frontier_scores[:, :, None] + child_lp).flatten(1)  # [B, f*k]
         child_tok = child_tok.flatten(1)
-        parent_slot = torch.arange(top_k, device=device).repeat_interleave(top_k).expand(batch, -1)
-        new_ids = created + torch.arange(top_k * top_k, device=device).expand(batch, -1)
+        parent_slot = torch.arange(width, device=device).repeat_interleave(top_k).expand(batch, -1)
+        new_ids = created + torch.arange(width * top_k, device=device).expand(batch, -1)
         all_tokens.append(child_tok)
         all_scores.append(cumulative)
-        all_parents.append(frontier.node_ids.gather(1, parent_slot))
-        created += top_k * top_k
-        best = cumulative.topk(top_k, dim=-1).indices  # [B, k]
-        frontier = Frontier(
+        all_parents.append(frontier_nodes.node_ids.gather(1, parent_slot))
+        created += width * top_k
+        best = cumulative.topk(width, dim=-1).indices  # [B, f]
+        frontier_nodes = Frontier(
             tokens=child_tok.gather(1, best),
             node_ids=new_ids.gather(1, best),
             parent_slots=parent_slot.gather(1, best),

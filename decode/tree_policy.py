@@ -84,12 +84,14 @@ CHAIN, SAMPLED, TOP_K = "chain", "sampled", "top-k"
 class RoundShape:
     """One entry of the menu: a plain step or chain (``kind`` "chain", ``nodes == depth``), a
     sampled tree (``children`` root children, ``nodes`` in all) or a top-k tree
-    (``children`` = top_k, ``nodes`` = total_tokens)."""
+    (``children`` = top_k, ``nodes`` = total_tokens, ``frontier`` nodes expanded per level;
+    0: top_k)."""
 
     kind: str
     depth: int
     children: int = 1
     nodes: int = 0
+    frontier: int = 0
 
     @classmethod
     def chain(cls, length: int) -> RoundShape:
@@ -110,7 +112,7 @@ class RoundShape:
         """The spec the drafter builds this shape from (static choices stay the user's)."""
         if base.choices is not None:
             return base
-        return replace(base, top_k=self.children, total_tokens=self.nodes)
+        return replace(base, top_k=self.children, total_tokens=self.nodes, frontier=self.frontier)
 
 
 class _Rates:
@@ -137,7 +139,7 @@ def shape_menu(spec: TreeSpec, max_depth: int, *, sampled: bool, vary: bool) -> 
     (capped at ``spec.total_tokens``) and halfway. Otherwise top-k trees ``max_depth`` deep:
     with ``vary`` (a drafter that builds its tree from top_k and total_tokens, EAGLE-2's)
     top_k in {2, spec.top_k} and totals in {N + 2, 2N, spec.total_tokens} (at most what the
-    tree holds), else the user's tree alone.
+    tree holds; the user's ``frontier``, capped at each top_k), else the user's tree alone.
     """
     menu = [RoundShape.chain(w) for w in range(max_depth + 1)]
     if sampled:
@@ -150,12 +152,13 @@ def shape_menu(spec: TreeSpec, max_depth: int, *, sampled: bool, vary: bool) -> 
                         menu.append(RoundShape(SAMPLED, depth, children, nodes))
         return menu
     if not vary:
-        return [*menu, RoundShape(TOP_K, max_depth, spec.top_k, spec.total_tokens)]
+        return [*menu, RoundShape(TOP_K, max_depth, spec.top_k, spec.total_tokens, spec.frontier)]
     for top_k in sorted({2, spec.top_k}):
-        capacity = top_k + (max_depth - 1) * top_k * top_k
+        frontier = min(spec.frontier, top_k)
+        capacity = replace(spec, top_k=top_k, frontier=frontier).capacity(max_depth)
         most = min(capacity, spec.total_tokens)
         for nodes in sorted({n for n in (max_depth + 2, 2 * max_depth, most) if n <= most}):
-            menu.append(RoundShape(TOP_K, max_depth, top_k, nodes))
+            menu.append(RoundShape(TOP_K, max_depth, top_k, nodes, frontier))
     return menu
 
 

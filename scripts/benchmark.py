@@ -45,6 +45,7 @@ from decode.side_by_side import (
     Method,
     MethodResult,
     add_repeats_argument,
+    add_tree_frontier_argument,
     encode_prompt,
     hf_peer,
     measure_side_by_side,
@@ -86,6 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--tree-top-k", type=int, default=TREE_TOP_K)
     parser.add_argument("--tree-total-tokens", type=int, default=TREE_TOTAL_TOKENS)
+    add_tree_frontier_argument(parser)
     parser.add_argument(
         "--no-adaptive-tree",
         dest="adaptive_tree",
@@ -186,7 +188,7 @@ def build_methods(
     args, target, drafters, settings: EvalSettings, meter, peaks, hybrids, plain_copies
 ):
     """Every method of one temperature; the hybrid drafters built here land in ``hybrids``."""
-    tree = TreeSpec(top_k=args.tree_top_k, total_tokens=args.tree_total_tokens)
+    tree = TreeSpec(args.tree_top_k, args.tree_total_tokens, frontier=args.tree_frontier)
     methods: dict[str, Method] = {"plain (HF generate)": plain_method(target, settings)}
     if "draft_lm" in drafters:
         _, kwargs = hf_peer(drafters["draft_lm"], settings)
@@ -471,6 +473,11 @@ def main(argv: list[str] | None = None) -> dict:
         "unreproduced_timing": UNREPRODUCED_TIMING,
         "max_new_tokens": args.max_new_tokens,
         "num_draft_tokens": args.num_draft_tokens,
+        "tree": {
+            "top_k": args.tree_top_k,
+            "total_tokens": args.tree_total_tokens,
+            "frontier": args.tree_frontier,
+        },
         "drafter_flop_share": shares,
         "gpu_profile": "verify of <= 64 tokens = one target step; a draft pass = the drafter's "
         "FLOP share of a step (a projection from measured tau, not a measurement)",
@@ -529,7 +536,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 def sweep_draft_length(args, target, drafters, prompts) -> dict[str, dict[int, float]]:
     """Speedup against num_draft_tokens at temperature 0 for each draftsmith drafter."""
-    tree = TreeSpec(top_k=args.tree_top_k, total_tokens=args.tree_total_tokens)
+    tree = TreeSpec(args.tree_top_k, args.tree_total_tokens, frontier=args.tree_frontier)
     curves: dict[str, dict[int, float]] = {}
     for length in args.sweep:
         settings = EvalSettings(

@@ -358,6 +358,11 @@ class SpeedEvalConfig:
     speed_eval_tree_total_tokens: int = _f(
         0, "eagle3/medusa trees at T = 0: nodes per tree (0: chains)"
     )
+    speed_eval_tree_frontier: int = _f(
+        0,
+        "eagle3 trees: nodes per level that grow children (0: all top_k, EAGLE-2; 1: chain "
+        "and runners-up)",
+    )
 
 
 SECTIONS: dict[str, type] = {
@@ -490,6 +495,13 @@ class DistillConfig:
                 raise ValueError(
                     f"--{name} must be >= 0 (0: {zero}), got {getattr(self.speed_eval, name)}"
                 )
+        speed = self.speed_eval
+        if not 0 <= speed.speed_eval_tree_frontier <= speed.speed_eval_tree_top_k:
+            raise ValueError(
+                f"--speed_eval_tree_frontier must lie in [0, --speed_eval_tree_top_k="
+                f"{speed.speed_eval_tree_top_k}] (0: every node of a level grows children), got "
+                f"{speed.speed_eval_tree_frontier}"
+            )
         if not 0.0 <= self.drafter.lora_dropout < 1.0:
             raise ValueError(f"--lora_dropout must lie in [0, 1), got {self.drafter.lora_dropout}")
         if self.drafter.lora_alpha <= 0:

@@ -441,6 +441,7 @@ def _measure_speed(
         tree = {
             "top_k": speed.speed_eval_tree_top_k,
             "total_tokens": speed.speed_eval_tree_total_tokens,
+            "frontier": speed.speed_eval_tree_frontier,
         }
     report = measure_and_report(
         target_path,

@@ -47,21 +47,41 @@ class TargetPass:
 class TreeSpec:
     """The shape of a draft tree (docs/theory.md §4), verified in one target pass.
 
-    Dynamic trees (EAGLE-2, Li et al. 2024) expand the ``top_k`` most likely children of the
-    best frontier nodes for ``depth`` steps and keep the ``total_tokens`` nodes of highest
-    cumulative draft probability; static trees (Medusa, Cai et al. 2024) follow ``choices``, a
-    list of paths of child ranks such as ``((0,), (1,), (0, 0))``.
+    Dynamic trees (EAGLE-2, Li et al. 2024) give each of the ``frontier`` best nodes of a
+    level its ``top_k`` most likely children, for ``depth`` levels, and keep the
+    ``total_tokens`` nodes of highest cumulative draft probability; EAGLE-2 expands as many
+    nodes as it takes children (``frontier`` 0 means ``top_k``). ``frontier=1`` drafts the
+    greedy chain with its runners-up beside it: every level is a one-row step, as a chain's
+    is, and the verify pass also scores the top_k - 1 alternatives at each depth. Static
+    trees (Medusa, Cai et al. 2024) follow ``choices``, a list of paths of child ranks such as
+    ``((0,), (1,), (0, 0))``.
     """
 
     top_k: int = TREE_TOP_K
     total_tokens: int = TREE_TOTAL_TOKENS
     choices: tuple[tuple[int, ...], ...] | None = None
+    frontier: int = 0  # nodes expanded per level; 0: top_k (EAGLE-2)
 
     def __post_init__(self) -> None:
         if self.top_k < 1 or self.total_tokens < 1:
             raise ValueError(
                 f"tree top_k and total_tokens must be >= 1, got {self.top_k}, {self.total_tokens}"
             )
+        if not 0 <= self.frontier <= self.top_k:
+            raise ValueError(
+                f"tree frontier must lie in [0, top_k={self.top_k}], got {self.frontier}: it "
+                "counts the nodes of a level that grow children (0: all top_k, EAGLE-2's rule)"
+            )
+
+    @property
+    def expanded(self) -> int:
+        """Nodes of each level that grow children (``frontier``, or ``top_k``)."""
+        return self.frontier or self.top_k
+
+    def capacity(self, depth: int) -> int:
+        """Nodes a dynamic tree ``depth`` levels deep can hold: the root's top_k children,
+        then top_k children for each of ``expanded`` nodes per further level."""
+        return self.top_k + (depth - 1) * self.expanded * self.top_k
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """Draft trees from an EAGLE-3 head: EAGLE-2 dynamic trees (T = 0) and sampled trees (T > 0).
 
 Both grow from a :class:`decode.drafters.eagle_state.HeadState` whose committed entries the
-head has read: every level runs the head once over the level's nodes as a [B, K] block, each
-node seeing the valid committed entries and its own ancestors, and the drafted entries are
+head has read: every level runs the head once over the level's expanded nodes as a [B, F]
+block (``TreeSpec.frontier``; F = 1 makes each level a chain's one-row step), each node seeing
+the valid committed entries and its own ancestors, and the drafted entries are
 cropped off the cache at the end. Tokens are chosen in the pruned draft vocabulary and mapped
 to target ids once chosen.
 
@@ -42,32 +43,34 @@ def dynamic_tree(
     Verify it with :func:`decode.tree.verify_tree_greedy` / ``verify_tree_stochastic`` over the
     target's pass on ``tree.input_ids(pending)``.
     """
-    top_k = spec.top_k
+    top_k, width = spec.top_k, spec.expanded
     draft_vocab = lean.head.config.draft_vocab_size
     if top_k > draft_vocab:
         raise ValueError(f"top_k={top_k} exceeds the draft vocabulary ({draft_vocab})")
     # Near the end of generation the depth shrinks; keep as many nodes as still fit.
-    total_tokens = min(spec.total_tokens, top_k + (depth - 1) * top_k * top_k)
+    total_tokens = min(spec.total_tokens, spec.capacity(depth))
     batch = state.hidden.shape[0]
     committed = state.cache.get_seq_length()
-    outputs = state.hidden[:, None].expand(batch, top_k, -1)  # [B, K, H] parents' outputs
-    seen = torch.zeros(batch, top_k, 0, dtype=torch.bool, device=state.valid.device)
+    outputs = state.hidden[:, None].expand(batch, width, -1)  # [B, F, H] parents' outputs
+    seen = torch.zeros(batch, width, 0, dtype=torch.bool, device=state.valid.device)
 
-    def expand(frontier: Frontier) -> torch.Tensor:  # [B, K, V_draft] children log-probs
+    def expand(frontier: Frontier) -> torch.Tensor:  # [B, F, V_draft] children log-probs
         nonlocal outputs, seen
         slots = frontier.parent_slots.clamp(min=0)
         hidden_in = outputs.gather(1, slots[..., None].expand(-1, -1, outputs.shape[-1]))
         ancestors = seen.gather(1, slots[..., None].expand(-1, -1, seen.shape[-1]))
-        own = torch.eye(top_k, dtype=torch.bool, device=seen.device).expand(batch, -1, -1)
+        own = torch.eye(width, dtype=torch.bool, device=seen.device).expand(batch, -1, -1)
         seen = torch.cat((ancestors, own), dim=-1)
-        visible = torch.cat((state.valid[:, None].expand(-1, top_k, -1), seen), dim=-1)
-        positions = (state.next_pos + frontier.step)[:, None].expand(-1, top_k)
+        visible = torch.cat((state.valid[:, None].expand(-1, width, -1), seen), dim=-1)
+        positions = (state.next_pos + frontier.step)[:, None].expand(-1, width)
         tokens = lean.to_target_ids(frontier.tokens)
         outputs = lean.step(hidden_in, embed(tokens), positions, state.cache, visible)
         return torch.log_softmax(lean.draft_logits(outputs).float(), dim=-1)
 
     root = torch.log_softmax(state.logits.float(), dim=-1)
-    tree = build_dynamic_tree(root, expand, top_k=top_k, depth=depth, total_tokens=total_tokens)
+    tree = build_dynamic_tree(
+        root, expand, top_k=top_k, depth=depth, total_tokens=total_tokens, frontier=width
+    )
     state.cache.crop(committed - state.cache.get_seq_length())
     tree.tokens = lean.to_target_ids(tree.tokens)
     return tree

@@ -67,6 +67,11 @@ class ServeConfig:
     )
     tree_top_k: int = _f(TREE_TOP_K, "children per expanded node of a --tree")
     tree_total_tokens: int = _f(TREE_TOTAL_TOKENS, "nodes kept per --tree")
+    tree_frontier: int = _f(
+        0,
+        "nodes of each eagle3 --tree level that grow children (0: all --tree-top-k, EAGLE-2; "
+        "1: the greedy chain with its runners-up, one-row draft steps)",
+    )
     trust_remote_code: bool = _f(False, "allow custom modelling code shipped with the target")
     dtype: str = _f(
         "auto",
@@ -136,6 +141,11 @@ class ServeConfig:
             raise ValueError(f"--max-context-length must be >= 2, got {self.max_context_length}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must lie in [0, 65535], got {self.port}")
+        if not 0 <= self.tree_frontier <= self.tree_top_k:
+            raise ValueError(
+                f"--tree-frontier must lie in [0, --tree-top-k={self.tree_top_k}] (0: every "
+                f"node of a level grows children), got {self.tree_frontier}"
+            )
         if self.tree_when_sampling and not self.tree:
             raise ValueError("--tree-when-sampling keeps trees for sampled requests: add --tree")
         if self.drafter is None and self.drafter_kind is None:

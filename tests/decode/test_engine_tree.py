@@ -37,6 +37,8 @@ def _prompts() -> tuple[torch.Tensor, torch.Tensor]:
     [
         ("eagle", None),
         ("eagle", TreeSpec(top_k=3, total_tokens=10)),
+        ("eagle", TreeSpec(top_k=3, total_tokens=9, frontier=1)),
+        ("eagle", TreeSpec(top_k=3, total_tokens=11, frontier=2)),
         ("eagle_two_layers", TreeSpec(top_k=3, total_tokens=10)),
         ("medusa", None),
         ("medusa", TreeSpec()),

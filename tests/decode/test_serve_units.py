@@ -495,6 +495,9 @@ def test_config_errors_name_the_fix() -> None:
     for value in (0.0, -1.0, math.inf, math.nan):
         with pytest.raises(ValueError, match="--timeout-headers must be > 0 seconds"):
             ServeConfig(target="t", drafter_kind="ngram", timeout_headers=value).validate()
+    for value in (-1, 5):  # above --tree-top-k 4
+        with pytest.raises(ValueError, match=r"--tree-frontier must lie in \[0, --tree-top-k=4\]"):
+            ServeConfig(target="t", drafter_kind="ngram", tree_frontier=value).validate()
     config = parse_serve_args(["--target", "t", "--drafter-kind", "ngram", "--timeout-body", "2.5"])
     assert (config.timeout_keep_alive, config.timeout_headers, config.timeout_body) == (5, 10, 2.5)
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 from tiny_models import tiny_llama
 
+from decode.drafters.base import TreeSpec
 from decode.kv_cache import CachedSequence
 from decode.tree import (
     Frontier,
@@ -261,8 +262,15 @@ def test_tree_verification_emits_the_target_law_over_two_positions(sampled: bool
     assert _chi_square(counts.flatten(), law.flatten()) < 40.0  # df 15, p ~ 1e-3
 
 
-def test_dynamic_tree_keeps_the_best_candidates_with_their_ancestors() -> None:
-    vocab, top_k, depth, total = 6, 2, 3, 7
+@pytest.mark.parametrize(
+    ("vocab", "top_k", "frontier", "depth", "total"),
+    [(6, 2, 0, 3, 7), (9, 3, 1, 4, 12), (9, 3, 2, 3, 11), (9, 3, 1, 3, 5), (7, 4, 3, 3, 14)],
+)
+def test_dynamic_tree_keeps_the_best_candidates_with_their_ancestors(
+    vocab: int, top_k: int, frontier: int, depth: int, total: int
+) -> None:
+    """EAGLE-2's tree (frontier 0: as many nodes expanded per level as children) and narrower
+    frontiers, against the expansion written out with lists."""
     generator = torch.Generator().manual_seed(5)
     table = torch.log_softmax(torch.randn(vocab, vocab, generator=generator), -1)  # q(next | last)
     root = torch.log_softmax(torch.randn(2, vocab, generator=generator), -1)
@@ -272,8 +280,12 @@ def test_dynamic_tree_keeps_the_best_candidates_with_their_ancestors() -> None:
         calls.append(frontier)
         return table[frontier.tokens]
 
-    tree = build_dynamic_tree(root, expand, top_k=top_k, depth=depth, total_tokens=total)
-    assert [c.step for c in calls] == [0, 1]
+    tree = build_dynamic_tree(
+        root, expand, top_k=top_k, depth=depth, total_tokens=total, frontier=frontier
+    )
+    width = frontier or top_k
+    assert [c.step for c in calls] == list(range(depth - 1))
+    assert all(c.tokens.shape == (2, width) for c in calls)  # one row per expanded node
     assert tree.tokens.shape == (2, total) and tree.draft_probs is None
     for row in range(2):
         # Reference EAGLE-2 expansion, written out with lists.
@@ -282,13 +294,14 @@ def test_dynamic_tree_keeps_the_best_candidates_with_their_ancestors() -> None:
         for token in root[row].topk(top_k).indices.tolist():
             candidates.append((float(root[row, token]), (token,)))
             frontier.append(candidates[-1])
+        frontier = frontier[:width]  # topk sorts: the best first
         for _ in range(1, depth):
             level = []
             for score, path in frontier:
                 for token in table[path[-1]].topk(top_k).indices.tolist():
                     level.append((score + float(table[path[-1], token]), (*path, token)))
             candidates.extend(level)
-            frontier = sorted(level, key=lambda c: -c[0])[:top_k]
+            frontier = sorted(level, key=lambda c: -c[0])[:width]
         best = sorted(candidates, key=lambda c: -c[0])[:total]
         paths = set()
         for m in range(total):
@@ -301,6 +314,40 @@ def test_dynamic_tree_keeps_the_best_candidates_with_their_ancestors() -> None:
         assert all(path[:-1] in paths for path in paths if len(path) > 1)
     with pytest.raises(ValueError, match="total_tokens"):
         build_dynamic_tree(root, expand, top_k=2, depth=2, total_tokens=7)
+    with pytest.raises(ValueError, match="total_tokens"):  # 2 + 2 x 1 x 2 nodes at frontier 1
+        build_dynamic_tree(root, expand, top_k=2, depth=3, total_tokens=7, frontier=1)
+    with pytest.raises(ValueError, match="frontier"):
+        build_dynamic_tree(root, expand, top_k=2, depth=3, total_tokens=4, frontier=3)
+
+
+def test_frontier_one_is_the_greedy_chain_with_its_runners_up() -> None:
+    """Every level's first-ranked child continues the chain; the others are leaves."""
+    vocab, top_k, depth = 11, 3, 4
+    generator = torch.Generator().manual_seed(2)
+    table = torch.log_softmax(torch.randn(vocab, vocab, generator=generator), -1)
+    root = torch.log_softmax(torch.randn(1, vocab, generator=generator), -1)
+    total = top_k * depth
+    tree = build_dynamic_tree(
+        root,
+        lambda frontier: table[frontier.tokens],
+        top_k=top_k,
+        depth=depth,
+        total_tokens=total,
+        frontier=1,
+    )
+    chain = [int(root[0].argmax())]
+    for _ in range(1, depth):
+        chain.append(int(table[chain[-1]].argmax()))
+    tokens, parents = tree.tokens[0].tolist(), tree.parents[0].tolist()
+    children = {p: [m for m, q in enumerate(parents) if q == p] for p in [-1, *range(total)]}
+    node, walked = -1, []
+    while children[node]:
+        assert len(children[node]) == top_k  # the chain's next node and its runners-up
+        first, *runners_up = children[node]  # created in rank order
+        assert all(not children[m] for m in runners_up)  # only the chain grows
+        node = first
+        walked.append(tokens[node])
+    assert walked == chain
 
 
 def _random_tree(generator: torch.Generator, nodes: int) -> torch.Tensor:  # [M] parents
@@ -372,3 +419,12 @@ def test_greedy_verification_equals_the_walk_on_random_trees() -> None:
                 int(tokens[row, m]) for m in path
             ]
             assert int(result.next_tokens[row]) == next_token
+
+
+def test_tree_spec_frontier_is_checked_and_sizes_the_tree() -> None:
+    assert TreeSpec(top_k=4, total_tokens=12).expanded == 4  # EAGLE-2: as many as children
+    assert TreeSpec(top_k=4, total_tokens=12).capacity(4) == 4 + 3 * 4 * 4
+    assert TreeSpec(top_k=3, total_tokens=9, frontier=1).capacity(4) == 3 + 3 * 1 * 3
+    for frontier in (-1, 4):
+        with pytest.raises(ValueError, match=r"tree frontier must lie in \[0, top_k=3\]"):
+            TreeSpec(top_k=3, total_tokens=9, frontier=frontier)

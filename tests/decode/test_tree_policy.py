@@ -55,6 +55,24 @@ def test_menu_holds_plain_step_chains_and_trees_of_fixed_layout() -> None:
     assert only.tree_spec(static) is static
 
 
+def test_menu_keeps_the_users_frontier_within_each_top_k() -> None:
+    """A narrow frontier holds fewer nodes: 2 + 2 x 1 x 2 = 6 and 4 + 2 x 1 x 4 = 12 at depth 3."""
+    spec = TreeSpec(top_k=4, total_tokens=12, frontier=1)
+    top_k = shape_menu(spec, 3, sampled=False, vary=True)[4:]
+    assert {(s.children, s.nodes, s.frontier) for s in top_k} == {
+        (2, 5, 1),
+        (2, 6, 1),
+        (4, 5, 1),
+        (4, 6, 1),
+        (4, 12, 1),
+    }
+    for shape in top_k:
+        built = shape.tree_spec(spec)  # a valid spec of the shape's size
+        assert (built.top_k, built.total_tokens, built.expanded) == (shape.children, shape.nodes, 1)
+    wide = shape_menu(TreeSpec(top_k=4, total_tokens=12, frontier=3), 3, sampled=False, vary=True)
+    assert {s.frontier for s in wide[4:]} == {2, 3}  # capped at top_k = 2
+
+
 def test_expected_tokens_of_a_sampled_tree_is_the_walk_mean() -> None:
     """The closed form against a simulated walk with the same per-node acceptance rates."""
     policy = TreeSizePolicy(SPEC, 3)
@@ -307,6 +325,7 @@ def _noisy_eagle(target: torch.nn.Module):
 DRAFTERS = {
     "eagle": (tiny_eagle_drafter, TreeSpec(top_k=3, total_tokens=10)),
     "noisy eagle": (_noisy_eagle, TreeSpec(top_k=2, total_tokens=6)),
+    "eagle frontier 1": (tiny_eagle_drafter, TreeSpec(top_k=3, total_tokens=9, frontier=1)),
     "medusa": (tiny_medusa_drafter, TreeSpec()),
     "medusa choices": (tiny_medusa_drafter, TreeSpec(choices=((0,), (1,), (0, 0), (0, 0, 0)))),
 }

@@ -7,6 +7,7 @@ import json
 import pytest
 from script_helpers import load_script
 
+from decode.defaults import TREE_TOP_K, TREE_TOTAL_TOKENS
 from decode.machine import machine_record
 
 
@@ -48,6 +49,8 @@ def test_benchmark_writes_report_and_plots(tiny_pair_dirs, tmp_path) -> None:
             "float32",  # greedy equality token for token (bfloat16 agrees up to near-ties)
             "--plain-also",
             "bfloat16",
+            "--tree-frontier",
+            "1",
             "--json",
             str(tmp_path / "bench.json"),
             "--plots",
@@ -56,6 +59,7 @@ def test_benchmark_writes_report_and_plots(tiny_pair_dirs, tmp_path) -> None:
     )
     saved = json.loads((tmp_path / "bench.json").read_text())
     assert saved["by_temperature"].keys() == {"0", "1"}
+    assert saved["tree"] == {"top_k": TREE_TOP_K, "total_tokens": TREE_TOTAL_TOKENS, "frontier": 1}
     greedy = {row["method"]: row for row in report["by_temperature"]["0"]}
     assert set(greedy) >= {
         "plain (HF generate)",

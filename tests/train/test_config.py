@@ -164,6 +164,8 @@ def test_a_recipe_that_is_not_plain_yaml_is_a_value_error_naming_it(
         (["--speed_eval_repeats", "0"], r"--speed_eval_repeats must be >= 1, got 0"),
         (["--speed_eval_prompts", "-1"], r"--speed_eval_prompts must be >= 0 \(0: skips it\)"),
         (["--speed_eval_tree_total_tokens", "-4"], r"--speed_eval_tree_total_tokens must be >= 0"),
+        (["--speed_eval_tree_frontier", "5"], r"--speed_eval_tree_frontier must lie in \[0, "),
+        (["--speed_eval_tree_frontier", "-1"], r"--speed_eval_tree_frontier must lie in \[0, "),
         (["--drafter_num_heads", "0"], r"--drafter_num_heads must be >= 1, got 0"),
         (["--drafter_hidden_size", "-8"], r"--drafter_hidden_size must be >= 1"),
         (["--max_train_sequences", "0"], r"--max_train_sequences must be >= 1"),
