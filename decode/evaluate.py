@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from decode.cpu_threads import set_cpu_threads
-from decode.defaults import NUM_DRAFT_TOKENS, TREE_TOP_K, TREE_TOTAL_TOKENS
-from decode.drafters.base import Drafter, TreeSpec
+from decode.defaults import NUM_DRAFT_TOKENS
+from decode.drafters.base import Drafter
 from decode.machine import describe_machine, machine_record
 from decode.precision import (
     DTYPE_NAMES,
@@ -40,12 +40,13 @@ from decode.side_by_side import (
     Method,
     MethodResult,
     add_repeats_argument,
-    add_tree_frontier_argument,
+    add_tree_arguments,
     encode_prompt,
     hf_peer,
     measure_side_by_side,
     plain_method,
     speculative_method,
+    tree_from_arguments,
 )
 from decode.stats import DecodeStats, predicted_speedup
 
@@ -384,21 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
         "accept a child only with the target's probability of it and lose to chains there; "
         "eagle3 then drafts sampled trees instead)",
     )
-    parser.add_argument(
-        "--tree-top-k",
-        type=int,
-        default=TREE_TOP_K,
-        help="children per expanded node (eagle3 sampled trees at T > 0: children of the root, "
-        "each continued as a chain)",
-    )
-    parser.add_argument(
-        "--tree-total-tokens",
-        type=int,
-        default=TREE_TOTAL_TOKENS,
-        help="nodes kept per tree (eagle3 sampled trees: the first child's chain gets up to "
-        "--num-draft-tokens levels, the other children share the rest level by level)",
-    )
-    add_tree_frontier_argument(parser)
+    add_tree_arguments(parser)
     parser.add_argument("--no-peer", action="store_true", help="skip the Hugging Face peer")
     parser.add_argument(
         "--adaptive",
@@ -457,7 +444,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         peer=not args.no_peer,
         lean_target=not args.model_forward,
         adaptive=args.adaptive,
-        tree=TreeSpec(args.tree_top_k, args.tree_total_tokens, frontier=args.tree_frontier)
+        tree=tree_from_arguments(args)
         if args.tree and (args.temperature == 0 or args.tree_when_sampling)
         else None,
     )

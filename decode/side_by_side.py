@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decode.defaults import NUM_DRAFT_TOKENS
+from decode.defaults import NUM_DRAFT_TOKENS, TREE_TOP_K, TREE_TOTAL_TOKENS
 from decode.drafters.base import Drafter, TreeSpec
 from decode.engine import SpeculativeDecoder
 from decode.sampling import SamplingConfig
@@ -64,16 +64,34 @@ def add_repeats_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_tree_frontier_argument(parser: argparse.ArgumentParser) -> None:
-    """``--tree-frontier F`` for the commands that draft EAGLE-2 trees (evaluate, benchmark)."""
-    parser.add_argument(
-        "--tree-frontier",
-        type=int,
-        default=0,
-        help="nodes of each eagle3 tree level that grow --tree-top-k children (0: all of them, "
-        "EAGLE-2's rule; 1: the greedy chain with its runners-up beside it, every level a "
-        "one-row draft step; decode.drafters.base.TreeSpec)",
-    )
+def add_tree_arguments(parser: argparse.ArgumentParser) -> None:
+    """The tree shape flags of the commands that draft trees (evaluate, benchmark); read them
+    back with :func:`tree_from_arguments`."""
+    shape = {
+        "--tree-top-k": (
+            TREE_TOP_K,
+            "children per expanded node (eagle3 sampled trees at T > 0: children of the root, "
+            "each continued as a chain)",
+        ),
+        "--tree-total-tokens": (
+            TREE_TOTAL_TOKENS,
+            "nodes kept per tree (eagle3 sampled trees: the first child's chain gets up to "
+            "--num-draft-tokens levels, the other children share the rest level by level)",
+        ),
+        "--tree-frontier": (
+            0,
+            "nodes of each eagle3 top-k tree level that grow --tree-top-k children (0: all of "
+            "them, EAGLE-2's rule; 1: the greedy chain with its runners-up beside it, every "
+            "level a one-row draft step; decode.drafters.base.TreeSpec)",
+        ),
+    }
+    for flag, (default, text) in shape.items():
+        parser.add_argument(flag, type=int, default=default, help=text)
+
+
+def tree_from_arguments(args: argparse.Namespace) -> TreeSpec:
+    """The :class:`TreeSpec` of :func:`add_tree_arguments`' flags (checked by ``TreeSpec``)."""
+    return TreeSpec(args.tree_top_k, args.tree_total_tokens, frontier=args.tree_frontier)
 
 
 def _at_least_one(text: str) -> int:

@@ -26,8 +26,7 @@ from pathlib import Path
 import torch
 
 from data.atomic_io import write_json_atomic
-from decode.defaults import NUM_DRAFT_TOKENS, TREE_TOP_K, TREE_TOTAL_TOKENS
-from decode.drafters.base import TreeSpec
+from decode.defaults import NUM_DRAFT_TOKENS
 from decode.drafters.hybrid import HybridDrafter
 from decode.drafters.registry import load_drafter
 from decode.evaluate import load_targets_for
@@ -45,12 +44,13 @@ from decode.side_by_side import (
     Method,
     MethodResult,
     add_repeats_argument,
-    add_tree_frontier_argument,
+    add_tree_arguments,
     encode_prompt,
     hf_peer,
     measure_side_by_side,
     plain_method,
     speculative_method,
+    tree_from_arguments,
 )
 
 # Plain decoding through our own decoder (no drafter): the control that separates what the
@@ -85,9 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--num-draft-tokens", type=int, default=NUM_DRAFT_TOKENS)
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
-    parser.add_argument("--tree-top-k", type=int, default=TREE_TOP_K)
-    parser.add_argument("--tree-total-tokens", type=int, default=TREE_TOTAL_TOKENS)
-    add_tree_frontier_argument(parser)
+    add_tree_arguments(parser)
     parser.add_argument(
         "--no-adaptive-tree",
         dest="adaptive_tree",
@@ -188,7 +186,7 @@ def build_methods(
     args, target, drafters, settings: EvalSettings, meter, peaks, hybrids, plain_copies
 ):
     """Every method of one temperature; the hybrid drafters built here land in ``hybrids``."""
-    tree = TreeSpec(args.tree_top_k, args.tree_total_tokens, frontier=args.tree_frontier)
+    tree = tree_from_arguments(args)
     methods: dict[str, Method] = {"plain (HF generate)": plain_method(target, settings)}
     if "draft_lm" in drafters:
         _, kwargs = hf_peer(drafters["draft_lm"], settings)
@@ -536,7 +534,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 def sweep_draft_length(args, target, drafters, prompts) -> dict[str, dict[int, float]]:
     """Speedup against num_draft_tokens at temperature 0 for each draftsmith drafter."""
-    tree = TreeSpec(args.tree_top_k, args.tree_total_tokens, frontier=args.tree_frontier)
+    tree = tree_from_arguments(args)
     curves: dict[str, dict[int, float]] = {}
     for length in args.sweep:
         settings = EvalSettings(
