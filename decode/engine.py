@@ -245,7 +245,7 @@ class SpeculativeDecoder:
         (multi-draft speculative sampling, docs/theory.md §4); top-k trees serve T = 0 and
         drafters without sampled trees. Returns the new pending tokens.
         """
-        from decode.tree import verify_tree_greedy, verify_tree_stochastic
+        from decode.tree_verify import verify_tree_greedy, verify_tree_stochastic
 
         drafter, target, sampling = session.drafter, session.target, session.sampling
         generator = session.generator

@@ -17,7 +17,8 @@ import torch
 from decode.drafters.base import TargetPass
 from decode.kv_cache import CachedSequence
 from decode.sampling import SamplingConfig
-from decode.tree import TreeVerification, tree_attention_mask, tree_positions
+from decode.tree import tree_attention_mask, tree_positions
+from decode.tree_verify import TreeVerification
 
 PROMPTS = [[5, 17, 9, 33, 2, 40], [7, 21, 8]]
 """A ragged batch of two prompts, left-padded with 0 by :func:`padded_prefill`."""

@@ -28,7 +28,8 @@ from decode.defaults import TREE_TOP_K, TREE_TOTAL_TOKENS
 from decode.sampling import SamplingConfig
 
 if TYPE_CHECKING:
-    from decode.tree import TreeProposal, TreeVerification
+    from decode.tree import TreeProposal
+    from decode.tree_verify import TreeVerification
 
 
 @dataclass

@@ -29,7 +29,8 @@ from decode.drafters.eagle_trees import dynamic_tree, sampled_tree
 from decode.kv_cache import PreallocatedStack, pad_front
 from decode.llama_math import draft_cache_dtype
 from decode.sampling import SamplingConfig, select_tokens
-from decode.tree import TreeProposal, TreeVerification
+from decode.tree import TreeProposal
+from decode.tree_verify import TreeVerification
 
 # Committed entries the head has not read are read at once when they reach this many, so a
 # long run of rounds without drafts keeps its features and its catch-up pass bounded.

@@ -40,7 +40,7 @@ def dynamic_tree(
 ) -> TreeProposal:
     """EAGLE-2 dynamic tree from the head's own log-probabilities (deterministic children).
 
-    Verify it with :func:`decode.tree.verify_tree_greedy` / ``verify_tree_stochastic`` over the
+    Verify it with :func:`decode.tree_verify.verify_tree_greedy` / ``verify_tree_stochastic`` over the
     target's pass on ``tree.input_ids(pending)``.
     """
     top_k, width = spec.top_k, spec.expanded
@@ -98,7 +98,7 @@ def sampled_tree(
     ``replacement`` (SpecInfer, Miao et al. 2024). Should the support run out before the last
     child, that child is drawn from the full q (any proposal fixed by the earlier draws keeps
     verification exact). ``draft_probs`` holds the q each node was drawn from, in the target
-    vocabulary; verify with :func:`decode.tree.verify_tree_stochastic` (docs/theory.md §4).
+    vocabulary; verify with :func:`decode.tree_verify.verify_tree_stochastic` (docs/theory.md §4).
     Chains are stepped together as a [B, a] block of head entries (a = chains still alive at
     that level), each seeing the committed entries and its own chain's.
     """

@@ -27,7 +27,8 @@ from torch import nn
 from decode.drafters.base import Drafter, DraftProposal, TargetPass, TreeSpec
 from decode.drafters.folder import config_from_fields, read_folder, save_native_folder
 from decode.sampling import SamplingConfig, greedy_tokens, logits_to_probs, sample
-from decode.tree import StaticTree, TreeProposal, TreeVerification
+from decode.tree import StaticTree, TreeProposal
+from decode.tree_verify import TreeVerification
 
 MEDUSA_ARCHITECTURE = "MedusaModel"
 

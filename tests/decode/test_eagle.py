@@ -29,7 +29,7 @@ from decode.drafters.eagle import (
 from decode.drafters.eagle_drafter import Eagle3Drafter, load_runtime_drafter
 from decode.drafters.eagle_layers import append_kv, block_visibility, positions_from_mask
 from decode.sampling import SamplingConfig, logits_to_probs
-from decode.tree import verify_tree_greedy
+from decode.tree_verify import verify_tree_greedy
 
 
 def _head(target: torch.nn.Module, seed: int = 0, **overrides) -> Eagle3Head:

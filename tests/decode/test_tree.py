@@ -16,9 +16,8 @@ from decode.tree import (
     tree_attention_mask,
     tree_depths,
     tree_positions,
-    verify_tree_greedy,
-    verify_tree_stochastic,
 )
+from decode.tree_verify import verify_tree_greedy, verify_tree_stochastic
 
 # A known tree:      root
 #                   /    \

@@ -31,8 +31,8 @@ from decode.tree import (
     TreeProposal,
     sampled_tree_chain_lengths,
     sampled_tree_layout,
-    verify_tree_stochastic,
 )
+from decode.tree_verify import verify_tree_stochastic
 
 
 @pytest.fixture(scope="module")
