@@ -10,11 +10,17 @@ verify pass widens, each draft adds a draft step), the expected emitted tokens a
 where w = 0 is a plain target step. SpecDec++ (Huang et al. 2024) and DISCO (Mamou et al. 2024)
 stop drafting on the draft's own confidence; this policy uses measured rates and times instead,
 so a drafter that costs more than it saves (a draft close to the target's size, sampling at a
-high temperature) falls back to plain decoding rather than slowing it down. Estimates decay
-geometrically so they follow a change of prompt or temperature; every ``probe_every``-th
-round tries a neighbouring length so that the deeper positions and the costs stay measured
-(a measured length uses its own smoothed time: a plain step is not on the drafting rounds'
-line, having no draft pass at all; the line only extrapolates to lengths not yet run). A
+high temperature) falls back to plain decoding rather than slowing it down. Acceptance
+estimates decay geometrically so they follow a change of prompt or temperature; every
+``probe_every``-th round tries a neighbouring length so that the deeper positions and the
+costs stay measured (a measured length uses its own time: a plain step is not on the drafting
+rounds' line, having no draft pass at all; the line only extrapolates to lengths not yet run).
+A length's time is the median of its last ``TIME_WINDOW`` timed rounds, not a running
+average: a length run only by probes is timed a few times a hundred rounds, and one stalled
+round (a kernel built for a row count not seen before: 49.7 ms against a median of 7.9 for
+2-draft rounds of the main job's head at T = 1 on ood prompts) kept an exponential average
+(weight 0.1) above every other length's for the rest of a 12-prompt run, so that length was
+never chosen again; the median forgets it after two more rounds. A
 length's first round counts its acceptance but not its time: it pays one-time costs (oneDNN
 builds a kernel for each new row count, a layout is prepared on first use; on the demo target
 in bfloat16 a fresh decoder's first 4-draft round took 32-40 ms against 13-15 for its second,
@@ -26,12 +32,16 @@ next pass) and round times are noisy.
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from collections.abc import Hashable
 
 import torch
 
 # Pseudo-counts of the acceptance prior: one accepted draft out of two reached.
 PRIOR_REACHED, PRIOR_ACCEPTED = 2.0, 1.0
+# A length's time is the median of its last this many timed rounds (the module docstring).
+TIME_WINDOW = 9
 
 
 class RoundPolicy:
@@ -72,7 +82,8 @@ class AdaptiveDraftLength(RoundPolicy):
         self._current: int | None = None  # the length kept between probes
         self._reached = [PRIOR_REACHED] * max_tokens  # decayed drafts verified at position j
         self._accepted = [PRIOR_ACCEPTED] * max_tokens  # decayed drafts accepted at position j
-        self._seconds: dict[int, float] = {}  # w -> round duration, smoothed (weight 0.1)
+        self._recent: dict[int, deque[float]] = {}  # w -> its last TIME_WINDOW round times
+        self._seconds: dict[int, float] = {}  # w -> the median of _recent[w]
         self._rounds = 0
 
     @property
@@ -89,7 +100,7 @@ class AdaptiveDraftLength(RoundPolicy):
         return total
 
     def round_seconds(self, width: int) -> float | None:
-        """``T(w)``: the smoothed measurement where ``w`` was run, else a least-squares line
+        """``T(w)``: the median of its recent rounds where ``w`` was run, else a least-squares line
         through the measured widths (None before any)."""
         if width in self._seconds:
             return self._seconds[width]
@@ -137,10 +148,9 @@ class AdaptiveDraftLength(RoundPolicy):
         """Fold in one round: ``width`` drafts per row, their acceptance, its wall time."""
         self._rounds += 1
         if not self._warming_up(width):
-            previous = self._seconds.get(width)
-            self._seconds[width] = (
-                seconds if previous is None else previous + 0.1 * (seconds - previous)
-            )
+            recent = self._recent.setdefault(width, deque(maxlen=TIME_WINDOW))
+            recent.append(seconds)
+            self._seconds[width] = statistics.median(recent)
         if width == 0 or num_accepted.numel() == 0:
             return
         counts = torch.bincount(num_accepted.clamp(max=width), minlength=width + 1).tolist()

@@ -16,7 +16,7 @@ from decode_helpers import (
 from tiny_models import tiny_llama
 
 from decode import DraftModelDrafter, NgramDrafter, SpeculativeDecoder
-from decode.draft_length import AdaptiveDraftLength
+from decode.draft_length import TIME_WINDOW, AdaptiveDraftLength
 
 
 def _feed(policy: AdaptiveDraftLength, rounds: int, alpha: float, seconds) -> list[int]:
@@ -52,7 +52,20 @@ def test_a_lengths_first_round_counts_its_acceptance_not_its_time() -> None:
     assert policy.alpha[0] == pytest.approx((0.99 * 1 + 1) / (0.99 * 2 + 1))
     policy.update(1, torch.tensor([1]), 0.012)
     policy.update(1, torch.tensor([1]), 0.014)
-    assert policy.round_seconds(1) == pytest.approx(0.012 + 0.1 * 0.002)
+    assert policy.round_seconds(1) == pytest.approx(0.013)  # the median of the timed rounds
+
+
+def test_one_stalled_round_does_not_keep_a_length_slow() -> None:
+    """A stall in a length's first timed round is forgotten after two more rounds, and the
+    estimate follows the last TIME_WINDOW rounds."""
+    policy = AdaptiveDraftLength(max_tokens=2, probe_every=0)
+    policy.update(2, torch.tensor([1]), 1.0)  # the untimed warm-up round
+    for seconds in (0.050, 0.008, 0.009):  # a stall, then the length's real cost
+        policy.update(2, torch.tensor([1]), seconds)
+    assert policy.round_seconds(2) == pytest.approx(0.009)
+    for _ in range(TIME_WINDOW):  # the context grew: rounds now take longer
+        policy.update(2, torch.tensor([1]), 0.012)
+    assert policy.round_seconds(2) == pytest.approx(0.012)
 
 
 def test_policy_drafts_the_longest_when_drafts_are_accepted_and_cheap() -> None:
