@@ -197,6 +197,12 @@ class Frontier:
 ExpandFn = Callable[[Frontier], torch.Tensor]  # -> log-probs [B, K, V] of each node's children
 
 
+def dynamic_tree_capacity(top_k: int, depth: int, frontier: int) -> int:
+    """Nodes a dynamic tree ``depth`` levels deep can hold: the root's ``top_k`` children, then
+    ``top_k`` children for each of the ``frontier`` nodes expanded per further level."""
+    return top_k + (depth - 1) * frontier * top_k
+
+
 def build_dynamic_tree(
     root_logprobs: torch.Tensor,  # [B, V] draft log-probs of the token after the pending one
     expand: ExpandFn,
@@ -226,7 +232,7 @@ def build_dynamic_tree(
     width = frontier or top_k
     if depth < 1:
         raise ValueError(f"depth must be >= 1, got {depth}")
-    capacity = top_k + (depth - 1) * width * top_k
+    capacity = dynamic_tree_capacity(top_k, depth, width)
     if not 1 <= total_tokens <= capacity:
         raise ValueError(
             f"total_tokens must lie in [1, {capacity}] for top_k={top_k}, frontier={width} and "

@@ -26,6 +26,7 @@ import torch
 
 from decode.defaults import TREE_TOP_K, TREE_TOTAL_TOKENS
 from decode.sampling import SamplingConfig
+from decode.tree import dynamic_tree_capacity
 
 if TYPE_CHECKING:
     from decode.tree import TreeProposal
@@ -80,9 +81,8 @@ class TreeSpec:
         return self.frontier or self.top_k
 
     def capacity(self, depth: int) -> int:
-        """Nodes a dynamic tree ``depth`` levels deep can hold: the root's top_k children,
-        then top_k children for each of ``expanded`` nodes per further level."""
-        return self.top_k + (depth - 1) * self.expanded * self.top_k
+        """Nodes a dynamic tree of this shape ``depth`` levels deep can hold."""
+        return dynamic_tree_capacity(self.top_k, depth, self.expanded)
 
 
 @dataclass

@@ -3,8 +3,8 @@
 Both grow from a :class:`decode.drafters.eagle_state.HeadState` whose committed entries the
 head has read: every level runs the head once over the level's expanded nodes as a [B, F]
 block (``TreeSpec.frontier``; F = 1 makes each level a chain's one-row step), each node seeing
-the valid committed entries and its own ancestors, and the drafted entries are
-cropped off the cache at the end. Tokens are chosen in the pruned draft vocabulary and mapped
+the valid committed entries and its own ancestors, and the drafted entries are cropped off the
+cache at the end. Tokens are chosen in the pruned draft vocabulary and mapped
 to target ids once chosen.
 
 - :func:`dynamic_tree`: EAGLE-2 (Li et al. 2024) expands the ``top_k`` most likely children by
@@ -40,8 +40,8 @@ def dynamic_tree(
 ) -> TreeProposal:
     """EAGLE-2 dynamic tree from the head's own log-probabilities (deterministic children).
 
-    Verify it with :func:`decode.tree_verify.verify_tree_greedy` / ``verify_tree_stochastic`` over the
-    target's pass on ``tree.input_ids(pending)``.
+    Verify it with :func:`decode.tree_verify.verify_tree_greedy` / ``verify_tree_stochastic``
+    over the target's pass on ``tree.input_ids(pending)``.
     """
     top_k, width = spec.top_k, spec.expanded
     draft_vocab = lean.head.config.draft_vocab_size
@@ -98,7 +98,8 @@ def sampled_tree(
     ``replacement`` (SpecInfer, Miao et al. 2024). Should the support run out before the last
     child, that child is drawn from the full q (any proposal fixed by the earlier draws keeps
     verification exact). ``draft_probs`` holds the q each node was drawn from, in the target
-    vocabulary; verify with :func:`decode.tree_verify.verify_tree_stochastic` (docs/theory.md §4).
+    vocabulary; verify with :func:`decode.tree_verify.verify_tree_stochastic` (docs/theory.md
+    §4).
     Chains are stepped together as a [B, a] block of head entries (a = chains still alive at
     that level), each seeing the committed entries and its own chain's.
     """
