@@ -385,7 +385,9 @@ def test_per_request_stats_add_up_to_the_batch_stats(models: Models, adaptive: b
     assert 1.0 <= batch.tau < 5.0  # the noisy draft is right only sometimes
 
 
-@pytest.mark.parametrize("kind", ["draft_lm", "eagle3_tree", "medusa_tree", "peagle"])
+@pytest.mark.parametrize(
+    "kind", ["draft_lm", "eagle3_tree", "eagle3_frontier_tree", "medusa_tree", "peagle"]
+)
 def test_requests_joining_a_running_batch_get_their_own_greedy_answers(
     models: Models, kind: str
 ) -> None:
@@ -395,6 +397,8 @@ def test_requests_joining_a_running_batch_get_their_own_greedy_answers(
     drafter, tree = None, None
     if kind == "eagle3_tree":
         drafter, tree = tiny_eagle_drafter(target), TreeSpec(top_k=3, total_tokens=8)
+    elif kind == "eagle3_frontier_tree":  # the greedy chain with its runners-up
+        drafter, tree = tiny_eagle_drafter(target), TreeSpec(3, 9, frontier=1)
     elif kind == "medusa_tree":
         drafter, tree = tiny_medusa_drafter(target), TreeSpec()
     elif kind == "peagle":  # every draft of a round in one pass
