@@ -16,7 +16,7 @@ estimates decay geometrically so they follow a change of prompt or temperature; 
 costs stay measured (a measured length uses its own time: a plain step is not on the drafting
 rounds' line, having no draft pass at all; the line only extrapolates to lengths not yet run).
 A length's time is the median of its last ``TIME_WINDOW`` timed rounds, not a running
-average: a length run only by probes is timed a few times a hundred rounds, and one stalled
+average: a length run only by probes is timed a few times per hundred rounds, and one stalled
 round (a kernel built for a row count not seen before: 49.7 ms against a median of 7.9 for
 2-draft rounds of the main job's head at T = 1 on ood prompts) kept an exponential average
 (weight 0.1) above every other length's for the rest of a 12-prompt run, so that length was
@@ -100,8 +100,8 @@ class AdaptiveDraftLength(RoundPolicy):
         return total
 
     def round_seconds(self, width: int) -> float | None:
-        """``T(w)``: the median of its recent rounds where ``w`` was run, else a least-squares line
-        through the measured widths (None before any)."""
+        """``T(w)``: the median of its recent rounds where ``w`` was run, else a least-squares
+        line through the measured widths (None before any)."""
         if width in self._seconds:
             return self._seconds[width]
         if not self._seconds:
