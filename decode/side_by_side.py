@@ -303,8 +303,7 @@ def measure_side_by_side(
         load = [sum(runs[name][r].seconds for name in steady) for r in range(repeats)]
         quietest = min(range(repeats), key=load.__getitem__)  # pass 0 when none is steady
         for name, their in runs.items():
-            fastest = min(their, key=lambda run: run.seconds)
-            chosen = fastest if name in steady else their[quietest]
+            chosen = min(their, key=lambda run: run.seconds) if name in steady else their[quietest]
             result = results[name]
             result.unreproduced += reproduced[name].count(False)
             result.record(ids, chosen.sequence, chosen.target_passes)

@@ -53,13 +53,13 @@ def dynamic_tree(
     committed = state.cache.get_seq_length()
     outputs = state.hidden[:, None].expand(batch, width, -1)  # [B, F, H] parents' outputs
     seen = torch.zeros(batch, width, 0, dtype=torch.bool, device=state.valid.device)
+    own = torch.eye(width, dtype=torch.bool, device=seen.device).expand(batch, -1, -1)  # [B, F, F]
 
     def expand(frontier: Frontier) -> torch.Tensor:  # [B, F, V_draft] children log-probs
         nonlocal outputs, seen
         slots = frontier.parent_slots.clamp(min=0)
         hidden_in = outputs.gather(1, slots[..., None].expand(-1, -1, outputs.shape[-1]))
         ancestors = seen.gather(1, slots[..., None].expand(-1, -1, seen.shape[-1]))
-        own = torch.eye(width, dtype=torch.bool, device=seen.device).expand(batch, -1, -1)
         seen = torch.cat((ancestors, own), dim=-1)
         visible = torch.cat((state.valid[:, None].expand(-1, width, -1), seen), dim=-1)
         positions = (state.next_pos + frontier.step)[:, None].expand(-1, width)
