@@ -8,6 +8,10 @@ post-training speed report measure with (docs/guides/benchmarks-and-results.md).
 ``DEMO_PROMPT_CHARS`` is the length, in characters, of the code before a ``def``/``class`` line
 that makes one evaluation prompt (``decode.prompts``), and of the training prompts cut in
 that form (``train_prompts: definitions``, ``scripts/regenerate_data.py --prompts stdlib-defs``).
+``LOOKUP_DRAFT_TOKENS`` is how many tokens a prompt-lookup round copies (the hybrid drafter's
+rounds that copy without running its network, and the benchmark's prompt-lookup rows): a
+copy costs no drafting, only verify rows, so it is not bound by N, which prices a network's
+draft steps. Hugging Face's ``prompt_lookup_num_tokens`` defaults to the same 10.
 """
 
 from __future__ import annotations
@@ -16,3 +20,4 @@ NUM_DRAFT_TOKENS = 4
 TREE_TOP_K = 4
 TREE_TOTAL_TOKENS = 12
 DEMO_PROMPT_CHARS = 400
+LOOKUP_DRAFT_TOKENS = 10

@@ -235,7 +235,10 @@ class SpeculativeDecoder:
         round_end = _clock(self.device)
         session.add_times(round_start, verify_start, verify_end, round_end)
         if policy is not None:  # read before finish_round retires rows that just ended
-            policy.update(drafts.shape[1], accepted_by_active_rows, round_end - round_start)
+            # A lookup round may copy more tokens than the policy's width (HybridDrafter):
+            # the policy hears of the width it chose, or of fewer drafts when fewer came.
+            drafted = min(drafts.shape[1], width)
+            policy.update(drafted, accepted_by_active_rows, round_end - round_start)
         return pending
 
     def _tree_round(self, session: DecodeSession, width: int) -> torch.Tensor:  # [B]

@@ -57,7 +57,7 @@ def add_repeats_argument(parser: argparse.ArgumentParser) -> None:
     """``--repeats R`` for the commands that measure side by side (evaluate, benchmark)."""
     parser.add_argument(
         "--repeats",
-        type=_at_least_one,
+        type=at_least_one,
         default=1,
         help="interleaved passes over the prompts; each prompt is timed by its fastest pass, "
         "every pass decoding the same tokens (decode.side_by_side): for a shared machine",
@@ -94,7 +94,7 @@ def tree_from_arguments(args: argparse.Namespace) -> TreeSpec:
     return TreeSpec(args.tree_top_k, args.tree_total_tokens, frontier=args.tree_frontier)
 
 
-def _at_least_one(text: str) -> int:
+def at_least_one(text: str) -> int:
     try:
         value = int(text)
     except ValueError:

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from data.atomic_io import write_json_atomic
-from decode.defaults import NUM_DRAFT_TOKENS
+from decode.defaults import LOOKUP_DRAFT_TOKENS, NUM_DRAFT_TOKENS
 from decode.drafters.hybrid import HybridDrafter
 from decode.drafters.registry import load_drafter
 from decode.evaluate import load_targets_for
@@ -45,6 +45,7 @@ from decode.side_by_side import (
     MethodResult,
     add_repeats_argument,
     add_tree_arguments,
+    at_least_one,
     encode_prompt,
     hf_peer,
     measure_side_by_side,
@@ -99,6 +100,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         nargs="*",
         default=[1, 2, 3, 4, 6],
         help="num_draft_tokens values for the speedup-vs-N plot (temperature 0)",
+    )
+    parser.add_argument(
+        "--lookup-tokens",
+        type=at_least_one,
+        default=LOOKUP_DRAFT_TOKENS,
+        help="tokens a prompt-lookup round copies: the n-gram rows and the hybrids' rounds that "
+        f"run no network (default {LOOKUP_DRAFT_TOKENS}, at least --num-draft-tokens)",
     )
     parser.add_argument(
         "--model-forward",
@@ -191,12 +199,15 @@ def build_methods(
     if "draft_lm" in drafters:
         _, kwargs = hf_peer(drafters["draft_lm"], settings)
         methods["HF assisted (draft LM)"] = plain_method(target, settings, **kwargs)
-    _, kwargs = hf_peer(drafters["ngram"], settings)
-    methods["HF prompt lookup"] = plain_method(target, settings, **kwargs)
+    # Prompt lookup copies as many tokens as the hybrid's lookup rounds (a copy costs no
+    # drafting, so N does not price it), ours and Hugging Face's alike.
+    lookup = replace(settings, num_draft_tokens=max(settings.num_draft_tokens, args.lookup_tokens))
+    _, kwargs = hf_peer(drafters["ngram"], lookup)
+    methods["HF prompt lookup"] = plain_method(target, lookup, **kwargs)
     methods[CONTROL] = speculative_method(target, drafters["none"], settings)
     for name, copy in plain_copies.items():
         methods[f"{PLAIN_ROW}{name}"] = speculative_method(copy, drafters["none"], settings)
-    methods["draftsmith n-gram"] = speculative_method(target, drafters["ngram"], settings)
+    methods["draftsmith n-gram"] = speculative_method(target, drafters["ngram"], lookup)
     if "draft_lm" in drafters:
         methods["draftsmith draft LM"] = speculative_method(target, drafters["draft_lm"], settings)
         adaptive = replace(settings, adaptive=True)
@@ -222,7 +233,7 @@ def build_methods(
     for kind, label in (("draft_lm", "draft LM"), ("eagle3", "EAGLE-3"), ("peagle", "P-EAGLE")):
         if kind in drafters:
             name = f"{HYBRID} + {label}"
-            hybrids[name] = HybridDrafter(drafters[kind])
+            hybrids[name] = HybridDrafter(drafters[kind], lookup_tokens=args.lookup_tokens)
             methods[name] = speculative_method(target, hybrids[name], settings)
     for kind, label in (
         ("eagle3", "draftsmith EAGLE-3 tree"),
@@ -471,6 +482,7 @@ def main(argv: list[str] | None = None) -> dict:
         "unreproduced_timing": UNREPRODUCED_TIMING,
         "max_new_tokens": args.max_new_tokens,
         "num_draft_tokens": args.num_draft_tokens,
+        "lookup_tokens": max(args.num_draft_tokens, args.lookup_tokens),
         "tree": {
             "top_k": args.tree_top_k,
             "total_tokens": args.tree_total_tokens,

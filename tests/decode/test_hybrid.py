@@ -184,3 +184,30 @@ def test_a_losing_source_is_probed_less_often_the_further_it_trails(
     assert len(far) == decisions // (4 * PROBE_EVERY)
     assert far[1] - far[0] == 4 * PROBE_EVERY
     assert len(near) == decisions // 18 and near[1] - near[0] == 18  # ceil(16 x 200 / 180)
+
+
+def test_rounds_without_the_network_copy_up_to_lookup_tokens(target: torch.nn.Module) -> None:
+    """A round that only copies is not bound by N (a copy costs no drafting): its width reaches
+    past N, never past ``lookup_tokens``, and the output is still the target's greedy one."""
+    ids = torch.tensor([REPEATING])
+    reference = target.generate(input_ids=ids, max_new_tokens=30, do_sample=False)
+    hybrid = HybridDrafter(tiny_eagle_drafter(target), lookup_tokens=6)
+    widths = []
+    proposed = hybrid.propose
+    hybrid.propose = lambda *args: (lambda p: (widths.append(p.tokens.shape[1]), p)[1])(
+        proposed(*args)
+    )
+    decoder = SpeculativeDecoder(target, hybrid, 2)
+    out = decoder.generate(ids, max_new_tokens=30)
+    assert torch.equal(out.sequences, reference)
+    assert hybrid.usage()["rounds_without_network"] > 0
+    assert max(widths) > 2 and max(widths) <= 6, widths
+    assert 2 < len(out.stats.accepted_per_position) <= 6  # positions past N were verified
+
+
+@pytest.mark.parametrize(("value", "error"), [(0, ValueError), (True, TypeError), (2.0, TypeError)])
+def test_lookup_tokens_must_be_a_positive_int(
+    target: torch.nn.Module, value: object, error: type
+) -> None:
+    with pytest.raises(error, match="lookup_tokens"):
+        HybridDrafter(tiny_eagle_drafter(target), lookup_tokens=value)

@@ -51,6 +51,8 @@ def test_benchmark_writes_report_and_plots(tiny_pair_dirs, tmp_path) -> None:
             "bfloat16",
             "--tree-frontier",
             "1",
+            "--lookup-tokens",
+            "5",
             "--json",
             str(tmp_path / "bench.json"),
             "--plots",
@@ -60,6 +62,7 @@ def test_benchmark_writes_report_and_plots(tiny_pair_dirs, tmp_path) -> None:
     saved = json.loads((tmp_path / "bench.json").read_text())
     assert saved["by_temperature"].keys() == {"0", "1"}
     assert saved["tree"] == {"top_k": TREE_TOP_K, "total_tokens": TREE_TOTAL_TOKENS, "frontier": 1}
+    assert saved["lookup_tokens"] == 5  # prompt lookup copies past N = 3
     greedy = {row["method"]: row for row in report["by_temperature"]["0"]}
     assert set(greedy) >= {
         "plain (HF generate)",
