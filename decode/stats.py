@@ -4,7 +4,9 @@ vLLM's vocabulary: per round the target verifies the drafted tokens; ``accepted`
 kept, then one more token (recovered or bonus) is emitted. ``tau`` is the mean number of tokens
 emitted per verification pass (1 + mean accepted); ``alpha_j`` is the acceptance rate at draft
 position j *given that position j - 1 was accepted* (docs/theory.md §5), so that
-``P(L >= i) = prod_{j < i} alpha_j`` and ``E[L] = 1 + sum_i prod_{j <= i} alpha_j``.
+``P(L >= i) = prod_{j < i} alpha_j`` and ``E[L] = 1 + sum_i prod_{j <= i} alpha_j``. Rounds
+of different widths (an adaptive length, a hybrid's lookup rounds that copy past N) each
+expect that sum up to their own width, so the prediction is the rounds' mean of it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class DecodeStats:
     verify_seconds: float = 0.0
     total_seconds: float = 0.0
     draft_positions: int = 0  # sum over passes of the number of drafted positions
+    rounds_per_width: dict[int, int] = field(default_factory=dict)  # row-rounds by drafts
     _pending_histograms: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def record_round(
@@ -55,6 +58,7 @@ class DecodeStats:
             counts = histogram.tolist()  # counts[a]: rows that accepted exactly a drafts
             self._grow(width)
             self.rounds += sum(counts)
+            self.rounds_per_width[width] = self.rounds_per_width.get(width, 0) + sum(counts)
             for j in range(width):
                 self.reached_per_position[j] += sum(counts[j:])
                 self.accepted_per_position[j] += sum(counts[j + 1 :])
@@ -85,8 +89,13 @@ class DecodeStats:
 
     @property
     def predicted_tau(self) -> float:
-        """``E[L] = 1 + sum_i prod_{j <= i} alpha_j`` from the per-position rates."""
-        return predicted_tau(self.alpha_per_position)
+        """``E[L] = 1 + sum_{i <= w} prod_{j <= i} alpha_j`` from the per-position rates,
+        averaged over the rounds' widths ``w``."""
+        self.fold()
+        alpha = self.alpha_per_position
+        widths = self.rounds_per_width or {len(alpha): 1}
+        total = sum(widths.values())
+        return sum(n * predicted_tau(alpha[:w]) for w, n in widths.items()) / total
 
     def merge(self, other: DecodeStats) -> DecodeStats:
         self.fold()
@@ -99,6 +108,8 @@ class DecodeStats:
             ):
                 merged.reached_per_position[j] += reached
                 merged.accepted_per_position[j] += acc
+            for width, count in stats.rounds_per_width.items():
+                merged.rounds_per_width[width] = merged.rounds_per_width.get(width, 0) + count
         for name in (
             "rounds",
             "target_forward_passes",

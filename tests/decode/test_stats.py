@@ -43,3 +43,22 @@ def test_counters_give_conditional_acceptance_and_tau() -> None:
     assert stats.tau == pytest.approx(1 + 7 / 6)
     # 1 + a1 + a1 a2 = 1 + 4/6 + 3/6 = 1 + 7/6: the identity tau == predicted_tau holds here.
     assert stats.predicted_tau == pytest.approx(stats.tau)
+
+
+def test_rounds_of_different_widths_each_expect_up_to_their_own_width() -> None:
+    """Lookup rounds that copy past N (and plain steps, width 0) do not lend their deeper
+    positions to the narrower rounds: the prediction is the rounds' mean of E[L] at their
+    width."""
+    stats = DecodeStats()
+    one = torch.ones(1, dtype=torch.bool)
+    for accepted, width in ((4, 4), (6, 6), (1, 4), (0, 0), (6, 6), (2, 6)):
+        stats.record_round(torch.tensor([accepted]), num_drafted=width, active=one)
+    stats.fold()
+    assert stats.rounds_per_width == {4: 2, 6: 3, 0: 1}
+    alpha = stats.alpha_per_position
+    expected = (2 * predicted_tau(alpha[:4]) + 3 * predicted_tau(alpha) + 1.0) / 6
+    assert stats.predicted_tau == pytest.approx(expected)
+    assert stats.predicted_tau < predicted_tau(alpha)  # not every round reaches position 6
+    merged = stats.merge(DecodeStats())
+    assert merged.rounds_per_width == stats.rounds_per_width
+    assert merged.predicted_tau == pytest.approx(stats.predicted_tau)
