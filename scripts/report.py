@@ -3,11 +3,13 @@
     draftsmith-report                                   # rewrite every marked section
     draftsmith-report --check                           # exit 1 if any differs (tests run it)
     draftsmith-report --main-job outputs/distill-demo   # take a new main-job run, then rewrite
+    draftsmith-report --main-job outputs/distill-demo --into main_job_amd.json  # the README's
 
 A section is the text between ``<!-- report:NAME -->`` and ``<!-- /report:NAME -->`` in
 README.md or a file of docs/guides/; ``SECTIONS`` says which function writes each one from
 which file under docs/results/. The tables are written from what the tools saved: the main
-job's ``summary.json`` (copied to ``docs/results/main_job.json`` by ``--main-job``), the
+job's ``summary.json`` (copied to ``docs/results/main_job.json``, or the record ``--into``
+names, by ``--main-job``), the
 benchmark's ``--json`` file and the ablation tool's ``ablation.json`` files (their Markdown is
 ``train.ablation_report``'s own). ``--check`` also lists result figures (speedups, tau,
 spreads, gains) typed outside the marked sections, so every figure has a source file; fenced
@@ -525,7 +527,7 @@ def ceiling_table(result: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------- sections
 
 SECTIONS: dict[str, Callable[[], str]] = {
-    "headline": lambda: headline_table(_read(BENCH_DEMO), _read(MAIN_JOB)),
+    "headline": lambda: headline_table(_read(BENCH_AMD), _read(MAIN_JOB_AMD)),
     "main-job-run": lambda: main_job_run(_read(MAIN_JOB)),
     "main-job": lambda: main_job_table(_read(MAIN_JOB)),
     "bench-demo": lambda: bench_table(_read(BENCH_DEMO)),
@@ -625,6 +627,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--main-job", type=Path, default=None, help="a distill run folder to take results from"
     )
+    parser.add_argument(
+        "--into",
+        choices=(MAIN_JOB.name, MAIN_JOB_AMD.name),
+        default=MAIN_JOB.name,
+        help="the record --main-job replaces: main_job.json (the AMX machine's, the benchmarks "
+        "guide's main job) or main_job_amd.json (the AMD EPYC's, the README's headline)",
+    )
     return parser.parse_args(argv)
 
 
@@ -636,7 +645,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(problems) or f"{len(paths)} documents match docs/results/")
         return 1 if problems else 0
     if args.main_job is not None:
-        take_main_job(args.main_job)
+        take_main_job(args.main_job, REPO / RESULTS / args.into)
     cache: dict[str, str] = {}
     for path in paths:
         text = path.read_text()

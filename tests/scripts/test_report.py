@@ -247,3 +247,11 @@ def test_the_timing_clause_names_the_rule_the_record_was_measured_under() -> Non
     newer = report._repeats_clause({"repeats": 2, "unreproduced_timing": "quietest pass"})
     assert "keep their first pass" in older and "quietest pass" not in older
     assert "quietest pass" in newer and "first pass" not in newer
+
+
+def test_into_names_which_main_job_record_a_run_replaces(capsys) -> None:
+    assert report.parse_args(["--main-job", "run"]).into == "main_job.json"
+    assert report.parse_args(["--into", "main_job_amd.json"]).into == "main_job_amd.json"
+    with pytest.raises(SystemExit):
+        report.parse_args(["--into", "../README.md"])
+    assert "invalid choice" in capsys.readouterr().err
