@@ -538,6 +538,7 @@ class DecodeSession:
         # A round emits up to width + 1 tokens: no more drafts than the room left, and at
         # least one unless the adaptive policy chooses a plain step.
         limit = min(decoder.num_draft_tokens, room - 1)
+        self.drafter.draft_room = max(1, room - 1)
         policy = decoder.draft_length
         width = max(1, limit) if policy is None else policy.choose(limit)
         round_fn = decoder._chain_round if self.tree is None else decoder._tree_round

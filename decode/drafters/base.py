@@ -105,6 +105,11 @@ class Drafter(ABC):
     supports_trees: ClassVar[bool] = False
     supports_sampled_trees: ClassVar[bool] = False  # implements ``propose_sampled_tree`` (T > 0)
     supports_external_drafts: ClassVar[bool] = False  # implements ``replace_drafts``
+    # The most drafts a chain round of the engine verifies now (the rows' remaining room less
+    # the token every round emits, at least one), set before each round; None outside an
+    # engine. A drafter that may propose more than ``num_tokens`` (the hybrid's lookup copies)
+    # stays within it, so its verify passes reach no further than a chain's.
+    draft_room: int | None = None
 
     @property
     @abstractmethod

@@ -20,7 +20,8 @@ takes its drafts from one of the two, or drafts nothing:
 
 A round in which every drafting row copies runs no network, so it is not bound by the learned
 drafter's N, which prices that network's draft steps: lookup then copies up to
-``lookup_tokens`` (``decode.defaults.LOOKUP_DRAFT_TOKENS``), and only the verify pass widens.
+``lookup_tokens`` (``decode.defaults.LOOKUP_DRAFT_TOKENS``; never past the request's room,
+``Drafter.draft_room``), and only the verify pass widens.
 Where a verify pass over 5-17 tokens costs about one target step (bfloat16 on AVX512-BF16 or
 AMX, a GPU), greedy text that repeats itself turns the longer copies into longer accepted runs:
 on the demo target (AMD EPYC Zen 5, AVX512-BF16, bfloat16), the main job's EAGLE-3 head, 24
@@ -178,8 +179,11 @@ class HybridDrafter(Drafter):
         generator: torch.Generator | None,
     ) -> DraftProposal:
         start = time.perf_counter()
-        # Copies as long as a round without the network takes; a round with it cuts them to N.
+        # Copies as long as a round without the network takes (a round with it cuts them to N),
+        # never past the round's room (``Drafter.draft_room``).
         reach = max(num_tokens, self.lookup_tokens) if num_tokens else 0
+        if self.draft_room is not None:
+            reach = min(reach, max(num_tokens, self.draft_room))
         found = [self.lookup.lookup(history, reach) for history in self.lookup.histories]
         contexts = [n for _, n in found]  # the matched n-gram length of each row (0: none)
         if num_tokens == 0:  # a plain step chosen by the engine: nothing to learn from it

@@ -211,3 +211,36 @@ def test_lookup_tokens_must_be_a_positive_int(
 ) -> None:
     with pytest.raises(error, match="lookup_tokens"):
         HybridDrafter(tiny_eagle_drafter(target), lookup_tokens=value)
+
+
+def test_copies_stop_at_the_requests_last_position(
+    target: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A copy may run past N, never past the request's room: no verify pass reaches a
+    position beyond the prompt plus max_new_tokens (a rope that switches frequencies past the
+    model's context, or an absolute position table, would otherwise see positions a plain
+    decoding of the same request never reaches)."""
+    from decode.kv_cache import CachedSequence
+
+    ids = torch.tensor([REPEATING])
+    reach = []
+    extend = CachedSequence.extend
+
+    def recorded(self, *args, **kwargs):
+        out = extend(self, *args, **kwargs)
+        if self.model is target:
+            reach.append(int(self.lengths.max()))
+        return out
+
+    monkeypatch.setattr(CachedSequence, "extend", recorded)
+    for max_new_tokens in (3, 7, 12):
+        reach.clear()
+        hybrid = HybridDrafter(tiny_eagle_drafter(target), lookup_tokens=10)
+        decoder = SpeculativeDecoder(target, hybrid, 2)
+        out = decoder.generate(ids, max_new_tokens=max_new_tokens, eos_token_id=[])
+        reference = target.generate(
+            input_ids=ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None
+        )
+        assert torch.equal(out.sequences, reference)
+        # As far as a chain's last round reaches (it drafts one token even with one left).
+        assert max(reach) <= ids.shape[1] + max_new_tokens, (max_new_tokens, reach)
