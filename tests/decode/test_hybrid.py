@@ -10,6 +10,7 @@ from decode_helpers import (
     noisy_copy,
     tiny_eagle_drafter,
     tiny_medusa_drafter,
+    tiny_peagle_drafter,
 )
 from tiny_models import tiny_llama
 
@@ -34,10 +35,12 @@ def target() -> torch.nn.Module:
 def _learned(target: torch.nn.Module, kind: str):
     if kind == "draft_lm":
         return DraftModelDrafter(noisy_copy(target, 0.5))
+    if kind == "peagle":
+        return tiny_peagle_drafter(target)
     return tiny_eagle_drafter(target)
 
 
-@pytest.mark.parametrize("kind", ["draft_lm", "eagle3"])
+@pytest.mark.parametrize("kind", ["draft_lm", "eagle3", "peagle"])
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_hybrid_greedy_equals_target_generate(
     target: torch.nn.Module, kind: str, adaptive: bool
@@ -57,7 +60,7 @@ def test_hybrid_greedy_equals_target_generate(
         assert usage["lookup_rows"] > 0 and usage["learned_rows"] > 0, usage
 
 
-@pytest.mark.parametrize("kind", ["draft_lm", "eagle3"])
+@pytest.mark.parametrize("kind", ["draft_lm", "eagle3", "peagle"])
 @pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 10, 0.9)])
 def test_hybrid_mixed_rounds_follow_target_law(
     target: torch.nn.Module, kind: str, temperature: float, top_k: int, top_p: float
@@ -244,3 +247,30 @@ def test_copies_stop_at_the_requests_last_position(
         assert torch.equal(out.sequences, reference)
         # As far as a chain's last round reaches (it drafts one token even with one left).
         assert max(reach) <= ids.shape[1] + max_new_tokens, (max_new_tokens, reach)
+
+
+def test_wide_lookup_rounds_follow_target_law(target: torch.nn.Module) -> None:
+    """Every row copies (a round without the network, up to ``lookup_tokens`` past N) when
+    sampling: the first two tokens still follow the prompt's exact law."""
+    rows = 1500
+    sampling = SamplingConfig(temperature=1.0)
+    prompts = torch.tensor([EVERY_TOKEN] * rows)
+    hybrid = HybridDrafter(_learned(target, "eagle3"), lookup_tokens=6)
+    widths = []
+    proposed = hybrid.propose
+    hybrid.propose = lambda *args: (lambda p: (widths.append(p.tokens.shape[1]), p)[1])(
+        proposed(*args)
+    )
+    decoder = SpeculativeDecoder(target, hybrid, 2)
+    out = decoder.generate(
+        prompts,
+        max_new_tokens=8,
+        temperature=1.0,
+        eos_token_id=[],
+        generator=torch.Generator().manual_seed(0),
+    )
+    assert widths[0] > 2 and hybrid.usage()["rounds_without_network"] >= 1, widths
+    new = out.sequences[:, prompts.shape[1] :]
+    first_law, second_law = exact_two_token_law(target, torch.tensor(EVERY_TOKEN), sampling)
+    assert chi_square_p_value(torch.bincount(new[:, 0], minlength=64), first_law) > 1e-4
+    assert chi_square_p_value(torch.bincount(new[:, 1], minlength=64), second_law) > 1e-4
