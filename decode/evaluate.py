@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from decode.cpu_threads import set_cpu_threads
-from decode.defaults import NUM_DRAFT_TOKENS
+from decode.defaults import LOOKUP_DRAFT_TOKENS, NUM_DRAFT_TOKENS
 from decode.drafters.base import Drafter
 from decode.machine import describe_machine, machine_record
 from decode.precision import (
@@ -41,6 +41,7 @@ from decode.side_by_side import (
     MethodResult,
     add_repeats_argument,
     add_tree_arguments,
+    at_least_one,
     encode_prompt,
     hf_peer,
     measure_side_by_side,
@@ -351,6 +352,13 @@ def build_parser() -> argparse.ArgumentParser:
         "drafter) | none (default: read from the folder)",
     )
     parser.add_argument(
+        "--lookup-tokens",
+        type=at_least_one,
+        default=None,
+        help="with --drafter-kind hybrid: the most tokens a round that only copies copies "
+        f"(default {LOOKUP_DRAFT_TOKENS}, at least --num-draft-tokens)",
+    )
+    parser.add_argument(
         "--prompts",
         default="demo",
         help="'demo' (held-out stdlib code), 'ood' (installed third-party code) or a file",
@@ -416,6 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> dict[str, object]:
+    from decode.drafters.hybrid import set_lookup_tokens
     from decode.drafters.registry import load_drafter
     from decode.prompts import load_eval_prompts
 
@@ -423,9 +432,12 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     args = parser.parse_args(argv)
     if args.num_prompts < 1:  # a negative count would slice prompts off the end
         parser.error(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    if args.lookup_tokens is not None and args.drafter_kind != "hybrid":
+        parser.error("--lookup-tokens sets the hybrid drafter's copies: add --drafter-kind hybrid")
     choice, target, tokenizer, plain_also = load_targets_for(args)
     check_same_tokenizer(tokenizer, args.drafter)
     drafter = load_drafter(args.drafter, target, kind=args.drafter_kind)
+    set_lookup_tokens(drafter, args.lookup_tokens, "--lookup-tokens")
     prompts = (
         []
         if args.benchmark

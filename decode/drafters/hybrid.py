@@ -130,12 +130,6 @@ class HybridDrafter(Drafter):
     ) -> None:
         """``lookup_tokens``: the most tokens a round that runs no network copies (at least the
         round's N; the module docstring)."""
-        if isinstance(lookup_tokens, bool) or not isinstance(lookup_tokens, int):
-            raise TypeError(f"lookup_tokens must be an int, got {lookup_tokens!r}")
-        if lookup_tokens < 1:
-            raise ValueError(
-                f"lookup_tokens must be >= 1 (tokens a lookup round copies), got {lookup_tokens}"
-            )
         if not learned.supports_external_drafts:
             raise ValueError(
                 "the hybrid drafter pairs prompt lookup with a draft_lm, eagle3 or peagle "
@@ -153,6 +147,21 @@ class HybridDrafter(Drafter):
         # Per row: the matched n-gram length (lookup), _LEARNED or _NONE, and the length matched
         # whatever the source; whether the network ran; the round's start.
         self._round: tuple[list[int], list[int], bool, float] | None = None
+
+    @property
+    def lookup_tokens(self) -> int:
+        """The most tokens a round that runs no network copies (the module docstring)."""
+        return self._lookup_tokens
+
+    @lookup_tokens.setter
+    def lookup_tokens(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"lookup_tokens must be an int, got {value!r}")
+        if value < 1:
+            raise ValueError(
+                f"lookup_tokens must be >= 1 (tokens a lookup round copies), got {value}"
+            )
+        self._lookup_tokens = value
 
     @property
     def vocab_size(self) -> int:
@@ -302,6 +311,20 @@ class HybridDrafter(Drafter):
         prior = CONTEXT_PRIOR_ROUNDS / pooled.weight
         seconds = own.seconds + prior * pooled.seconds
         return (own.tokens + prior * pooled.tokens) / max(seconds, 1e-9)
+
+
+def set_lookup_tokens(drafter: Drafter, lookup_tokens: int | None, flag: str) -> None:
+    """Apply a command's ``flag`` (None: leave the default) to a hybrid drafter; any other
+    kind gets a ``ValueError`` that names the flag and the fix."""
+    if lookup_tokens is None:
+        return
+    if not isinstance(drafter, HybridDrafter):
+        raise ValueError(
+            f"{flag} sets how many tokens the hybrid drafter's lookup rounds copy; this drafter "
+            f"is {drafter.kind}: add --drafter-kind hybrid or drop {flag} (prompt lookup alone "
+            "copies --num-draft-tokens)"
+        )
+    drafter.lookup_tokens = lookup_tokens
 
 
 def _probe(source: _Yield, rate: float, best: float) -> bool:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from decode.defaults import NUM_DRAFT_TOKENS, TREE_TOP_K, TREE_TOTAL_TOKENS
+from decode.defaults import LOOKUP_DRAFT_TOKENS, NUM_DRAFT_TOKENS, TREE_TOP_K, TREE_TOTAL_TOKENS
 from decode.precision import DTYPE_NAMES
 from decode.yaml_values import describe_type, describe_value, load_plain_yaml, typed_value
 
@@ -71,6 +71,11 @@ class ServeConfig:
         0,
         "nodes of each eagle3 --tree level that grow children (0: all --tree-top-k, EAGLE-2; "
         "1: the greedy chain with its runners-up, one-row draft steps)",
+    )
+    lookup_tokens: int | None = _f(
+        None,
+        "with --drafter-kind hybrid: the most tokens a round that only copies copies (default "
+        f"{LOOKUP_DRAFT_TOKENS}, at least --num-draft-tokens)",
     )
     trust_remote_code: bool = _f(False, "allow custom modelling code shipped with the target")
     dtype: str = _f(
@@ -145,6 +150,13 @@ class ServeConfig:
             raise ValueError(
                 f"--tree-frontier must lie in [0, --tree-top-k={self.tree_top_k}] (0: every "
                 f"node of a level grows children), got {self.tree_frontier}"
+            )
+        if self.lookup_tokens is not None and self.lookup_tokens < 1:
+            raise ValueError(f"--lookup-tokens must be >= 1, got {self.lookup_tokens}")
+        if self.lookup_tokens is not None and self.drafter_kind != "hybrid":
+            raise ValueError(
+                "--lookup-tokens sets the hybrid drafter's copies: add --drafter-kind hybrid "
+                "or drop --lookup-tokens"
             )
         if self.tree_when_sampling and not self.tree:
             raise ValueError("--tree-when-sampling keeps trees for sampled requests: add --tree")

@@ -51,6 +51,7 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool) -> Any:
 
 def load_components(config: ServeConfig) -> tuple[torch.nn.Module, Any, Drafter]:
     """(target, tokenizer, drafter) as ``config`` names them."""
+    from decode.drafters.hybrid import set_lookup_tokens
     from decode.drafters.registry import load_drafter
 
     set_cpu_threads(config.num_threads)
@@ -60,4 +61,5 @@ def load_components(config: ServeConfig) -> tuple[torch.nn.Module, Any, Drafter]
     target = load_target(config.target, choice.name, device, config.trust_remote_code)
     tokenizer = load_tokenizer(config.tokenizer or config.target, config.trust_remote_code)
     drafter = load_drafter(config.drafter, target, kind=config.drafter_kind)
+    set_lookup_tokens(drafter, config.lookup_tokens, "--lookup-tokens")
     return target, tokenizer, drafter

@@ -59,6 +59,28 @@ def test_evaluate_writes_report(tiny_pair_dirs, tmp_path, kind: str) -> None:
     assert evaluate.format_table(report).startswith("machine: ")
 
 
+def test_lookup_tokens_widens_the_hybrids_copies_and_needs_the_hybrid(
+    tiny_pair_dirs, tmp_path
+) -> None:
+    target_dir, draft_dir = tiny_pair_dirs
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a = 1\na = 1\na = 1\na = 1\n")  # text that repeats: lookup copies
+    out = tmp_path / "report.json"
+    common = ["--target", str(target_dir), "--prompts", str(prompts), "--num-draft-tokens", "2"]
+    evaluate.main(
+        [
+            *common,
+            *("--drafter", str(draft_dir), "--drafter-kind", "hybrid", "--lookup-tokens", "5"),
+            *("--max-new-tokens", "24", "--dtype", "float32", "--json", str(out)),
+        ]
+    )
+    report = json.loads(out.read_text())
+    assert report["greedy_equal_to_baseline"] == report["num_prompts"]
+    assert 2 <= len(report["alpha_per_position"]) <= 5  # copies past N = 2, never past 5
+    with pytest.raises(SystemExit):  # refused before any model is loaded
+        evaluate.main([*common, "--drafter-kind", "ngram", "--lookup-tokens", "5"])
+
+
 def test_mismatched_tokenizer_is_refused(tiny_pair_dirs, tmp_path) -> None:
     from tiny_models import tiny_tokenizer
 

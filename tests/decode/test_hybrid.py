@@ -15,6 +15,7 @@ from decode_helpers import (
 from tiny_models import tiny_llama
 
 from decode import DraftModelDrafter, SpeculativeDecoder
+from decode.defaults import LOOKUP_DRAFT_TOKENS
 from decode.drafters.hybrid import DECAY, PROBE_EVERY, HybridDrafter, _Yield
 from decode.sampling import SamplingConfig
 
@@ -274,3 +275,17 @@ def test_wide_lookup_rounds_follow_target_law(target: torch.nn.Module) -> None:
     first_law, second_law = exact_two_token_law(target, torch.tensor(EVERY_TOKEN), sampling)
     assert chi_square_p_value(torch.bincount(new[:, 0], minlength=64), first_law) > 1e-4
     assert chi_square_p_value(torch.bincount(new[:, 1], minlength=64), second_law) > 1e-4
+
+
+def test_lookup_tokens_applies_to_a_hybrid_only(target: torch.nn.Module) -> None:
+    from decode.drafters.hybrid import set_lookup_tokens
+
+    hybrid = HybridDrafter(tiny_eagle_drafter(target))
+    set_lookup_tokens(hybrid, None, "--lookup-tokens")  # None keeps the default
+    assert hybrid.lookup_tokens == LOOKUP_DRAFT_TOKENS
+    set_lookup_tokens(hybrid, 3, "--lookup-tokens")
+    assert hybrid.lookup_tokens == 3
+    with pytest.raises(ValueError, match="lookup_tokens must be >= 1"):
+        hybrid.lookup_tokens = 0
+    with pytest.raises(ValueError, match=r"--lookup-tokens sets .* this drafter is eagle3"):
+        set_lookup_tokens(tiny_eagle_drafter(target), 3, "--lookup-tokens")

@@ -502,6 +502,11 @@ def test_config_errors_name_the_fix() -> None:
     for value in (-1, 5):  # above --tree-top-k 4
         with pytest.raises(ValueError, match=r"--tree-frontier must lie in \[0, --tree-top-k=4\]"):
             ServeConfig(target="t", drafter_kind="ngram", tree_frontier=value).validate()
+    with pytest.raises(ValueError, match="--lookup-tokens must be >= 1"):
+        ServeConfig(target="t", drafter="d", drafter_kind="hybrid", lookup_tokens=0).validate()
+    with pytest.raises(ValueError, match="add --drafter-kind hybrid"):
+        ServeConfig(target="t", drafter_kind="ngram", lookup_tokens=6).validate()
+    ServeConfig(target="t", drafter="d", drafter_kind="hybrid", lookup_tokens=6).validate()
     config = parse_serve_args(["--target", "t", "--drafter-kind", "ngram", "--timeout-body", "2.5"])
     assert (config.timeout_keep_alive, config.timeout_headers, config.timeout_body) == (5, 10, 2.5)
 
