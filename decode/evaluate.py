@@ -355,8 +355,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--lookup-tokens",
         type=at_least_one,
         default=None,
-        help="with --drafter-kind hybrid: the most tokens a round that only copies copies "
-        f"(default {LOOKUP_DRAFT_TOKENS}, at least --num-draft-tokens)",
+        help="with --drafter-kind hybrid: the most tokens a lookup round copies when no row "
+        f"runs the network (default {LOOKUP_DRAFT_TOKENS}, at least --num-draft-tokens)",
     )
     parser.add_argument(
         "--prompts",

@@ -74,8 +74,8 @@ class ServeConfig:
     )
     lookup_tokens: int | None = _f(
         None,
-        "with --drafter-kind hybrid: the most tokens a round that only copies copies (default "
-        f"{LOOKUP_DRAFT_TOKENS}, at least --num-draft-tokens)",
+        "with --drafter-kind hybrid: the most tokens a lookup round copies when no row runs "
+        f"the network (default {LOOKUP_DRAFT_TOKENS}, at least --num-draft-tokens)",
     )
     trust_remote_code: bool = _f(False, "allow custom modelling code shipped with the target")
     dtype: str = _f(
