@@ -424,7 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> dict[str, object]:
-    from decode.drafters.hybrid import set_lookup_tokens
+    from decode.drafters.hybrid import lookup_tokens_problem, set_lookup_tokens
     from decode.drafters.registry import load_drafter
     from decode.prompts import load_eval_prompts
 
@@ -432,8 +432,9 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     args = parser.parse_args(argv)
     if args.num_prompts < 1:  # a negative count would slice prompts off the end
         parser.error(f"--num-prompts must be >= 1, got {args.num_prompts}")
-    if args.lookup_tokens is not None and args.drafter_kind != "hybrid":
-        parser.error("--lookup-tokens sets the hybrid drafter's copies: add --drafter-kind hybrid")
+    problem = lookup_tokens_problem(args.lookup_tokens, args.drafter_kind)
+    if problem:
+        parser.error(problem)
     choice, target, tokenizer, plain_also = load_targets_for(args)
     check_same_tokenizer(tokenizer, args.drafter)
     drafter = load_drafter(args.drafter, target, kind=args.drafter_kind)

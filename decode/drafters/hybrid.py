@@ -191,8 +191,8 @@ class HybridDrafter(Drafter):
         # Copies as long as a round without the network takes (a round with it cuts them to N),
         # never past the round's room (``Drafter.draft_room``).
         reach = max(num_tokens, self.lookup_tokens) if num_tokens else 0
-        if self.draft_room is not None:
-            reach = min(reach, max(num_tokens, self.draft_room))
+        if self.draft_room is not None:  # the engine's num_tokens never exceeds it
+            reach = min(reach, self.draft_room)
         found = [self.lookup.lookup(history, reach) for history in self.lookup.histories]
         contexts = [n for _, n in found]  # the matched n-gram length of each row (0: none)
         if num_tokens == 0:  # a plain step chosen by the engine: nothing to learn from it
@@ -311,6 +311,17 @@ class HybridDrafter(Drafter):
         prior = CONTEXT_PRIOR_ROUNDS / pooled.weight
         seconds = own.seconds + prior * pooled.seconds
         return (own.tokens + prior * pooled.tokens) / max(seconds, 1e-9)
+
+
+def lookup_tokens_problem(lookup_tokens: int | None, drafter_kind: str | None) -> str | None:
+    """What is wrong with a command's ``--lookup-tokens`` for ``--drafter-kind`` (checked
+    before any model loads), or None."""
+    if lookup_tokens is not None and drafter_kind != "hybrid":
+        return (
+            "--lookup-tokens sets the hybrid drafter's copies: add --drafter-kind hybrid or drop "
+            "--lookup-tokens"
+        )
+    return None
 
 
 def set_lookup_tokens(drafter: Drafter, lookup_tokens: int | None, flag: str) -> None:

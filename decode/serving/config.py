@@ -153,11 +153,11 @@ class ServeConfig:
             )
         if self.lookup_tokens is not None and self.lookup_tokens < 1:
             raise ValueError(f"--lookup-tokens must be >= 1, got {self.lookup_tokens}")
-        if self.lookup_tokens is not None and self.drafter_kind != "hybrid":
-            raise ValueError(
-                "--lookup-tokens sets the hybrid drafter's copies: add --drafter-kind hybrid "
-                "or drop --lookup-tokens"
-            )
+        from decode.drafters.hybrid import lookup_tokens_problem
+
+        problem = lookup_tokens_problem(self.lookup_tokens, self.drafter_kind)
+        if problem:
+            raise ValueError(problem)
         if self.tree_when_sampling and not self.tree:
             raise ValueError("--tree-when-sampling keeps trees for sampled requests: add --tree")
         if self.drafter is None and self.drafter_kind is None:
