@@ -7,8 +7,9 @@ acceptance statistics in an extra ``draftsmith`` field (in a stream: on the chun
 ``finish_reason``).
 
 Every failure is answered as ``{"error": {"message", "type", "param", "code"}}``: 400 for bad
-bodies, 401 for a missing or wrong API key, 404 for unknown models and routes, 408 for a body
-that does not arrive in time, 413 for oversized bodies, 429 when the queue is full; 500/503
+bodies, 401 for a missing or wrong API key, 404 for unknown models and routes (405 for a wrong
+method), 408 for a body that does not arrive in time, 413 for oversized bodies, 415 for a body
+declared as anything but JSON, 429 when the queue is full; 500/503
 only when the server itself fails (generation fails, the server stops), never for what a client
 sent. ``/openapi.json`` needs the API key like every route but ``/health``; ``/docs`` is off.
 
@@ -26,6 +27,7 @@ import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +46,7 @@ from decode.serving.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    cut,
     error_body,
     error_json,
     parse_body,
@@ -55,6 +58,7 @@ from decode.serving.scheduler import (
     ErrorEvent,
     Event,
     GenerationJob,
+    QueueClosed,
     QueueFull,
     RequestQueue,
     SamplingParams,
@@ -74,6 +78,10 @@ ENDPOINTS = (
     "/health",
     "/metrics",
     "/openapi.json",
+)
+ROUTES = (
+    "GET /v1/models, GET /v1/models/{model}, POST /v1/completions, POST /v1/chat/completions, "
+    "GET /health and GET /metrics"
 )
 IM_END = "<|im_end|>"
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer
@@ -171,6 +179,7 @@ class OpenAIServer:
         self.drafter_kind = drafter.kind
         self.num_draft_tokens = num_draft_tokens
         self.created = int(time.time())
+        self._prompt_thread: ThreadPoolExecutor | None = None  # see ``_off_loop``
 
     # -- the application ------------------------------------------------------------------
 
@@ -182,6 +191,9 @@ class OpenAIServer:
             self.worker.start()
             yield
             await asyncio.to_thread(self.worker.stop)
+            if self._prompt_thread is not None:
+                self._prompt_thread.shutdown(wait=False, cancel_futures=True)
+                self._prompt_thread = None
 
         app = FastAPI(
             title="draftsmith",
@@ -259,7 +271,7 @@ class OpenAIServer:
         self._check_model(body.model)
         prompt = body.prompt_text_or_ids()
         if isinstance(prompt, str):
-            prompt_ids = list(self.tokenizer(prompt)["input_ids"])
+            prompt_ids = await self._off_loop(self._encode, prompt)
         else:
             prompt_ids = self._check_token_ids(prompt)
         return await self._serve(request, body, prompt_ids, body.max_tokens, chat=False)
@@ -268,8 +280,23 @@ class OpenAIServer:
         self._authorize(request)
         body = parse_body(await self._read_body(request), ChatCompletionRequest)
         self._check_model(body.model)
-        prompt_ids = self._render_chat(body)
+        prompt_ids = await self._off_loop(self._render_chat, body)
         return await self._serve(request, body, prompt_ids, body.requested_tokens, chat=True)
+
+    async def _off_loop(self, function: Callable[[Any], list[int]], argument: Any) -> list[int]:
+        """Run a prompt's tokenisation on the prompt thread, not on the event loop.
+
+        A prompt near the body limit takes a second or more to tokenise (or to render through
+        the chat template); on the loop that would stall every stream and ``/health``. One
+        thread keeps tokeniser calls one at a time.
+        """
+        if self._prompt_thread is None:
+            self._prompt_thread = ThreadPoolExecutor(1, thread_name_prefix="draftsmith-prompts")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._prompt_thread, function, argument)
+
+    def _encode(self, prompt: str) -> list[int]:
+        return list(self.tokenizer(prompt)["input_ids"])
 
     # -- checks ---------------------------------------------------------------------------
 
@@ -288,6 +315,7 @@ class OpenAIServer:
             raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
 
     async def _read_body(self, request: Request) -> bytes:
+        _check_content_type(request.headers.get("content-type", ""))
         limit = self.limits.max_request_bytes
         declared = request.headers.get("content-length", "")
         if declared.isascii() and declared.isdigit() and int(declared[:20]) > limit:
@@ -307,9 +335,10 @@ class OpenAIServer:
 
     def _check_model(self, model: str) -> None:
         if model != self.model_name:
+            shown = cut(model)
             raise APIError(
                 404,
-                f"The model `{model}` does not exist; this server serves `{self.model_name}` "
+                f"The model `{shown}` does not exist; this server serves `{self.model_name}` "
                 "(see GET /v1/models).",
                 param="model",
                 code="model_not_found",
@@ -390,6 +419,10 @@ class OpenAIServer:
         job = GenerationJob(prompt_ids, max_tokens, params)
         try:
             self.queue.put(job)
+        except QueueClosed as closed:
+            raise APIError(
+                503, f"{closed}; retry later", type="server_error", code="server_unavailable"
+            ) from None
         except QueueFull as full:
             raise APIError(
                 429,
@@ -669,6 +702,20 @@ class _Exchange:
         return self.status
 
 
+def _check_content_type(value: str) -> None:
+    """A body declared as anything but JSON is a 415 naming the header to send (none: JSON)."""
+    media_type = value.split(";", 1)[0].strip().lower()
+    if not media_type or media_type == "application/json" or media_type.endswith("+json"):
+        return
+    shown = cut(value)
+    raise APIError(
+        415,
+        f"the request body is declared as Content-Type {shown!r}, but this API reads JSON: "
+        "send the body as JSON with 'Content-Type: application/json'",
+        code="unsupported_media_type",
+    )
+
+
 def _has_body(headers: Sequence[tuple[bytes, bytes]]) -> bool:
     for name, value in headers:
         if name == b"transfer-encoding" or (name == b"content-length" and value.strip() != b"0"):
@@ -687,13 +734,26 @@ async def _api_error_response(_: Request, error: APIError) -> Response:
     return _error_response(error.body(), error.status, headers)
 
 
-async def _http_error_response(_: Request, error: StarletteHTTPException) -> Response:
+async def _http_error_response(request: Request, error: StarletteHTTPException) -> Response:
     code = "not_found" if error.status_code == 404 else None
+    headers = getattr(error, "headers", None)
     return _error_response(
-        error_body(str(error.detail), "invalid_request_error", code=code),
+        error_body(_routing_message(request, error), "invalid_request_error", code=code),
         error.status_code,
-        getattr(error, "headers", None),
+        headers,
     )
+
+
+def _routing_message(request: Request, error: StarletteHTTPException) -> str:
+    """What was wrong with a request no route took (404, 405), and what to send instead."""
+    path = request.url.path
+    shown = cut(path)
+    if error.status_code == 404:
+        return f"Not Found: no route {request.method} {shown}; this server serves {ROUTES}"
+    if error.status_code == 405:
+        allowed = (error.headers or {}).get("Allow", "")
+        return f"Method Not Allowed: {request.method} {shown}; use {allowed or 'another method'}"
+    return str(error.detail)
 
 
 async def _client_gone_response(_: Request, __: _ClientGone) -> Response:

@@ -9,7 +9,11 @@ output) is refused naming its parameter. Types are strict: ``"0.5"`` is not a nu
 ``true`` is not an integer. The sampling parameters become the decoder's ``SamplingConfig``,
 which is their one validator (a value it refuses is a 400 naming the parameter). Parameters the
 server cannot honour (``n > 1``, penalties, ``logprobs``, ``echo``, ...) are rejected by name
-instead of being silently ignored; unknown fields are rejected as OpenAI does.
+instead of being silently ignored; unknown fields are rejected as OpenAI does. The body must be
+UTF-8 (RFC 8259; a leading byte order mark is ignored): ``json`` alone would also take UTF-16
+and UTF-32. A key given twice in one object is refused rather than resolved silently to its
+last value (parsers disagree on which copy wins). Whatever a client sent is echoed in an error
+message cut to ``_ECHO_CHARS`` characters.
 """
 
 from __future__ import annotations
@@ -225,9 +229,10 @@ RequestT = TypeVar("RequestT", bound=_GenerationRequest)
 
 def parse_body(body: bytes, model: type[RequestT]) -> RequestT:
     """JSON bytes -> a checked request, or an ``APIError`` naming the parameter at fault."""
+    text = _utf8_text(body)
     try:
-        data = json.loads(body, parse_constant=_not_json)
-    except (UnicodeDecodeError, ValueError) as error:  # JSONDecodeError is a ValueError
+        data = json.loads(text, parse_constant=_not_json, object_pairs_hook=_unique_keys)
+    except ValueError as error:  # JSONDecodeError is a ValueError
         raise APIError(
             400,
             f"We could not parse the JSON body of your request ({error}). The body must be a "
@@ -257,6 +262,44 @@ def parse_body(body: bytes, model: type[RequestT]) -> RequestT:
 
 def _not_json(constant: str) -> Any:
     raise ValueError(f"{constant} is not a JSON value")
+
+
+def _utf8_text(body: bytes) -> str:
+    """The body decoded as UTF-8 (a leading byte order mark dropped), or a 400 saying so."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise APIError(
+            400,
+            f"the request body is not UTF-8 text (byte {body[error.start]:#04x} at offset "
+            f"{error.start}); send the JSON encoded as UTF-8",
+            code="invalid_encoding",
+        ) from None
+    return text.removeprefix("\ufeff")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object as a dict; a key given twice is a 400 naming it."""
+    data: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in data:
+            raise APIError(
+                400,
+                f"the JSON body gives the key {echo(key)} more than once; send each parameter once",
+                code="duplicate_key",
+            )
+        data[key] = value
+    return data
+
+
+def echo(value: object) -> str:
+    """``repr(value)`` cut to ``_ECHO_CHARS`` characters, for an error message."""
+    return cut(repr(value))
+
+
+def cut(text: str) -> str:
+    """``text`` cut to ``_ECHO_CHARS`` characters, for an error message that repeats it."""
+    return text if len(text) <= _ECHO_CHARS else f"{text[:_ECHO_CHARS]}..."
 
 
 def _escaped(text: str) -> str:
@@ -301,13 +344,15 @@ def _validation_error(error: ValidationError) -> APIError:
     if kind == "missing":
         return APIError(400, f"Missing required parameter: '{param}'.", param=param)
     if kind == "extra_forbidden":
-        return APIError(400, f"Unrecognized request argument supplied: {param}", param=param)
-    echo = repr(first.get("input"))
-    if len(echo) > _ECHO_CHARS:
-        echo = f"{echo[:_ECHO_CHARS]}..."
+        shown = cut(param)
+        return APIError(
+            400,
+            f"Unrecognized request argument supplied: {shown}; remove it or check its spelling",
+            param=shown,
+        )
     return APIError(
         400,
-        f"Invalid value for '{param}': {first['msg']} (got {echo}).",
+        f"Invalid value for '{param}': {first['msg']} (got {echo(first.get('input'))}).",
         param=param,
         code="invalid_type" if kind.endswith(("_type", "_parsing")) else "invalid_value",
     )

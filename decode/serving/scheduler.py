@@ -20,6 +20,11 @@ tokens go to its request's ``asyncio.Queue`` (thread-safe, through the event loo
 accepted-draft count to the request's own ``DecodeStats``, so per-request acceptance is exact.
 A cancelled request (a disconnected client, a ``stop`` string) is finished at the next round
 and its row retired after it.
+
+Failures never leave a request waiting: a round that raises fails its lane's requests (500)
+and the other lanes go on; an error between rounds (admitting, retiring) fails every request
+the worker holds and the thread goes on; and if the thread ends for any reason, the queue is
+closed (new requests: 503) and every request still waiting or decoding is answered 503.
 """
 
 from __future__ import annotations
@@ -43,6 +48,10 @@ logger = logging.getLogger(__name__)
 
 class QueueFull(Exception):
     """The bounded queue holds ``capacity`` waiting requests already."""
+
+
+class QueueClosed(Exception):
+    """The decoder has stopped (the server is shutting down): no request can join."""
 
 
 @dataclass(frozen=True)
@@ -143,7 +152,7 @@ class RequestQueue:
     def put(self, job: GenerationJob) -> None:
         with self._condition:
             if self._closed:
-                raise QueueFull("the server is shutting down")
+                raise QueueClosed("the decoder has stopped (the server is shutting down)")
             if len(self._jobs) >= self.capacity:
                 raise QueueFull(f"{self.capacity} requests are already waiting")
             self._jobs.append(job)
@@ -231,6 +240,7 @@ class BatchWorker:
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="draftsmith-decoder", daemon=True)
         self._lanes: list[_Lane] = []
+        self._admitting: list[GenerationJob] = []  # taken from the queue, not yet in a lane
 
     @property
     def running(self) -> int:
@@ -255,14 +265,30 @@ class BatchWorker:
     def _loop(self) -> None:
         try:
             while not self._stopping.is_set():
-                self.tick(timeout=0.2)
+                try:
+                    self.tick(timeout=0.2)
+                except Exception as error:  # a bug outside a round: fail its requests, go on
+                    logger.exception("the decoder failed between rounds")
+                    self._fail_all(error)
         finally:
+            # Whatever ends the thread, no request may wait for it: refuse new ones (503) and
+            # answer every one still waiting or decoding.
+            stopped = ErrorEvent("the server is shutting down", status=503)
+            for job in self.queue.close():
+                job.post(stopped)
             for lane in self._lanes:
                 for job in lane.jobs:
                     if not job.finished:
                         job.finished = True
-                        job.post(ErrorEvent("the server is shutting down", status=503))
+                        job.post(stopped)
             self._lanes = []
+
+    def _fail_all(self, error: Exception) -> None:
+        """Answer every request taken from the queue with ``error`` and drop every lane."""
+        self._fail(self._admitting, error)
+        for lane in self._lanes:
+            self._fail(lane.jobs, error)
+        self._admitting, self._lanes = [], []
 
     def tick(self, timeout: float = 0.0) -> bool:
         """Admit waiting requests (waiting up to ``timeout`` s when nothing runs), then run one
@@ -285,12 +311,14 @@ class BatchWorker:
         if free <= 0:
             return
         jobs = self.queue.take(free, timeout)
+        self._admitting = jobs  # answered by ``_fail_all`` if joining them fails unexpectedly
         groups: dict[int, tuple[_Lane, list[GenerationJob]]] = {}
         for job in jobs:
             lane = self._lane_for(job.params)
             groups.setdefault(id(lane), (lane, []))[1].append(job)
         for lane, joining in groups.values():
             self._join(lane, joining)
+        self._admitting = []
 
     def _lane_for(self, params: SamplingParams) -> _Lane:
         key = params.lane_key()

@@ -54,6 +54,7 @@ class Live:
     runner: uvicorn.Server
     port: int
     records: _Records
+    target: torch.nn.Module
     server_bugs: int = 0  # 500s a test provoked on purpose
 
     def connect(self) -> socket.socket:
@@ -116,7 +117,7 @@ def live() -> Iterator[Live]:
         while not runner.started:
             assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
             time.sleep(0.02)
-        yield Live(server, runner, port, records)
+        yield Live(server, runner, port, records, target)
     finally:
         runner.should_exit = True
         thread.join(30)
@@ -497,3 +498,185 @@ def test_a_server_bug_is_a_500_that_keeps_the_connection(
     assert response.status == 200 and response.read()
     assert connection.sock is sock
     connection.close()
+
+
+# -- bodies that are not what they claim -------------------------------------------------------
+
+
+def post(
+    live: Live, path: str, body: bytes | str, headers: dict[str, str] = AUTH
+) -> tuple[int, dict]:
+    """One request on a fresh connection: the status and the JSON answer."""
+    connection = live.http()
+    connection.request("POST", path, body, headers)
+    response = connection.getresponse()
+    answer = json.loads(response.read())
+    connection.close()
+    return response.status, answer
+
+
+def plain_greedy_text(live: Live, prompt: str, max_tokens: int) -> str:
+    """The target's own greedy decoding of ``prompt`` (``generate``, no server), as text."""
+    tokenizer = live.server.tokenizer
+    ids = torch.tensor([tokenizer(prompt)["input_ids"]])
+    with torch.no_grad():
+        out = live.target.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            eos_token_id=live.server.eos_token_ids,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    return tokenizer.decode(out[0, ids.shape[1] :].tolist(), skip_special_tokens=True)
+
+
+def assert_still_greedy(live: Live) -> None:
+    """A good request after a bad one gets the target's plain greedy answer."""
+    body = json.dumps({"model": MODEL, "prompt": "def add", "max_tokens": 12, "temperature": 0})
+    status, answer = post(live, "/v1/completions", body)
+    assert status == 200, answer
+    assert answer["choices"][0]["text"] == plain_greedy_text(live, "def add", 12)
+
+
+GOOD_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+JSON_ONLY = {"Authorization": f"Bearer {API_KEY}"}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "headers", "status", "code", "fragment"),
+    [
+        # json.loads alone guesses UTF-16 and UTF-32 from the first bytes and took these.
+        ("/v1/completions", GOOD.encode("utf-16"), AUTH, 400, "invalid_encoding", "not UTF-8"),
+        ("/v1/completions", GOOD.encode("utf-32"), AUTH, 400, "invalid_encoding", "not UTF-8"),
+        ("/v1/completions", GOOD.encode("utf-16-be"), AUTH, 400, None, "parse the JSON"),
+        # A repeated key silently took its last value (parsers disagree on which one wins).
+        ("/v1/completions", '{"model": "tiny", "prompt": "a", "prompt": [1]}', AUTH, 400,
+         "duplicate_key", "'prompt' more than once"),
+        ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "role": '
+         '"system", "content": "x"}]}', AUTH, 400, "duplicate_key", "'role' more than once"),
+        # A body declared as something else was parsed as JSON all the same.
+        ("/v1/completions", GOOD, {**JSON_ONLY, "Content-Type": "text/plain"}, 415,
+         "unsupported_media_type", "Content-Type: application/json"),
+        ("/v1/chat/completions", json.dumps(GOOD_CHAT),
+         {**JSON_ONLY, "Content-Type": "application/x-www-form-urlencoded"}, 415,
+         "unsupported_media_type", "Content-Type: application/json"),
+        ("/v1/completions", "model=tiny&prompt=x",
+         {**JSON_ONLY, "Content-Type": "multipart/form-data; boundary=x"}, 415,
+         "unsupported_media_type", "'multipart/form-data; boundary=x'"),
+    ],
+)  # fmt: skip
+def test_bodies_that_are_not_utf8_json_objects_are_a_4xx_naming_the_fix(
+    live: Live,
+    path: str,
+    body: bytes | str,
+    headers: dict[str, str],
+    status: int,
+    code: str | None,
+    fragment: str,
+) -> None:
+    got, answer = post(live, path, body, headers)
+    error = openai_error(answer, code)
+    assert got == status and fragment in error["message"], error
+    assert_still_greedy(live)
+
+
+@pytest.mark.parametrize(
+    ("body", "headers"),
+    [
+        (b"\xef\xbb\xbf" + GOOD.encode(), AUTH),  # a UTF-8 byte order mark may be ignored
+        (GOOD, {**JSON_ONLY, "Content-Type": "application/json; charset=utf-8"}),
+        (GOOD, {**JSON_ONLY, "Content-Type": "application/vnd.api+json"}),
+        (GOOD, JSON_ONLY),  # no Content-Type at all: JSON
+    ],
+)
+def test_utf8_json_bodies_are_served_whatever_their_json_label(
+    live: Live, body: bytes | str, headers: dict[str, str]
+) -> None:
+    status, answer = post(live, "/v1/completions", body, headers)
+    assert status == 200, answer
+    assert answer["choices"][0]["text"] == plain_greedy_text(live, "def add", 3)
+
+
+def test_errors_echo_at_most_a_bounded_part_of_what_was_sent(live: Live) -> None:
+    """A megabyte model name or field name is not sent back whole."""
+    huge = "m" * 500_000
+    for body, code in [
+        ({"model": huge, "prompt": "x"}, "model_not_found"),
+        ({"model": MODEL, "prompt": "x", huge: 1}, None),
+        (f'{{"model": "tiny", "{huge}": 1, "{huge}": 2}}', "duplicate_key"),
+    ]:
+        status, answer = post(
+            live, "/v1/completions", body if isinstance(body, str) else json.dumps(body)
+        )
+        error = openai_error(answer, code)
+        assert status in (400, 404) and len(error["message"]) < 300, error["message"][:300]
+    assert_still_greedy(live)
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status", "fragment"),
+    [
+        ("GET", "/v1/completions", 405, "GET /v1/completions; use POST"),
+        ("POST", "/v1/models", 405, "POST /v1/models; use GET"),
+        ("POST", "/v1/embeddings", 404, "POST /v1/completions, POST /v1/chat/completions"),
+        ("GET", "/v2/models", 404, "no route GET /v2/models"),
+    ],
+)
+def test_a_wrong_route_or_method_names_the_right_ones(
+    live: Live, method: str, path: str, status: int, fragment: str
+) -> None:
+    connection = live.http()
+    connection.request(method, path, GOOD if method == "POST" else None, AUTH)
+    response = connection.getresponse()
+    error = openai_error(json.loads(response.read()))
+    assert response.status == status and fragment in error["message"], error
+    connection.close()
+
+
+# -- the decoder thread ------------------------------------------------------------------------
+
+
+def test_prompts_are_tokenised_off_the_event_loop(
+    live: Live, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prompt near the body limit takes a second to tokenise: not on the loop, where every
+    stream and /health would wait for it."""
+    threads: list[str] = []
+    encode, render = live.server._encode, live.server._render_chat
+
+    def recording(function: Callable) -> Callable:
+        def call(argument: object) -> list[int]:
+            threads.append(threading.current_thread().name)
+            return function(argument)
+
+        return call
+
+    monkeypatch.setattr(live.server, "_encode", recording(encode))
+    monkeypatch.setattr(live.server, "_render_chat", recording(render))
+    post(live, "/v1/completions", GOOD)
+    post(live, "/v1/chat/completions", json.dumps(GOOD_CHAT))
+    assert len(threads) == 2
+    assert all(name.startswith("draftsmith-prompts") for name in threads), threads
+
+
+def test_a_decoder_bug_between_rounds_answers_500_and_decoding_goes_on(
+    live: Live, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An exception outside a round used to end the decoder thread: every later request then
+    waited for ever. Now the requests it held get a 500 and the thread keeps serving."""
+
+    def broken(*_: object) -> None:
+        raise RuntimeError("a scheduler bug")
+
+    monkeypatch.setattr(live.server.worker, "_lane_for", broken)
+    status, answer = post(live, "/v1/completions", GOOD)
+    assert status == 500 and openai_error(answer)["type"] == "server_error"
+    assert "a scheduler bug" in answer["error"]["message"]
+    live.server_bugs += 1
+    (record,) = live.records.bad
+    assert record.exc_info and "RuntimeError: a scheduler bug" in logging.Formatter().format(record)
+    live.records.bad.clear()
+    monkeypatch.undo()
+    assert live.server.worker.alive
+    assert_still_greedy(live)

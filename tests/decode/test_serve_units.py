@@ -6,6 +6,7 @@ import asyncio
 import math
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,7 @@ from decode.serving.scheduler import (
     ErrorEvent,
     Event,
     GenerationJob,
+    QueueClosed,
     QueueFull,
     RequestQueue,
     SamplingParams,
@@ -177,7 +179,7 @@ def test_queue_batches_compatible_jobs_in_order_and_is_bounded() -> None:
         queue.put(late)
         assert queue.discard(late) and not queue.discard(late)
         assert queue.close() == [] and take() == []
-        with pytest.raises(QueueFull, match="shutting down"):
+        with pytest.raises(QueueClosed, match="shutting down"):  # answered 503, not 429
             queue.put(late)
 
     asyncio.run(scenario())
@@ -663,3 +665,53 @@ def test_stop_sequences_longer_than_the_bound_are_a_400_naming_it() -> None:
     with pytest.raises(APIError, match=f"at most {MAX_STOP_CHARS} characters") as raised:
         too_long.stop_strings()
     assert raised.value.status == 400 and raised.value.param == "stop"
+
+
+class _Fatal(BaseException):
+    """Ends a thread as nothing the worker catches would (a stand-in for any fatal error)."""
+
+
+def test_a_dead_decoder_thread_answers_waiting_requests_and_refuses_new_ones(
+    models: Models, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request queued when the decoder thread died used to wait for ever, and so did every
+    later one; now the waiting ones get a 503 and the queue refuses new ones."""
+    worker = make_worker(models)
+
+    def fatal(timeout: float = 0.0) -> bool:
+        raise _Fatal
+
+    monkeypatch.setattr(worker, "tick", fatal)
+    monkeypatch.setattr(threading, "excepthook", lambda _: None)  # the death is the point
+
+    async def scenario() -> None:
+        waiting = GenerationJob([7], 4, SamplingParams())
+        worker.queue.put(waiting)
+        worker.start()
+        await asyncio.to_thread(worker._thread.join, 30)
+        assert not worker.alive
+        event = await asyncio.wait_for(waiting.events.get(), 30)
+        assert isinstance(event, ErrorEvent) and event.status == 503
+        with pytest.raises(QueueClosed, match="decoder has stopped"):
+            worker.queue.put(GenerationJob([7], 4, SamplingParams()))
+
+    asyncio.run(scenario())
+
+
+def test_a_request_after_the_decoder_stopped_is_a_503_not_a_429(
+    tokenizer: PreTrainedTokenizerFast,
+) -> None:
+    """A stopped server is the server's state, not the client's load: 503, not 'retry, busy'."""
+    from starlette.testclient import TestClient
+
+    from decode.drafters.none import NoDrafter
+    from decode.serving.app import OpenAIServer
+
+    target = tiny_llama(vocab_size=len(tokenizer), dtype=torch.float32)
+    server = OpenAIServer(target, tokenizer, NoDrafter(len(tokenizer)), model_name="m")
+    server.queue.close()  # what the decoder thread does when it stops
+    client = TestClient(server.app())  # no lifespan: the decoder thread never starts
+    response = client.post("/v1/completions", json={"model": "m", "prompt": [5], "max_tokens": 2})
+    assert response.status_code == 503
+    error = response.json()["error"]
+    assert error["code"] == "server_unavailable" and "retry later" in error["message"]
