@@ -13,146 +13,30 @@ from __future__ import annotations
 import pytest
 import torch
 from decode_helpers import AdversarialDrafter, noisy_copy
-from tiny_models import tiny_config_kwargs
-from transformers import AutoConfig, AutoModelForCausalLM
+from family_variants import (
+    LEAN_FAMILIES,
+    NEW_TOKENS,
+    VARIANTS,
+    VOCAB,
+    build_variant,
+    longrope,
+    ragged_prompts,
+)
 
 from decode import DraftModelDrafter, SpeculativeDecoder
 from decode.kv_cache import CachedSequence
 from decode.lean_decoder import LeanDecoder
 from decode.output_head import OutputHead
 
-VOCAB = 96
-HEAD_DIM = 8
-WINDOW = 6  # smaller than the prompt (10), let alone prompt + new tokens (12)
-PROMPT_LEN = 10
-NEW_TOKENS = 12
-
-COMMON = tiny_config_kwargs(VOCAB, hidden_size=32, head_dim=HEAD_DIM, max_position_embeddings=64)
-
-
-def _longrope(original_max_position_embeddings: int) -> dict:
-    half = HEAD_DIM // 2
-    return dict(
-        rope_type="longrope",
-        rope_theta=10000.0,
-        short_factor=[1.0 + 0.25 * i for i in range(half)],
-        long_factor=[3.0 + 2.0 * i for i in range(half)],
-        original_max_position_embeddings=original_max_position_embeddings,
-    )
-
-
-# name -> (model_type, config overrides)
-VARIANTS: dict[str, tuple[str, dict]] = {
-    "llama": ("llama", {}),  # grouped-query attention: 4 query heads over 2 key/value heads
-    "llama-mqa-wide-heads": ("llama", dict(num_key_value_heads=1, head_dim=16)),  # 1 kv head
-    "llama-biases-tied": (
-        "llama",
-        dict(attention_bias=True, mlp_bias=True, tie_word_embeddings=True),
-    ),
-    "llama-linear": (
-        "llama",
-        dict(rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0)),
-    ),
-    # Below max_position_embeddings dynamic NTK leaves the angles alone (see the lean test).
-    "llama-dynamic": (
-        "llama",
-        dict(rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0)),
-    ),
-    "llama-yarn": (
-        "llama",
-        dict(
-            rope_parameters=dict(
-                rope_type="yarn",
-                rope_theta=10000.0,
-                factor=4.0,
-                original_max_position_embeddings=16,
-            )
-        ),
-    ),
-    "llama-llama3": (
-        "llama",
-        dict(
-            rope_parameters=dict(
-                rope_type="llama3",
-                rope_theta=10000.0,
-                factor=8.0,
-                low_freq_factor=1.0,
-                high_freq_factor=4.0,
-                original_max_position_embeddings=16,
-            )
-        ),
-    ),
-    "llama-proportional": (
-        "llama",
-        dict(
-            rope_parameters=dict(
-                rope_type="proportional", rope_theta=10000.0, factor=2.0, partial_rotary_factor=0.5
-            )
-        ),
-    ),
-    # Short factors throughout: every position stays below original_max_position_embeddings.
-    "llama-longrope-short": ("llama", dict(rope_parameters=_longrope(64))),
-    # Long factors throughout: the prompt already exceeds original_max_position_embeddings.
-    "llama-longrope-long": ("llama", dict(rope_parameters=_longrope(8))),
-    "qwen2": ("qwen2", {}),
-    "qwen3": ("qwen3", {}),
-    "mistral-no-window-theta-1e6": (
-        "mistral",
-        dict(sliding_window=None, rope_parameters=dict(rope_type="default", rope_theta=1e6)),
-    ),
-    "mistral-window": ("mistral", dict(sliding_window=WINDOW)),
-    # Layer 0 full attention, layer 1 windowed.
-    "qwen2-window": (
-        "qwen2",
-        dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
-    ),
-    "qwen3-window": (
-        "qwen3",
-        dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=0),
-    ),
-    # Local then global layers; eager attention with logit soft-capping (the model's own path).
-    # float32: in float64 Hugging Face's own eager Gemma2 turns fully masked padding queries
-    # into NaN (its float32 softmax of float64-minimum scores), and its generate emits pad ids.
-    "gemma2-window": ("gemma2", dict(sliding_window=WINDOW)),
-    "gemma3-window": (
-        "gemma3_text",
-        dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
-    ),
-}
-LEAN_FAMILIES = {"llama", "mistral", "qwen2", "qwen3"}
-
-
-def _build(name: str, dtype: torch.dtype, seed: int = 0, **extra: object) -> torch.nn.Module:
-    model_type, overrides = VARIANTS[name]
-    config = AutoConfig.for_model(model_type, **{**COMMON, **overrides, **extra})
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).to(dtype).eval()
-    # A peaked next-token law (random init is nearly uniform), so greedy ties cannot occur.
-    generator = torch.Generator().manual_seed(seed + 1000)
-    head = model.get_output_embeddings().weight
-    with torch.no_grad():
-        head.copy_(torch.randn(head.shape, generator=generator, dtype=head.dtype) * 0.5)
-    return model
-
-
-def _ragged_prompts(batch: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded prompts; row r has 3 r padding slots."""
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, VOCAB, (batch, PROMPT_LEN), generator=generator)
-    mask = torch.ones_like(ids)
-    for row in range(1, batch):
-        mask[row, : 3 * row] = 0
-    return ids.masked_fill(mask == 0, 0), mask
-
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_greedy_speculative_output_equals_generate(name: str) -> None:
-    target = _build(name, torch.float32 if name.startswith("gemma2") else torch.float64)
+    target = build_variant(name, torch.float32 if name.startswith("gemma2") else torch.float64)
     lean_options = (True, False) if VARIANTS[name][0] in LEAN_FAMILIES else (False,)
     noisy = DraftModelDrafter(noisy_copy(target, 0.5))
     drafters = ((1, noisy), (4, noisy), (4, AdversarialDrafter(target)))  # rejections: holes
     for batch in (1, 3):
-        ids, mask = _ragged_prompts(batch)
+        ids, mask = ragged_prompts(batch)
         reference = target.generate(
             input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False
         )
@@ -223,7 +107,7 @@ def _compare_lean_with_model(model: torch.nn.Module, rounds: int = 1) -> None:
     "name", sorted(name for name, (kind, _) in VARIANTS.items() if kind in LEAN_FAMILIES)
 )
 def test_lean_logits_equal_the_model_forward_in_float32(name: str) -> None:
-    _compare_lean_with_model(_build(name, torch.float32), rounds=2)
+    _compare_lean_with_model(build_variant(name, torch.float32), rounds=2)
 
 
 @pytest.mark.parametrize(
@@ -233,17 +117,17 @@ def test_lean_logits_equal_the_model_forward_in_float32(name: str) -> None:
         # position, as the model's forward recomputes them.
         ("llama-dynamic", dict(max_position_embeddings=12)),
         # Longrope crossing original_max_position_embeddings part-way (short, then long).
-        ("llama-longrope-short", dict(rope_parameters=_longrope(14))),
+        ("llama-longrope-short", dict(rope_parameters=longrope(14))),
     ],
 )
 def test_lean_follows_call_dependent_rope_past_its_threshold(name: str, extra: dict) -> None:
-    _compare_lean_with_model(_build(name, torch.float32, **extra), rounds=4)
+    _compare_lean_with_model(build_variant(name, torch.float32, **extra), rounds=4)
 
 
 def test_lean_longrope_keeps_short_factors_for_short_sequences() -> None:
     """A lean table grown past original_max_position_embeddings (by a long sequence, or by
     rounding its size up) must not hand a short sequence the long factors."""
-    model = _build("llama-longrope-short", torch.float32, rope_parameters=_longrope(16))
+    model = build_variant("llama-longrope-short", torch.float32, rope_parameters=longrope(16))
     head, lean = OutputHead.for_model(model), LeanDecoder.for_model(model)
     cpu = torch.device("cpu")
     generator = torch.Generator().manual_seed(0)
