@@ -13,7 +13,10 @@ Two rope types make a forward depend on how tokens are grouped into calls, in Hu
 own forward too: dynamic NTK past ``max_position_embeddings`` and longrope in a call that
 crosses ``original_max_position_embeddings`` (both switch frequencies by the call's largest
 position). There a verification pass of N + 1 tokens and a one-token step may disagree; below
-those thresholds (and for longrope wholly above it) every rope type is exact.
+those thresholds (and for longrope wholly above it) every rope type is exact. The switch is the
+call's, so it is shared by the rows of a batch: a row below the threshold decoded beside a row
+above it (in one ``generate`` or a session's rows) gets the long factors, as in Hugging Face's
+batched ``generate``.
 """
 
 from __future__ import annotations
