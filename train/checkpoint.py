@@ -125,7 +125,9 @@ class CheckpointManager:
         state = _read_json(Path(path) / STATE_FILE)
         step = state.get("step") if isinstance(state, dict) else None
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise CheckpointError(_broken(Path(path) / STATE_FILE, "it holds no valid 'step'"))
+            raise CheckpointError(
+                broken_file_message(Path(path) / STATE_FILE, "it holds no valid 'step'")
+            )
         return step
 
     def save(
@@ -170,7 +172,7 @@ class CheckpointManager:
         path = Path(path)
         state = _read_json(path / STATE_FILE)
         if not isinstance(state, dict):
-            raise CheckpointError(_broken(path / STATE_FILE, "it is not a JSON object"))
+            raise CheckpointError(broken_file_message(path / STATE_FILE, "it is not a JSON object"))
         pickled = sorted(p.name for p in path.iterdir() if p.suffix in (".pkl", ".pickle"))
         if pickled:
             raise CheckpointError(
@@ -197,7 +199,9 @@ class CheckpointManager:
                 stateful.load_state_dict(objective_state)
             except (KeyError, TypeError, ValueError, RuntimeError) as error:
                 raise CheckpointError(
-                    _broken(path / objective_file(rank), f"the objective refused it ({error})")
+                    broken_file_message(
+                        path / objective_file(rank), f"the objective refused it ({error})"
+                    )
                 ) from error
         return state
 
@@ -260,7 +264,7 @@ def parse_rng(data: Any, file: Path) -> dict[str, Any]:
         }
     except (KeyError, TypeError, ValueError, IndexError, binascii.Error) as error:
         raise CheckpointError(
-            _broken(file, f"malformed random-generator state ({error})")
+            broken_file_message(file, f"malformed random-generator state ({error})")
         ) from error
     return parsed
 
@@ -305,7 +309,7 @@ def save_state_tensors(path: Path, state: dict[str, Any]) -> None:
 def load_state_tensors(path: Path) -> dict[str, Any]:
     """The nested dict ``save_state_tensors`` wrote (tensors on the CPU)."""
     if not path.is_file():
-        raise CheckpointError(_broken(path, "the file is missing"))
+        raise CheckpointError(broken_file_message(path, "the file is missing"))
     try:
         with safe_open(str(path), framework="pt", device="cpu") as handle:
             scalars = json.loads((handle.metadata() or {}).get(_METADATA_KEY, "{}"))
@@ -313,7 +317,7 @@ def load_state_tensors(path: Path) -> dict[str, Any]:
                 raise ValueError("its scalar metadata is not a JSON object")
             flat: dict[str, Any] = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
     except Exception as error:  # safetensors raises its own error type
-        raise CheckpointError(_broken(path, f"unreadable ({error})")) from error
+        raise CheckpointError(broken_file_message(path, f"unreadable ({error})")) from error
     flat.update(scalars)
     nested: dict[str, Any] = {}
     for name, value in flat.items():
@@ -348,15 +352,18 @@ def _flatten(
 def _read_json(file: Path) -> Any:
     if not file.is_file():
         raise CheckpointError(
-            _broken(file, "the file is missing (a checkpoint of an older draftsmith, or damaged)")
+            broken_file_message(
+                file, "the file is missing (a checkpoint of an older draftsmith, or damaged)"
+            )
         )
     try:
         return json.loads(file.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise CheckpointError(_broken(file, f"not valid JSON ({error})")) from error
+        raise CheckpointError(broken_file_message(file, f"not valid JSON ({error})")) from error
 
 
-def _broken(file: Path, why: str) -> str:
+def broken_file_message(file: Path, why: str) -> str:
+    """The message of a ``CheckpointError`` for ``file``: what is wrong and how to go on."""
     return (
         f"checkpoint file {file} cannot be restored: {why}; resume from another checkpoint "
         "(--resume_from_checkpoint <folder>) or start afresh with --overwrite_output_dir"

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
@@ -51,6 +52,15 @@ DRAFTER_INITS = ("random", "embeddings", "target_layers")
 REPORTERS = ("wandb", "tensorboard", "none")
 MIXED_PRECISION = ("auto", "no", "bf16", "fp16")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+LR_SCHEDULERS = ("cosine", "linear", "constant")  # train.loop.SCHEDULES
+EXPORT_FORMATS_BY_KIND = {  # drafter kind -> the --export_format layouts it writes
+    "eagle3": ("vllm", "sglang", "speculators"),
+    "medusa": ("vllm",),
+    "peagle": ("speculators",),
+}
+# Every engine layout some kind writes (train.export_formats.ENGINE_FORMATS).
+EXPORT_FORMATS = tuple(dict.fromkeys(f for fs in EXPORT_FORMATS_BY_KIND.values() for f in fs))
+MAX_SEED = 2**32 - 1
 
 
 @dataclass(frozen=True)
@@ -428,6 +438,7 @@ class DistillConfig:
             (self.data.eval_source, EVAL_SOURCES, "eval_source"),
             (self.data.train_prompts, TRAIN_PROMPT_FORMS, "train_prompts"),
             (self.optim.mixed_precision, MIXED_PRECISION, "mixed_precision"),
+            (self.optim.lr_scheduler, LR_SCHEDULERS, "lr_scheduler"),
         ]
         for value, allowed, name in checks:
             if value not in allowed:
@@ -563,7 +574,62 @@ class DistillConfig:
             raise ValueError(
                 f"--loss_chunk_size must be >= 0 (0: off), got {self.loss.loss_chunk_size}"
             )
+        self._validate_schedule()
+        self._validate_run_folder()
+        self._validate_export_format()
         self._validate_large_target()
+
+    def _validate_schedule(self) -> None:
+        """The loop's settings (``train.loop.LoopConfig``), checked before any model loads."""
+        if not 0.0 <= self.optim.min_lr_ratio <= 1.0:
+            raise ValueError(
+                f"--min_lr_ratio must lie in [0, 1] (final learning rate / peak), got "
+                f"{self.optim.min_lr_ratio}"
+            )
+        for name, value in (
+            ("checkpoint_every", self.output.checkpoint_every),
+            ("eval_every", self.logging.eval_every),
+        ):
+            if value < 0:
+                raise ValueError(f"--{name} must be >= 0 (0: only at the end), got {value}")
+        for name, seed in (
+            ("seed", self.optim.seed),
+            ("train_samples_seed", self.data.train_samples_seed),
+        ):
+            if seed is not None and not 0 <= seed <= MAX_SEED:
+                raise ValueError(f"--{name} must lie in [0, 2**32 - 1], got {seed}")
+
+    def _validate_run_folder(self) -> None:
+        """An empty ``--output_dir`` (an unset shell variable, say) would write into the
+        working folder: refuse it."""
+        if not self.output.output_dir.strip():
+            raise ValueError(
+                "--output_dir is empty; pass the run folder (e.g. outputs/distill-demo), or "
+                "--output_dir . to write into the working folder"
+            )
+
+    def _validate_export_format(self) -> None:
+        """``--export_format`` names layouts the drafter kind writes, checked before training
+        (an unknown one would otherwise fail, or be ignored, only at export)."""
+        value = self.output.export_format
+        formats = parse_export_formats(value)
+        if not formats:
+            return
+        kind = self.drafter.drafter_kind
+        allowed = EXPORT_FORMATS_BY_KIND.get(kind, ())
+        bad = [fmt for fmt in formats if fmt not in allowed]
+        if bad:
+            offer = f"use {', '.join(allowed)}" if allowed else "leave --export_format unset"
+            raise ValueError(
+                f"--export_format {value!r}: --drafter_kind {kind} writes no {', '.join(bad)} "
+                f"layout; {offer} (its native drafter/ folder is always written)"
+            )
+        if "sglang" in formats and self.drafter.drafter_num_layers != 1:
+            raise ValueError(
+                f"--export_format sglang: SGLang serves single-layer EAGLE-3 heads only, got "
+                f"--drafter_num_layers {self.drafter.drafter_num_layers}; export with "
+                "--export_format vllm (or speculators), or train with --drafter_num_layers 1"
+            )
 
     def _validate_large_target(self) -> None:
         """A sharded target and cache-only runs read their rows from data, never generate them
@@ -593,6 +659,23 @@ class DistillConfig:
 
     def logging_reporters(self) -> list[str]:
         return [part.strip() for part in self.logging.report_to.split(",") if part.strip()]
+
+
+def parse_export_formats(value: str | Sequence[str] | None) -> tuple[str, ...]:
+    """``--export_format`` (``vllm``, ``sglang``, ``speculators``, a comma list or sequence of
+    them, or unset)."""
+    if value is not None and not isinstance(value, str):
+        value = ",".join(value)
+    if value is None or not value.strip() or value.strip() == "none":
+        return ()
+    formats = tuple(part.strip() for part in value.split(",") if part.strip())
+    bad = [fmt for fmt in formats if fmt not in EXPORT_FORMATS]
+    if bad:
+        raise ValueError(
+            f"--export_format {value!r}: unknown format(s) {bad}; use "
+            f"{', '.join(EXPORT_FORMATS)} or a comma list of them"
+        )
+    return tuple(dict.fromkeys(formats))
 
 
 def make_parser() -> Any:
@@ -653,7 +736,7 @@ def _read_recipe(path: Path, chain: tuple[Path, ...]) -> dict[str, Any]:
         if not isinstance(base, str) or not base.strip():
             raise ValueError(
                 f"{path}: {INHERIT_KEY} must be the path of a recipe YAML relative to "
-                f"{path.parent}, got {'null' if base is None else repr(base)}"
+                f"{path.parent}, got {describe_value(base)}"
             )
         flat.update(_read_recipe(path.parent / base, (*chain, here)))
     for section, values in data.items():

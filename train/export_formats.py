@@ -67,17 +67,20 @@ place, so a crash never leaves a half-written export behind.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from data.atomic_io import atomic_folder
 from decode.drafters.eagle import EAGLE3_ARCHITECTURE, Eagle3Config, Eagle3Head
+from decode.drafters.folder import check_weights_fit_config, config_from_fields
 from decode.drafters.medusa import MEDUSA_ARCHITECTURE, MedusaHeads
 from decode.drafters.peagle import PEagleConfig, PEagleHead
+from decode.loading import LoadError, load_safetensors, read_json_object
 
 EngineFormat = Literal["vllm", "sglang", "speculators"]
 ENGINE_FORMATS: tuple[str, ...] = ("vllm", "sglang", "speculators")
@@ -320,59 +323,82 @@ def read_speculators_peagle(folder: str | Path) -> PEagleHead:
     """Load a speculators-format P-EAGLE folder (as written by :func:`export_peagle`); the mask
     embedding is the ``embed_tokens`` row of ``mask_token_id``."""
     raw, config, state = _read_speculators(folder, "peagle")
-    head_config = PEagleConfig(
-        **config.to_dict(),
-        num_depths=raw["speculators_config"]["proposal_methods"][0]["speculative_tokens"],
-        mask_token_id=raw["mask_token_id"],
-    )
-    table = state.pop("embed_tokens.weight")
-    state["mask_embed"] = table[head_config.mask_token_id]
-    state["mask_hidden"] = state["mask_hidden"].reshape(-1)
-    return PEagleHead.from_state(head_config, state)
+    with _named_errors(folder, "peagle"):
+        head_config = PEagleConfig(
+            **config.to_dict(),
+            num_depths=raw["speculators_config"]["proposal_methods"][0]["speculative_tokens"],
+            mask_token_id=raw["mask_token_id"],
+        )
+        table = state.pop("embed_tokens.weight")
+        state["mask_embed"] = table[head_config.mask_token_id]
+        state["mask_hidden"] = state["mask_hidden"].reshape(-1)
+        return PEagleHead.from_state(head_config, state)
 
 
 def read_speculators_eagle3(folder: str | Path) -> Eagle3Head:
     """Load a speculators-format EAGLE-3 folder (as written by :func:`export_eagle3`)."""
     _, config, state = _read_speculators(folder, "eagle3")
-    return Eagle3Head.from_state(config, state)
+    with _named_errors(folder, "eagle3"):
+        return Eagle3Head.from_state(config, state)
+
+
+_REWRITE = "re-export the head with train/distill.py --export_format speculators"
+
+
+@contextmanager
+def _named_errors(folder: str | Path, model_type: str) -> Iterator[None]:
+    """A missing key or a field of the wrong type or shape in a speculators folder becomes a
+    ``LoadError`` naming the folder (the head's own ``ValueError``s pass unchanged)."""
+    try:
+        yield
+    except (KeyError, IndexError, TypeError, AttributeError, RuntimeError) as error:
+        raise LoadError(
+            f"{folder} is not a readable speculators-format {model_type} folder ("
+            f"{type(error).__name__}: {error}); {_REWRITE}"
+        ) from error
 
 
 def _read_speculators(
     folder: str | Path, model_type: str
 ) -> tuple[dict[str, Any], Eagle3Config, dict[str, torch.Tensor]]:
     """A speculators folder's raw config, its EAGLE-3 layer config and its tensors (names as
-    in our heads, ``layers.0.*`` back to ``midlayer.*``)."""
+    in our heads, ``layers.0.*`` back to ``midlayer.*``); every file checked
+    (``decode.loading``: malformed JSON, corrupt or non-finite weights are ``LoadError``s)."""
     folder = Path(folder)
-    raw = json.loads((folder / "config.json").read_text())
-    if raw.get("speculators_model_type") != model_type or "transformer_layer_config" not in raw:
+    raw = read_json_object(folder / "config.json", _REWRITE)
+    layer = raw.get("transformer_layer_config")
+    if raw.get("speculators_model_type") != model_type or not isinstance(layer, dict):
         raise ValueError(f"{folder} is not a speculators-format {model_type} folder")
     if raw.get("norm_before_residual", True) or raw.get("norm_before_fc") or raw.get("fc_norm"):
         raise ValueError(
             f"{folder} uses norm_before_residual/norm_before_fc/fc_norm, variants this head "
             "does not implement"
         )
-    layer = raw["transformer_layer_config"]
     ids = raw.get("eagle_aux_hidden_state_layer_ids")
-    if not ids:
+    if not ids or not isinstance(ids, list):
         raise ValueError(f"{folder} names no eagle_aux_hidden_state_layer_ids")
-    config = Eagle3Config(
-        hidden_size=layer["hidden_size"],
-        num_attention_heads=layer["num_attention_heads"],
-        num_key_value_heads=layer.get("num_key_value_heads", layer["num_attention_heads"]),
-        intermediate_size=layer["intermediate_size"],
-        target_vocab_size=layer["vocab_size"],
-        target_num_hidden_layers=raw.get("target_num_hidden_layers", max(ids) + 1),
-        draft_vocab_size=raw.get("draft_vocab_size") or layer["vocab_size"],
-        aux_hidden_state_layer_ids=tuple(ids),
-        head_dim=layer.get("head_dim"),
-        rms_norm_eps=layer.get("rms_norm_eps", 1e-6),
-        rope_theta=layer.get("rope_theta", 10000.0),
-        max_position_embeddings=layer.get("max_position_embeddings", 4096),
-        num_hidden_layers=layer.get("num_hidden_layers", 1),
-    )
+    weights = load_safetensors(folder / "model.safetensors", _REWRITE)
+    check_weights_fit_config(layer, weights, folder / "config.json")
+    with _named_errors(folder, model_type):
+        values = {
+            "hidden_size": layer["hidden_size"],
+            "num_attention_heads": layer["num_attention_heads"],
+            "num_key_value_heads": layer.get("num_key_value_heads", layer["num_attention_heads"]),
+            "intermediate_size": layer["intermediate_size"],
+            "target_vocab_size": layer["vocab_size"],
+            "target_num_hidden_layers": raw.get("target_num_hidden_layers", max(ids) + 1),
+            "draft_vocab_size": raw.get("draft_vocab_size") or layer["vocab_size"],
+            "aux_hidden_state_layer_ids": ids,
+            "head_dim": layer.get("head_dim"),
+            "rms_norm_eps": layer.get("rms_norm_eps", 1e-6),
+            "rope_theta": layer.get("rope_theta", 10000.0),
+            "max_position_embeddings": layer.get("max_position_embeddings", 4096),
+            "num_hidden_layers": layer.get("num_hidden_layers", 1),
+        }
+        config = config_from_fields(Eagle3Config, values)
     state = {
         ("midlayer." + k.removeprefix("layers.0.") if k.startswith("layers.0.") else k): v
-        for k, v in load_file(str(folder / "model.safetensors")).items()
+        for k, v in weights.items()
     }
     return raw, config, state
 

@@ -36,7 +36,7 @@ from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
 from train.batches import ShardedBatches
-from train.checkpoint import CheckpointManager
+from train.checkpoint import STATE_FILE, CheckpointError, CheckpointManager, broken_file_message
 from train.objectives import Batch, Objective
 
 LogFn = Callable[[dict[str, float], int], None]
@@ -113,8 +113,27 @@ class TrainerState:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainerState:
+        """The state a checkpoint's ``trainer_state.json`` holds, every field checked
+        (``ValueError`` naming the first bad one: the file was damaged or tampered with)."""
         known = {name: data[name] for name in cls.__dataclass_fields__ if name in data}
+        for name, least in (("step", 0), ("micro_step", 0), ("tokens_seen", 0), ("world_size", 1)):
+            value = known.get(name, least)
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+        elapsed = known.get("elapsed_s", 0.0)
+        if not _finite_number(elapsed) or elapsed < 0:
+            raise ValueError(f"elapsed_s must be a finite number >= 0, got {elapsed!r}")
+        last_eval = known.get("last_eval", {})
+        numbers = (int, float, type(None))  # NaN allowed: an evaluation may have measured it
+        if not isinstance(last_eval, dict) or not all(
+            isinstance(v, numbers) and not isinstance(v, bool) for v in last_eval.values()
+        ):
+            raise ValueError(f"last_eval must map metric names to numbers, got {last_eval!r}")
         return cls(**known)
+
+
+def _finite_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass
@@ -216,7 +235,7 @@ def _start_run(
 
     state = TrainerState(world_size=accelerator.num_processes)
     if resume_from is not None and checkpoints is not None:
-        state = TrainerState.from_dict(checkpoints.load(accelerator, resume_from, objective))
+        state = _restored_state(checkpoints.load(accelerator, resume_from, objective), resume_from)
         _check_resume_world(state, accelerator)
         state.world_size = accelerator.num_processes
     clock.offset_s = state.elapsed_s
@@ -244,6 +263,16 @@ def _start_run(
     run.window_start = clock.elapsed()
     module.train()
     return run
+
+
+def _restored_state(data: dict[str, Any], checkpoint: Path) -> TrainerState:
+    """``TrainerState.from_dict``; a bad field is a ``CheckpointError`` naming the file."""
+    try:
+        return TrainerState.from_dict(data)
+    except (TypeError, ValueError) as error:
+        raise CheckpointError(
+            broken_file_message(Path(checkpoint) / STATE_FILE, str(error))
+        ) from None
 
 
 def _optimizer_step(run: _RunState, batches: Any) -> None:

@@ -5,12 +5,16 @@ Native folders hold ``drafter.json`` (the kind and ``format_version``), ``config
 ``architectures``. A drafter folder may come from someone else, so everything read from it is
 checked (``decode.loading``): malformed JSON, a missing ``kind``, a ``format_version`` newer
 than this code reads, a corrupt safetensors file and NaN or infinite weights are errors naming
-the file and the fix.
+the file and the fix. So are a config field of the wrong type (``"hidden_size": "32"``), a size
+that is not positive, a size larger than every dimension of the folder's own weights (a
+hostile ``"hidden_size": 10000000`` would otherwise allocate terabytes before the shapes are
+compared) and weights that are not floating point.
 """
 
 from __future__ import annotations
 
 import json
+import typing
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, TypeVar
@@ -19,25 +23,66 @@ import torch
 from safetensors.torch import save_file
 
 from decode.loading import LoadError, load_safetensors, read_json_object
+from decode.yaml_values import describe_type, describe_value, typed_value
 
 FORMAT_VERSION = 1
 """The newest ``drafter.json`` format this code reads (and the one it writes)."""
 DRAFTER_FILE = "drafter.json"
 _REEXPORT = "re-export the drafter with train/distill.py or use a folder written by it"
+_SIZE_KEYS = (
+    "hidden_size",
+    "vocab_size",
+    "intermediate_size",
+    "num_heads",
+    "num_layers",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "target_vocab_size",
+    "draft_vocab_size",
+    "target_hidden_size",
+    "truncated_vocab_size",
+    "num_depths",
+)
+"""config.json keys that size the module built before its weights are compared: a dimension
+of some weight, or a count of modules (at most the number of tensors)."""
 
 
 ConfigT = TypeVar("ConfigT")
 
 
 def config_from_fields(cls: type[ConfigT], values: dict[str, Any]) -> ConfigT:
-    """``cls(**values)`` for a dataclass config read from a folder, refusing unknown keys."""
+    """``cls(**values)`` for a dataclass config read from a folder, refusing unknown keys,
+    values of another type than the field's and numbers that are not positive (except ids)."""
     known = {f.name for f in fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
         raise ValueError(
             f"unknown {cls.__name__} fields {unknown}; expected a subset of {sorted(known)}"
         )
-    return cls(**values)
+    hints = typing.get_type_hints(cls)
+    checked = {
+        name: _checked_field(cls, name, hints[name], value) for name, value in values.items()
+    }
+    return cls(**checked)
+
+
+def _checked_field(cls: type, name: str, hint: Any, value: Any) -> Any:
+    """``value`` of config field ``name`` if it has the field's type (ints widened to float)
+    and, unless it is a list or an id, is positive; else ``LoadError``."""
+    ok, converted = typed_value(value, hint)
+    if not ok:
+        raise LoadError(
+            f"config.json: {cls.__name__}.{name} must be {describe_type(hint)}, got "
+            f"{describe_value(value)}; {_REEXPORT}"
+        )
+    number = isinstance(converted, (int, float)) and not isinstance(converted, bool)
+    if number and not name.endswith("_id") and converted <= 0:
+        raise LoadError(
+            f"config.json: {cls.__name__}.{name} must be positive, got {converted!r}; {_REEXPORT}"
+        )
+    return converted
 
 
 def read_drafter_marker(folder: str | Path) -> dict[str, Any]:
@@ -100,4 +145,29 @@ def read_folder(
     weights_path = folder / "model.safetensors"
     if not weights_path.is_file():
         raise FileNotFoundError(f"{folder} has no model.safetensors")
-    return raw, native, load_safetensors(weights_path, _REEXPORT)
+    weights = load_safetensors(weights_path, _REEXPORT)
+    check_weights_fit_config(raw, weights, config_path)
+    return raw, native, weights
+
+
+def check_weights_fit_config(
+    raw: dict[str, Any], weights: dict[str, torch.Tensor], config_path: Path
+) -> None:
+    """Refuse parameters that are not floating point, and sizes in ``config.json`` that no
+    weight holds (checked before the module those sizes describe is built)."""
+    for name, tensor in weights.items():
+        if name.endswith((".weight", ".bias")) and not tensor.is_floating_point():
+            raise LoadError(
+                f"{config_path.parent / 'model.safetensors'}: weight {name} has dtype "
+                f"{str(tensor.dtype).removeprefix('torch.')}, not a floating-point dtype; "
+                f"{_REEXPORT}"
+            )
+    bound = max([len(weights), *(max(t.shape, default=1) for t in weights.values())])
+    for key in _SIZE_KEYS:
+        value = raw.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > bound:
+            raise LoadError(
+                f"{config_path}: {key} {value} is larger than every dimension of the weights in "
+                f"model.safetensors (at most {bound}), so the config does not describe them; "
+                f"{_REEXPORT}"
+            )

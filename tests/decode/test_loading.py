@@ -109,3 +109,79 @@ def test_dtype_names_come_from_one_table() -> None:
         ValueError, match="--dtype 'fp32' is not valid; choose one of auto, float32"
     ):
         loading.resolve_dtype("fp32")
+
+
+# ---- hostile config.json values and weights of a head folder
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "expected"),
+    [
+        ("hidden_size", "32", r"MedusaConfig\.hidden_size must be an integer, got '32'"),
+        ("bias", "yes", r"MedusaConfig\.bias must be true or false, got 'yes'"),
+        ("bias", [1], r"MedusaConfig\.bias must be true or false"),
+        ("num_heads", 10**7, r"num_heads 10000000 is larger than every dimension"),
+        ("hidden_size", 10**7, r"hidden_size 10000000 is larger than every dimension"),
+    ],
+)
+def test_a_bad_medusa_config_value_is_named(
+    medusa_folder: Path, field: str, value: object, expected: str
+) -> None:
+    """Huge sizes used to allocate before the shapes were compared (an OOM kill at 10**7
+    heads); a wrong type was accepted (bias "yes") or crashed inside torch."""
+    config = json.loads((medusa_folder / "config.json").read_text())
+    config[field] = value
+    (medusa_folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(LoadError, match=expected):
+        MedusaHeads.from_pretrained(medusa_folder)
+
+
+@pytest.fixture
+def eagle_folder(tmp_path: Path) -> Path:
+    from decode.drafters.eagle import Eagle3Config, Eagle3Head
+
+    folder = tmp_path / "eagle3"
+    Eagle3Head(Eagle3Config.for_target(tiny_llama().config)).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "expected"),
+    [
+        ("intermediate_size", "64", r"Eagle3Config\.intermediate_size must be an integer"),
+        ("num_key_value_heads", 0, r"Eagle3Config\.num_key_value_heads must be positive"),
+        ("num_attention_heads", None, r"num_attention_heads must be an integer, got null"),
+        ("aux_hidden_state_layer_ids", 1, r"aux_hidden_state_layer_ids must be a list of int"),
+        ("rms_norm_eps", "abc", r"Eagle3Config\.rms_norm_eps must be a finite number"),
+        ("rope_theta", -1, r"Eagle3Config\.rope_theta must be positive, got -1\.0"),
+        ("max_position_embeddings", 1.5, r"max_position_embeddings must be an integer"),
+        ("intermediate_size", 10**8, r"intermediate_size 100000000 is larger than every"),
+    ],
+)
+def test_a_bad_eagle3_config_value_is_named(
+    eagle_folder: Path, field: str, value: object, expected: str
+) -> None:
+    """These used to raise TypeError/RuntimeError/ZeroDivisionError from inside torch, or be
+    accepted (a string rms_norm_eps, a negative rope_theta)."""
+    from decode.drafters.eagle import Eagle3Head
+
+    config = json.loads((eagle_folder / "config.json").read_text())
+    config[field] = value
+    (eagle_folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(LoadError, match=expected):
+        Eagle3Head.from_pretrained(eagle_folder)
+
+
+def test_integer_weights_are_refused(medusa_folder: Path) -> None:
+    weights = load_file(str(medusa_folder / "model.safetensors"))
+    weights = {name: tensor.to(torch.int32) for name, tensor in weights.items()}
+    save_file(weights, str(medusa_folder / "model.safetensors"))
+    with pytest.raises(LoadError, match=r"has dtype int32, not a floating-point dtype"):
+        MedusaHeads.from_pretrained(medusa_folder)
+
+
+def test_a_valid_head_folder_still_round_trips(eagle_folder: Path) -> None:
+    from decode.drafters.eagle import Eagle3Head
+
+    head = Eagle3Head.from_pretrained(eagle_folder)
+    assert head.config.aux_hidden_state_layer_ids == (0, 1)

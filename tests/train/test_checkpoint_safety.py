@@ -169,3 +169,37 @@ def test_a_checkpoint_records_the_exports_provenance(tmp_path: Path) -> None:
     # Without a config (a caller outside distill), no provenance and the checkpoint still loads.
     bare = CheckpointManager(tmp_path / "bare").save(accelerator, 1, {"step": 1})
     assert not (bare / PROVENANCE_FILE).exists()
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "expected"),
+    [
+        ("tokens_seen", "many", r"tokens_seen must be an integer >= 0, got 'many'"),
+        ("micro_step", -1, r"micro_step must be an integer >= 0"),
+        ("world_size", 0, r"world_size must be an integer >= 1"),
+        ("elapsed_s", float("nan"), r"elapsed_s must be a finite number >= 0"),
+        ("elapsed_s", "1", r"elapsed_s must be a finite number >= 0"),
+        ("last_eval", [1], r"last_eval must map metric names to numbers"),
+    ],
+)
+def test_a_tampered_trainer_state_field_is_an_error(
+    saved: Any, field: str, value: Any, expected: str
+) -> None:
+    """These fields used to be restored unchecked and fail later inside the loop (a string
+    tokens_seen: a TypeError at the first step) or silently (a NaN elapsed time)."""
+    from train.loop import _restored_state
+
+    accelerator, manager, path = saved
+    state = json.loads((path / "trainer_state.json").read_text())
+    state[field] = value
+    (path / "trainer_state.json").write_text(json.dumps(state))
+    with pytest.raises(CheckpointError, match=expected) as error:
+        _restored_state(manager.load(accelerator, path), path)
+    assert "trainer_state.json" in str(error.value)
+
+
+def test_a_sound_trainer_state_restores(saved: Any) -> None:
+    from train.loop import _restored_state
+
+    accelerator, manager, path = saved
+    assert _restored_state(manager.load(accelerator, path), path).step == 4

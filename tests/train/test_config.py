@@ -189,3 +189,78 @@ def test_a_time_box_drives_the_decay_when_asked() -> None:
         parse_config(["--config", str(CONFIGS / "tiny.yaml"), "--schedule_by_time"])
     )
     assert untimed.max_minutes is None and not untimed.schedule_by_time
+
+
+# ---- hostile recipes and flags (the audit of the training side's inputs)
+
+
+def test_a_key_given_twice_in_a_recipe_is_an_error(tmp_path: Path) -> None:
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("optim:\n  max_steps: 1\n  max_steps: 2\n")
+    with pytest.raises(ValueError, match=r"found the key 'max_steps' twice \(keep one\)"):
+        read_recipe(recipe)
+    recipe.write_text("optim: {max_steps: 1}\noptim: {seed: 2}\n")
+    with pytest.raises(ValueError, match=r"found the key 'optim' twice"):
+        read_recipe(recipe)
+
+
+def test_a_merge_key_may_still_be_overridden(tmp_path: Path) -> None:
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("optim:\n  <<: {max_steps: 3, seed: 4}\n  max_steps: 5\n")
+    assert read_recipe(recipe) == {"max_steps": 5, "seed": 4}
+
+
+def test_an_alias_bomb_costs_a_short_message(tmp_path: Path) -> None:
+    """Billion laughs: nine levels of nine aliases would print ~10**9 items in the message."""
+    levels = ["&a0 [x, x, x, x, x, x, x, x, x]"]
+    levels += [f"&a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 9)]
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"optim:\n  max_steps: [{', '.join(levels)}]\n")
+    with pytest.raises(ValueError, match=r"optim\.max_steps must be an integer") as error:
+        read_recipe(recipe)
+    assert len(str(error.value)) < 1000
+    recipe.write_text(f"inherit: [{', '.join(levels)}]\n")
+    with pytest.raises(ValueError, match=r"inherit must be the path") as error:
+        read_recipe(recipe)
+    assert len(str(error.value)) < 1000
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--lr_scheduler", "cosin"], r"--lr_scheduler 'cosin' is not valid; choose one of"),
+        (["--min_lr_ratio", "-2"], r"--min_lr_ratio must lie in \[0, 1\]"),
+        (["--checkpoint_every", "-1"], r"--checkpoint_every must be >= 0"),
+        (["--eval_every", "-5"], r"--eval_every must be >= 0"),
+        (["--seed", str(2**70)], r"--seed must lie in \[0, 2\*\*32 - 1\]"),
+        (["--seed", "-1"], r"--seed must lie in"),
+        (["--train_samples_seed", "-3"], r"--train_samples_seed must lie in"),
+        (["--output_dir", " "], r"--output_dir is empty"),
+        (["--export_format", "onnx"], r"unknown format\(s\) \[.onnx.\]; use vllm, sglang"),
+        (
+            ["--drafter_kind", "draft_lm", "--export_format", "vllm"],
+            r"--drafter_kind draft_lm writes no vllm layout; leave --export_format unset",
+        ),
+        (
+            ["--drafter_kind", "medusa", "--export_format", "vllm,sglang"],
+            r"--drafter_kind medusa writes no sglang layout; use vllm",
+        ),
+        (
+            ["--export_format", "sglang", "--drafter_num_layers", "2"],
+            r"SGLang serves single-layer EAGLE-3 heads only",
+        ),
+    ],
+)
+def test_loop_and_export_settings_are_checked_before_anything_loads(
+    flags: list[str], expected: str
+) -> None:
+    """These used to fail only after the target loaded (or, for --export_format, after
+    training, at export; draft_lm ignored it)."""
+    with pytest.raises(ValueError, match=expected):
+        parse_config(flags)
+
+
+def test_valid_export_formats_and_seeds_still_parse() -> None:
+    config = parse_config(["--export_format", "vllm,sglang", "--seed", str(2**32 - 1)])
+    assert config.output.export_format == "vllm,sglang"
+    assert parse_config(["--drafter_kind", "draft_lm", "--export_format", "none"])

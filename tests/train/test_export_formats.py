@@ -396,9 +396,54 @@ def test_a_layer_count_the_weights_do_not_hold_is_refused_before_building(tmp_pa
     for layers in (1, 3, 10**9):  # 10**9 would allocate a billion layers if built first
         config["num_hidden_layers"] = layers
         (out / "config.json").write_text(json.dumps(config))
-        with pytest.raises(ValueError, match="do not belong together"):
+        # 10**9 exceeds every weight dimension: refused by decode.drafters.folder first
+        with pytest.raises(ValueError, match=r"do not belong together|does not describe them"):
             Eagle3Head.from_pretrained(out)
     config["num_hidden_layers"] = "2"
     (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="num_hidden_layers must be an integer"):
         Eagle3Head.from_pretrained(out)
+
+
+@pytest.mark.parametrize(
+    ("damage", "expected"),
+    [
+        (lambda c: c.update(transformer_layer_config=[1]), "is not a speculators-format"),
+        (lambda c: c["transformer_layer_config"].pop("hidden_size"), "KeyError: 'hidden_size'"),
+        (
+            lambda c: c["transformer_layer_config"].update(intermediate_size="64"),
+            r"Eagle3Config\.intermediate_size must be an integer",
+        ),
+        (
+            lambda c: c["transformer_layer_config"].update(hidden_size=10**7),
+            r"hidden_size 10000000 is larger than every dimension",
+        ),
+    ],
+)
+def test_a_damaged_speculators_folder_is_named(tmp_path, damage, expected) -> None:
+    """read_speculators_* (scripts/check_engine.py reads a user's folder with them) used to
+    raise a bare KeyError, TypeError or torch allocation error."""
+    from decode.loading import LoadError
+
+    out = export_eagle3(_eagle_head(), tmp_path / "s", "speculators", verifier="t")
+    config = json.loads((out / "config.json").read_text())
+    damage(config)
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=expected):
+        read_speculators_eagle3(out)
+    (out / "config.json").write_text("{oops")
+    with pytest.raises(LoadError, match=r"config\.json is not valid JSON"):
+        read_speculators_eagle3(out)
+
+
+def test_non_finite_speculators_weights_are_refused(tmp_path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from decode.loading import LoadError
+
+    out = export_eagle3(_eagle_head(), tmp_path / "s", "speculators", verifier="t")
+    weights = load_file(str(out / "model.safetensors"))
+    weights["fc.weight"][0, 0] = float("inf")
+    save_file(weights, str(out / "model.safetensors"))
+    with pytest.raises(LoadError, match=r"weight fc\.weight holds 1 NaN or infinite"):
+        read_speculators_eagle3(out)

@@ -185,3 +185,11 @@ def test_distill_main_trains_and_exports_an_eagle3_head(tiny_argv, tmp_path: Pat
     assert meta["has_hidden_states"] and meta["hidden_layer_ids"] == [0, 1]
     head = Eagle3Head.from_pretrained(cached["drafter_dir"])
     assert head.config.draft_vocab_size == 300 and int(head.t2d.sum()) == 300
+
+
+def test_an_sglang_export_the_head_cannot_take_is_refused_before_training() -> None:
+    """A 2-layer target's default ids read the embedding output (id 0), which SGLang cannot
+    capture: refused when the objective is built, not after training at export."""
+    with pytest.raises(ValueError, match="read the embedding output"):
+        make_objective(tiny_llama(num_layers=2), export_formats="sglang")
+    assert make_objective(tiny_llama(num_layers=2), export_formats="vllm").export_formats

@@ -174,6 +174,10 @@ class Eagle3Objective(HeadObjective):
             eval_temperature=eval_temperature,
             export_formats=export_formats,
         )
+        if "sglang" in self.export_formats:  # refused now, not after training at export
+            from train.export_formats import engine_aux_ids
+
+            engine_aux_ids(head, "sglang")
         self.head = head
         self.unrolled = UnrolledHead(head, unroll_steps)
         self.unroll_steps = unroll_steps

@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from train.config import EXPORT_FORMATS, parse_export_formats
 from train.losses import Loss, draftable_mass, overlap
 from train.objectives import Batch, MetricSums, Objective
 
@@ -62,7 +63,6 @@ if TYPE_CHECKING:
 
     from train.config import DistillConfig
 
-EXPORT_FORMATS = ("vllm", "sglang", "speculators")  # train.export_formats.ENGINE_FORMATS
 
 Aligned = tuple[float, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 """Per draft position: weight, draft logits [B, S, Vd], target [B, S, V], mask and labels [B, S]."""
@@ -184,23 +184,6 @@ def cached_target_logprobs(
     out = fill[..., None].expand(*fill.shape, vocab_size).clone()
     out.scatter_(-1, topk_ids.long(), topk_logprobs.float())
     return out
-
-
-def parse_export_formats(value: str | Sequence[str] | None) -> tuple[str, ...]:
-    """``--export_format`` (``vllm``, ``sglang``, ``speculators``, a comma list or sequence of
-    them, or unset)."""
-    if value is not None and not isinstance(value, str):
-        value = ",".join(value)
-    if value is None or not value.strip() or value.strip() == "none":
-        return ()
-    formats = tuple(part.strip() for part in value.split(",") if part.strip())
-    bad = [fmt for fmt in formats if fmt not in EXPORT_FORMATS]
-    if bad:
-        raise ValueError(
-            f"--export_format {value!r}: unknown format(s) {bad}; use "
-            f"{', '.join(EXPORT_FORMATS)} or a comma list of them"
-        )
-    return tuple(dict.fromkeys(formats))
 
 
 def overlap_at(
