@@ -597,6 +597,23 @@ def _cached_eval_rows(
     return list(cached) if config.data.target_outputs == "cache_only" else eval_rows
 
 
+def _read_regenerated_cache(cache: Path) -> list[dict[str, Any]] | None:
+    """The cached continuations at ``cache``; None when absent, or unreadable (a warning
+    names the file, and the rows are generated again and the file replaced)."""
+    if not cache.is_file():
+        return None
+    try:
+        rows = json.loads(cache.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        rows, problem = None, str(error)
+    else:
+        problem = "it does not hold a list of rows"
+    if isinstance(rows, list) and all(isinstance(row, dict) for row in rows):
+        return rows
+    print(f"warning: ignoring the cached continuations {cache} ({problem}); generating them again")
+    return None
+
+
 def _regenerated_rows(
     config: DistillConfig,
     target: Any,
@@ -652,10 +669,11 @@ def _regenerated_rows(
             "batch_size": REGENERATION_BATCH_SIZE,
         },
     )
-    if cache is not None and cache.is_file():
+    cached = _read_regenerated_cache(cache) if cache is not None else None
+    if cached is not None:
         if accelerator.is_main_process:
             print(f"reusing the target's continuations from {cache} (same target and prompts)")
-        return json.loads(cache.read_text())
+        return cached
     rows: list[dict[str, Any]] = []
     for index, temperature in enumerate(temperatures):
         rows += continued_rows(

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 
 from decode.drafters.folder import config_from_fields
+from decode.loading import LoadError
+from decode.yaml_values import describe_value
 
 
 def default_aux_layer_ids(num_target_layers: int) -> tuple[int, ...]:
@@ -180,13 +182,25 @@ def config_from_engine_dict(
     vLLM's top-level ``eagle_aux_hidden_state_layer_ids`` are hidden-state indices (ours);
     SGLang's ``eagle_config.eagle_aux_hidden_state_layer_ids`` count layer outputs (ours - 1).
     """
-    nested = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    if raw.get("eagle_aux_hidden_state_layer_ids"):
-        ids: tuple[int, ...] | None = tuple(raw["eagle_aux_hidden_state_layer_ids"])
-    elif nested:
-        ids = tuple(int(i) + 1 for i in nested)
-    else:
-        ids = None
+    missing = [key for key in _ENGINE_REQUIRED if key not in raw]
+    if missing:
+        raise LoadError(
+            f"config.json: this EAGLE-3 export lacks {', '.join(missing)}; export the head again "
+            "(draftsmith-distill --export_format vllm or sglang)"
+        )
+    eagle_config = raw.get("eagle_config") or {}
+    if not isinstance(eagle_config, dict):
+        raise LoadError(
+            f"config.json: eagle_config must be an object, got {describe_value(eagle_config)}; "
+            "export the head again"
+        )
+    nested = eagle_config.get("eagle_aux_hidden_state_layer_ids")
+    ids = _layer_ids(
+        raw.get("eagle_aux_hidden_state_layer_ids"), "eagle_aux_hidden_state_layer_ids"
+    )
+    if ids is None and nested:
+        nested_ids = _layer_ids(nested, "eagle_config.eagle_aux_hidden_state_layer_ids")
+        ids = [i + 1 for i in nested_ids]
     depth = raw.get("target_num_hidden_layers", target_num_hidden_layers)
     if depth is None:
         if ids is None:
@@ -195,20 +209,40 @@ def config_from_engine_dict(
                 "target_num_hidden_layers=<target config.num_hidden_layers>"
             )
         depth = max(ids) + 1
-    return Eagle3Config(
-        hidden_size=raw["hidden_size"],
-        num_attention_heads=raw["num_attention_heads"],
-        num_key_value_heads=raw.get("num_key_value_heads", raw["num_attention_heads"]),
-        intermediate_size=raw["intermediate_size"],
-        target_vocab_size=raw["vocab_size"],
-        target_num_hidden_layers=depth,
-        draft_vocab_size=raw.get("draft_vocab_size") or raw["vocab_size"],
-        aux_hidden_state_layer_ids=ids,
-        head_dim=raw.get("head_dim"),
-        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-        rope_theta=raw.get(
+    values = {
+        "hidden_size": raw["hidden_size"],
+        "num_attention_heads": raw["num_attention_heads"],
+        "num_key_value_heads": raw.get("num_key_value_heads", raw["num_attention_heads"]),
+        "intermediate_size": raw["intermediate_size"],
+        "target_vocab_size": raw["vocab_size"],
+        "target_num_hidden_layers": depth,
+        "draft_vocab_size": raw.get("draft_vocab_size") or raw["vocab_size"],
+        "aux_hidden_state_layer_ids": ids,
+        "head_dim": raw.get("head_dim"),
+        "rms_norm_eps": raw.get("rms_norm_eps", 1e-6),
+        "rope_theta": raw.get(
             "rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta", 10000.0)
         ),
-        max_position_embeddings=raw.get("max_position_embeddings", 4096),
-        num_hidden_layers=raw.get("num_hidden_layers", 1),
-    )
+        "max_position_embeddings": raw.get("max_position_embeddings", 4096),
+        "num_hidden_layers": raw.get("num_hidden_layers", 1),
+    }
+    # The same checks as our own folders' config.json: types, positive sizes.
+    return config_from_fields(Eagle3Config, values)
+
+
+# Keys an engine export's config.json must hold (the rest have defaults).
+_ENGINE_REQUIRED = ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
+
+
+def _layer_ids(value: Any, key: str) -> list[int] | None:
+    """An export's aux layer ids (None when absent or empty), or ``LoadError`` naming ``key``."""
+    if value is None or value == []:
+        return None
+    if not isinstance(value, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in value
+    ):
+        raise LoadError(
+            f"config.json: {key} must be a list of integers, got {describe_value(value)}; "
+            "export the head again"
+        )
+    return value

@@ -14,7 +14,7 @@ import torch
 
 from decode.drafters.base import Drafter
 from decode.drafters.folder import DRAFTER_FILE, read_drafter_marker
-from decode.loading import check_model_finite, read_json_object
+from decode.loading import LoadError, check_model_finite, read_json_object
 
 # kind -> "module:function" building a runtime Drafter from (path, target); imported lazily so
 # that loading one kind never imports the others.
@@ -40,7 +40,13 @@ def detect_drafter_kind(path: str | Path) -> str:
             f"drafter folder {folder} does not exist: pass the folder written by "
             "train/distill.py (or --drafter-kind ngram, which needs none)"
         )
-    if (folder / DRAFTER_FILE).is_file():
+    marker = folder / DRAFTER_FILE
+    if marker.is_symlink() or marker.exists():  # present, but perhaps not a readable file
+        if not marker.is_file():
+            raise LoadError(
+                f"{marker} is not a readable file (a folder, or a link to nothing): it declares "
+                "the drafter's kind; restore the file train/distill.py wrote, or export again"
+            )
         kind = read_drafter_marker(folder)["kind"]
         _check_kind(kind)
         return kind

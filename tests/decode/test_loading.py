@@ -49,6 +49,19 @@ def test_a_bad_drafter_json_is_named(medusa_folder: Path, text: str, expected: s
         MedusaHeads.from_pretrained(medusa_folder)
 
 
+@pytest.mark.parametrize("broken", ["folder", "dangling link"])
+def test_a_drafter_json_that_is_not_a_file_is_named(medusa_folder: Path, broken: str) -> None:
+    """Not read as a folder without a marker (which would load it as a draft LM)."""
+    marker = medusa_folder / "drafter.json"
+    marker.unlink()
+    if broken == "folder":
+        marker.mkdir()
+    else:
+        marker.symlink_to(medusa_folder / "missing.json")
+    with pytest.raises(loading.LoadError, match=r"drafter\.json is not a readable file"):
+        detect_drafter_kind(medusa_folder)
+
+
 def test_a_malformed_config_json_is_named(medusa_folder: Path) -> None:
     (medusa_folder / "config.json").write_text("{oops")
     with pytest.raises(LoadError, match=r"config\.json is not valid JSON"):
@@ -185,3 +198,41 @@ def test_a_valid_head_folder_still_round_trips(eagle_folder: Path) -> None:
 
     head = Eagle3Head.from_pretrained(eagle_folder)
     assert head.config.aux_hidden_state_layer_ids == (0, 1)
+
+
+ENGINE_EAGLE3 = {
+    "architectures": ["LlamaForCausalLMEagle3"],
+    "hidden_size": 32,
+    "num_attention_heads": 4,
+    "intermediate_size": 64,
+    "vocab_size": 96,
+    "eagle_aux_hidden_state_layer_ids": [1, 2, 3],
+}
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({"hidden_size": "32"}, r"hidden_size must be an integer"),
+        ({"intermediate_size": -64}, r"intermediate_size must be positive"),
+        ({"rms_norm_eps": "abc"}, r"rms_norm_eps must be"),
+        ({"eagle_aux_hidden_state_layer_ids": "1,2"}, r"must be a list of integers"),
+        ({"eagle_aux_hidden_state_layer_ids": None, "eagle_config": [1]}, r"must be an object"),
+        ({"vocab_size": None}, r"target_vocab_size must be an integer"),
+    ],
+)
+def test_engine_eagle3_config_values_are_checked(change: dict, expected: str) -> None:
+    """A vLLM/SGLang EAGLE-3 export's config.json gets the checks of our own folders."""
+    from decode.drafters.eagle_config import config_from_engine_dict
+
+    config_from_engine_dict(ENGINE_EAGLE3, 4)  # the unchanged export reads
+    with pytest.raises(loading.LoadError, match=expected):
+        config_from_engine_dict({**ENGINE_EAGLE3, **change}, 4)
+
+
+def test_engine_eagle3_config_missing_keys_are_named() -> None:
+    from decode.drafters.eagle_config import config_from_engine_dict
+
+    raw = {k: v for k, v in ENGINE_EAGLE3.items() if k != "intermediate_size"}
+    with pytest.raises(loading.LoadError, match=r"lacks intermediate_size"):
+        config_from_engine_dict(raw, 4)

@@ -118,3 +118,22 @@ def test_fp16_on_the_cpu_names_the_fix(tmp_path: Path, tiny_argv: Argv) -> None:
     with pytest.raises(ValueError, match=r"fp16 needs a GPU.*use --mixed_precision bf16 or no"):
         main(tiny_argv(tmp_path, "--mixed_precision", "fp16"))
     assert _nothing_trained(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [('[{"input_ids": [1, 2]', "Expecting"), ('{"rows": []}', "not hold a list of rows")],
+)
+def test_a_corrupt_continuations_cache_is_named_and_regenerated(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, problem: str
+) -> None:
+    from train.distill import _read_regenerated_cache
+
+    cache = tmp_path / "rows.json"
+    assert _read_regenerated_cache(cache) is None  # absent: generate
+    cache.write_text(text)
+    assert _read_regenerated_cache(cache) is None
+    warning = capsys.readouterr().out
+    assert str(cache) in warning and problem in warning and "generating them again" in warning
+    cache.write_text('[{"input_ids": [1, 2]}]')
+    assert _read_regenerated_cache(cache) == [{"input_ids": [1, 2]}]
