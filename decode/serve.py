@@ -51,6 +51,7 @@ def build_server(config: ServeConfig) -> OpenAIServer:
         max_context_length=int(context),
         default_max_tokens=config.default_max_tokens,
         max_request_bytes=config.max_request_bytes,
+        max_receiving=config.max_queue,
         keep_alive_timeout_s=config.timeout_keep_alive,
         header_timeout_s=config.timeout_headers,
         body_timeout_s=config.timeout_body,

@@ -9,7 +9,8 @@ acceptance statistics in an extra ``draftsmith`` field (in a stream: on the chun
 Every failure is answered as ``{"error": {"message", "type", "param", "code"}}``: 400 for bad
 bodies, 401 for a missing or wrong API key, 404 for unknown models and routes (405 for a wrong
 method), 408 for a body that does not arrive in time, 413 for oversized bodies, 415 for a body
-declared as anything but JSON, 429 when the queue is full; 500/503
+declared as anything but JSON, 429 when the queue is full (or too many requests are being
+received at once); 500/503
 only when the server itself fails (generation fails, the server stops), never for what a client
 sent. ``/openapi.json`` needs the API key like every route but ``/health``; ``/docs`` is off.
 
@@ -26,7 +27,7 @@ import contextlib
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -91,7 +92,9 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the 
 class ServingLimits:
     """What one request may ask for, and how long its client may take to send it.
 
-    Beyond the sizes the answer is a 400 (413 for the body). A connection that sends nothing
+    Beyond the sizes the answer is a 400 (413 for the body). At most ``max_receiving`` requests
+    are received at once (body read, parsed, prompt tokenised), so the bodies held in memory
+    stay below ``max_receiving * max_request_bytes``; one more is a 429. A connection that sends nothing
     for ``keep_alive_timeout_s`` is closed; a request's headers must arrive within
     ``header_timeout_s`` of its first byte and its body within ``body_timeout_s`` of its
     headers, or the answer is 408 and the connection is closed.
@@ -101,6 +104,7 @@ class ServingLimits:
     max_context_length: int = 2048
     default_max_tokens: int = 16
     max_request_bytes: int = 1 << 20
+    max_receiving: int = 64  # requests read, parsed and tokenised at once; more: 429
     keep_alive_timeout_s: float = 5.0
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
@@ -180,6 +184,7 @@ class OpenAIServer:
         self.num_draft_tokens = num_draft_tokens
         self.created = int(time.time())
         self._prompt_thread: ThreadPoolExecutor | None = None  # see ``_off_loop``
+        self._receiving_now = 0  # requests inside ``_receiving``
 
     # -- the application ------------------------------------------------------------------
 
@@ -267,21 +272,41 @@ class OpenAIServer:
 
     async def completions(self, request: Request) -> Response:
         self._authorize(request)
-        body = parse_body(await self._read_body(request), CompletionRequest)
-        self._check_model(body.model)
-        prompt = body.prompt_text_or_ids()
-        if isinstance(prompt, str):
-            prompt_ids = await self._off_loop(self._encode, prompt)
-        else:
-            prompt_ids = self._check_token_ids(prompt)
+        with self._receiving():
+            body = parse_body(await self._read_body(request), CompletionRequest)
+            self._check_model(body.model)
+            prompt = body.prompt_text_or_ids()
+            if isinstance(prompt, str):
+                prompt_ids = await self._off_loop(self._encode, prompt)
+            else:
+                prompt_ids = self._check_token_ids(prompt)
         return await self._serve(request, body, prompt_ids, body.max_tokens, chat=False)
 
     async def chat_completions(self, request: Request) -> Response:
         self._authorize(request)
-        body = parse_body(await self._read_body(request), ChatCompletionRequest)
-        self._check_model(body.model)
-        prompt_ids = await self._off_loop(self._render_chat, body)
+        with self._receiving():
+            body = parse_body(await self._read_body(request), ChatCompletionRequest)
+            self._check_model(body.model)
+            prompt_ids = await self._off_loop(self._render_chat, body)
         return await self._serve(request, body, prompt_ids, body.requested_tokens, chat=True)
+
+    @contextlib.contextmanager
+    def _receiving(self) -> Iterator[None]:
+        """Count a request while its body is read and its prompt tokenised; beyond
+        ``limits.max_receiving`` at once, a 429 (``ServingLimits``)."""
+        most = self.limits.max_receiving
+        if self._receiving_now >= most:
+            raise APIError(
+                429,
+                f"the server is busy ({most} requests are being received already); retry later",
+                type="rate_limit_error",
+                code="too_many_requests",
+            )
+        self._receiving_now += 1  # the event loop's thread alone changes it
+        try:
+            yield
+        finally:
+            self._receiving_now -= 1
 
     async def _off_loop(self, function: Callable[[Any], list[int]], argument: Any) -> list[int]:
         """Run a prompt's tokenisation on the prompt thread, not on the event loop.

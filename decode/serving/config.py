@@ -91,7 +91,11 @@ class ServeConfig:
         MAX_BATCH_SIZE,
         "requests decoded at once (continuous batching: they join and leave between rounds)",
     )
-    max_queue: int = _f(64, "requests waiting for the decoder; more are answered 429")
+    max_queue: int = _f(
+        64,
+        "requests waiting for the decoder, and requests being received (body, tokenising) at "
+        "once; more are answered 429",
+    )
     max_tokens_limit: int = _f(1024, "largest max_tokens a request may ask for")
     max_context_length: int | None = _f(
         None, "prompt + max_tokens limit (default: the target's max_position_embeddings)"

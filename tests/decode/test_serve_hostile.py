@@ -17,7 +17,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -680,3 +680,37 @@ def test_a_decoder_bug_between_rounds_answers_500_and_decoding_goes_on(
     monkeypatch.undo()
     assert live.server.worker.alive
     assert_still_greedy(live)
+
+
+def test_requests_beyond_those_being_received_are_a_429(
+    live: Live, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bodies held at once are bounded (``ServingLimits.max_receiving``): while two requests
+    are being tokenised, a third is a 429, and both then complete."""
+    monkeypatch.setattr(live.server, "limits", replace(live.server.limits, max_receiving=2))
+    release, entered = threading.Event(), threading.Semaphore(0)
+    encode = live.server._encode
+
+    def held(prompt: str) -> list[int]:
+        entered.release()
+        release.wait(60)
+        return encode(prompt)
+
+    monkeypatch.setattr(live.server, "_encode", held)
+    answers: list[int] = []
+    senders = [
+        threading.Thread(target=lambda: answers.append(post(live, "/v1/completions", GOOD)[0]))
+        for _ in range(2)
+    ]
+    for sender in senders:
+        sender.start()
+    assert entered.acquire(timeout=60)  # the first is tokenising, the second waits its turn
+    live.wait_for(lambda: live.server._receiving_now == 2, "two requests being received")
+    status, answer = post(live, "/v1/completions", GOOD)
+    assert status == 429, answer
+    assert openai_error(answer, "too_many_requests")["type"] == "rate_limit_error"
+    release.set()
+    for sender in senders:
+        sender.join(60)
+    assert answers == [200, 200]
+    assert live.server._receiving_now == 0
