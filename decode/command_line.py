@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, FileExistsError)
@@ -28,3 +29,35 @@ def run_command(main: Callable[[], Result], errors: tuple[type[BaseException], .
     except (*USER_ERRORS, *errors) as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def check_output_file(path: str | Path, flag: str) -> Path:
+    """``path`` as a file a command may write at its end; ``ValueError`` naming ``flag`` when
+    it is a folder or lies under a file, checked before any work so a long run is not lost."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise ValueError(f"{flag} {path} is a folder; pass a file path, e.g. {path / 'out.json'}")
+    _check_parents(path, flag)
+    return path
+
+
+def check_output_folder(path: str | Path, flag: str) -> Path:
+    """``path`` as a folder a command may fill; ``ValueError`` naming ``flag`` when it is a
+    file or lies under a file."""
+    path = Path(path).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{flag} {path} is a file; pass a folder (it is created if missing)")
+    _check_parents(path, flag)
+    return path
+
+
+def _check_parents(path: Path, flag: str) -> None:
+    """``ValueError`` when the nearest existing ancestor of ``path`` is not a folder."""
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(
+                    f"{flag} {path}: {parent} is a file, not a folder; pass a path whose "
+                    "parent is a folder (or does not exist yet)"
+                )
+            return

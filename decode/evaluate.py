@@ -27,6 +27,7 @@ import torch
 from decode.cpu_threads import set_cpu_threads
 from decode.defaults import LOOKUP_DRAFT_TOKENS, NUM_DRAFT_TOKENS
 from decode.drafters.base import Drafter
+from decode.loading import check_device
 from decode.machine import describe_machine, machine_record
 from decode.precision import (
     DTYPE_NAMES,
@@ -42,11 +43,17 @@ from decode.side_by_side import (
     add_repeats_argument,
     add_tree_arguments,
     at_least_one,
+    at_least_zero,
+    check_context,
     encode_prompt,
     hf_peer,
     measure_side_by_side,
     plain_method,
+    seed_value,
     speculative_method,
+    temperature_value,
+    top_p_value,
+    tree_flags_problem,
     tree_from_arguments,
 )
 from decode.stats import DecodeStats, predicted_speedup
@@ -56,6 +63,11 @@ def load_target(path: str, device: str = "cpu", dtype: str = "float32", trust_re
     """A target causal LM (eval mode, on ``device``) and its tokenizer, safetensors only."""
     from decode import loading
 
+    if Path(path).exists() and not Path(path).is_dir():
+        raise ValueError(
+            f"--target {path} is a file, not a model folder: pass the folder that holds its "
+            "config.json and model.safetensors"
+        )
     if not Path(path).is_dir():
         raise FileNotFoundError(
             f"target folder {path} does not exist: build the demo target with "
@@ -373,12 +385,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--num-prompts", type=int, default=8)
     add_repeats_argument(parser)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--num-draft-tokens", type=int, default=NUM_DRAFT_TOKENS)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-new-tokens", type=at_least_one, default=128)
+    parser.add_argument("--num-draft-tokens", type=at_least_one, default=NUM_DRAFT_TOKENS)
+    parser.add_argument("--temperature", type=temperature_value, default=0.0)
+    parser.add_argument("--top-k", type=at_least_zero, default=0)
+    parser.add_argument("--top-p", type=top_p_value, default=1.0)
+    parser.add_argument("--seed", type=seed_value, default=0)
     parser.add_argument(
         "--tree",
         action="store_true",
@@ -423,7 +435,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def flags_problem(args: argparse.Namespace) -> str | None:
+    """What contradicts in ``args`` before anything loads: tree flags without ``--tree`` (or a
+    bad tree shape), a drafter folder for a kind that takes none, no drafter at all."""
+    if args.drafter_kind in ("ngram", "none") and args.drafter is not None:
+        return (
+            f"--drafter-kind {args.drafter_kind} takes no --drafter folder: drop --drafter "
+            f"{args.drafter}, or drop --drafter-kind to use the folder's drafter"
+        )
+    if args.drafter is None and args.drafter_kind is None:
+        return "give --drafter FOLDER (a trained drafter), or --drafter-kind ngram (no folder)"
+    return tree_flags_problem(args)
+
+
 def main(argv: list[str] | None = None) -> dict[str, object]:
+    from decode.benchmarks import format_benchmarks, parse_benchmark_flags, run_benchmarks
+    from decode.command_line import check_output_file
     from decode.drafters.hybrid import lookup_tokens_problem, set_lookup_tokens
     from decode.drafters.registry import load_drafter
     from decode.prompts import load_eval_prompts
@@ -432,20 +459,21 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     args = parser.parse_args(argv)
     if args.num_prompts < 1:  # a negative count would slice prompts off the end
         parser.error(f"--num-prompts must be >= 1, got {args.num_prompts}")
-    problem = lookup_tokens_problem(args.lookup_tokens, args.drafter_kind)
+    problem = lookup_tokens_problem(args.lookup_tokens, args.drafter_kind) or flags_problem(args)
     if problem:
         parser.error(problem)
+    check_device(args.device)
+    if args.json:
+        check_output_file(args.json, "--json")
+    # Prompt files are read before any model loads: a bad file costs no loading time.
+    texts = [] if args.benchmark else load_eval_prompts(args.prompts, args.num_prompts)
+    files = parse_benchmark_flags(args.benchmark) if args.benchmark else {}
     choice, target, tokenizer, plain_also = load_targets_for(args)
     check_same_tokenizer(tokenizer, args.drafter)
     drafter = load_drafter(args.drafter, target, kind=args.drafter_kind)
     set_lookup_tokens(drafter, args.lookup_tokens, "--lookup-tokens")
-    prompts = (
-        []
-        if args.benchmark
-        else [
-            encode_prompt(tokenizer, p) for p in load_eval_prompts(args.prompts, args.num_prompts)
-        ]
-    )
+    prompts = [encode_prompt(tokenizer, p) for p in texts]
+    check_context(target, prompts, args.max_new_tokens)
     settings = EvalSettings(
         num_draft_tokens=args.num_draft_tokens,
         max_new_tokens=args.max_new_tokens,
@@ -474,12 +502,13 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "machine": machine_record(args.device),
     }
     if args.benchmark:
-        from decode.benchmarks import format_benchmarks, parse_benchmark_flags, run_benchmarks
 
-        files = parse_benchmark_flags(args.benchmark)
-        result = run_benchmarks(
-            files, args.num_prompts, lambda prompt: encode_prompt(tokenizer, prompt), measure
-        )
+        def encode(prompt: str | list[dict[str, str]]) -> torch.Tensor:
+            ids = encode_prompt(tokenizer, prompt)
+            check_context(target, [ids], args.max_new_tokens)
+            return ids
+
+        result = run_benchmarks(files, args.num_prompts, encode, measure)
         report = {**setting, **result}
         print(format_benchmarks(result))
     else:

@@ -34,6 +34,23 @@ def resolve_dtype(name: str | torch.dtype, device: torch.device | str | None = N
     return choose_dtype(name, device or "cpu").dtype
 
 
+def check_device(name: str) -> str:
+    """``name`` when torch knows it and this machine has it; ``ValueError`` naming ``--device``
+    and the fix otherwise (checked before any model is loaded)."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(
+            f"--device {name!r} is not a device torch knows; pass cpu or cuda (cuda:0, ...)"
+        ) from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: this machine has no CUDA device; pass --device cpu")
+    count = torch.cuda.device_count()
+    if device.type == "cuda" and device.index is not None and device.index >= count:
+        raise ValueError(f"--device {name}: this machine has {count} CUDA device(s); pass one")
+    return name
+
+
 def load_causal_lm(
     location: str | Path,
     dtype: str | torch.dtype = "float32",

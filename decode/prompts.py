@@ -112,14 +112,44 @@ def demo_prompts(num_prompts: int) -> list[str]:
 
 def file_prompts(path: str, num_prompts: int) -> list[str | list[dict[str, str]]]:
     """Prompts from a JSONL/JSON file (``prompt`` or ``messages`` field, or a benchmark's own
-    shape: MT-Bench, GSM8K, HumanEval; ``data.benchmarks``) or a text file."""
-    if path.endswith((".jsonl", ".json")):
-        return load_benchmark_prompts(path, num_prompts)
-    file = Path(path)
+    shape: MT-Bench, GSM8K, HumanEval; ``data.benchmarks``) or a text file.
+
+    Every problem with the file (a folder, unreadable, not UTF-8, JSON nested too deep to
+    parse, a wrong shape) is a ``ValueError`` or ``FileNotFoundError`` naming it."""
+    _check_count(num_prompts)
+    file = Path(path).expanduser()
+    if file.is_dir():
+        raise ValueError(f"prompt file {file} is a folder; pass a file in it, or 'demo'")
+    try:
+        if path.endswith((".jsonl", ".json")):
+            return load_benchmark_prompts(path, num_prompts)
+        return _text_prompts(file, num_prompts)
+    except RecursionError:
+        raise ValueError(
+            f"prompt file {file} nests JSON too deeply to read; pass flat records such as "
+            '{"prompt": "..."}'
+        ) from None
+    except (FileNotFoundError, ValueError):
+        raise
+    except OSError as error:  # unreadable: permissions, a device, a broken mount
+        raise ValueError(
+            f"prompt file {file} cannot be read ({error.strerror or error}); pass a readable file"
+        ) from None
+
+
+def _check_count(num_prompts: int) -> None:
+    """``ValueError`` unless ``num_prompts`` >= 1 (a negative count would slice prompts off
+    the end)."""
+    if isinstance(num_prompts, bool) or not isinstance(num_prompts, int) or num_prompts < 1:
+        raise ValueError(f"--num-prompts must be an integer >= 1, got {num_prompts!r}")
+
+
+def _text_prompts(file: Path, num_prompts: int) -> list[str | list[dict[str, str]]]:
+    """The non-empty lines of a UTF-8 text file (a leading byte-order mark dropped)."""
     if not file.is_file():
         raise FileNotFoundError(f"prompt file {file} does not exist; pass a file or 'demo'")
     text = utf8_text(file, "a text file of one prompt a line, a .jsonl file or 'demo'")
-    prompts = [line for line in text.splitlines() if line.strip()]
+    prompts = [line for line in text.removeprefix("\ufeff").splitlines() if line.strip()]
     if not prompts:
         raise ValueError(f"prompt file {file} has no non-empty line")
     return prompts[:num_prompts]
@@ -130,6 +160,7 @@ PROMPT_SETS = ("demo", "ood")
 
 def load_eval_prompts(spec: str, num_prompts: int) -> list[str | list[dict[str, str]]]:
     """``demo`` (held-out stdlib code), ``ood`` (installed third-party code), or a file."""
+    _check_count(num_prompts)
     if spec == "demo":
         return list(demo_prompts(num_prompts))
     if spec == "ood":

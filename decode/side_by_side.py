@@ -21,6 +21,7 @@ come from that same pass (the first pass when no method reproduced)."""
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -94,14 +95,121 @@ def tree_from_arguments(args: argparse.Namespace) -> TreeSpec:
     return TreeSpec(args.tree_top_k, args.tree_total_tokens, frontier=args.tree_frontier)
 
 
-def at_least_one(text: str) -> int:
+def tree_flags_problem(args: argparse.Namespace) -> str | None:
+    """What contradicts in a command's tree flags (:func:`add_tree_arguments`, ``--tree``,
+    ``--tree-when-sampling``), or None; the shape is checked by ``TreeSpec`` when ``--tree``."""
+    if args.tree:
+        try:
+            tree_from_arguments(args)
+        except ValueError as error:
+            return str(error)
+        return None
+    changed = [
+        flag
+        for flag, default in (
+            ("--tree-top-k", TREE_TOP_K),
+            ("--tree-total-tokens", TREE_TOTAL_TOKENS),
+            ("--tree-frontier", 0),
+        )
+        if getattr(args, flag[2:].replace("-", "_")) != default
+    ]
+    if args.tree_when_sampling:
+        changed.append("--tree-when-sampling")
+    if changed:
+        return f"{', '.join(changed)} only apply with --tree: add --tree, or drop them"
+    return None
+
+
+def _integer_at_least(text: str, least: int) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+        raise argparse.ArgumentTypeError(f"must be an integer >= {least}, got {text!r}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be an integer >= {least}, got {value}")
     return value
+
+
+def at_least_one(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    return _integer_at_least(text, 1)
+
+
+def at_least_zero(text: str) -> int:
+    """An argparse type: an integer >= 0 (``--top-k``, 0 disables it)."""
+    return _integer_at_least(text, 0)
+
+
+MAX_SEED = 2**32 - 1  # per-prompt seeds (prompt_seed) then fit torch's 64-bit generator
+
+
+def seed_value(text: str) -> int:
+    """An argparse type: a run seed in ``0..MAX_SEED``."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"must be an integer in 0..{MAX_SEED}, got {text!r}")
+    return value
+
+
+def temperature_value(text: str) -> float:
+    """An argparse type: a finite temperature >= 0 (0 is greedy)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(
+            f"must be a finite number >= 0 (0 is greedy), got {text!r}"
+        )
+    return value
+
+
+def top_p_value(text: str) -> float:
+    """An argparse type: a nucleus mass in (0, 1] (1 disables it)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= 1:  # NaN fails too
+        raise argparse.ArgumentTypeError(
+            f"must be a number in (0, 1] (1 disables it), got {text!r}"
+        )
+    return value
+
+
+def check_context(
+    target: torch.nn.Module, prompts: list[torch.Tensor], max_new_tokens: int
+) -> None:
+    """``ValueError`` when the longest prompt plus ``max_new_tokens`` passes the target's context
+    (``max_position_embeddings``) and its config scales no rope past it."""
+    config = getattr(target, "config", None)
+    context = getattr(config, "max_position_embeddings", None)
+    if not isinstance(context, int) or _scales_rope(config) or not prompts:
+        return
+    longest = max(ids.shape[-1] for ids in prompts)
+    if longest + max_new_tokens > context:
+        raise ValueError(
+            f"--max-new-tokens {max_new_tokens}: the longest prompt ({longest} tokens) plus "
+            f"{max_new_tokens} new tokens passes the target's context of {context} tokens "
+            f"(max_position_embeddings); pass --max-new-tokens {max(context - longest, 1)} or "
+            "less, or shorter prompts"
+        )
+
+
+def _scales_rope(config: object) -> bool:
+    """Whether ``config`` scales rope past its ``max_position_embeddings`` (any rope type but
+    ``default``, in ``rope_scaling`` or transformers 5's ``rope_parameters``)."""
+    for name in ("rope_scaling", "rope_parameters"):
+        rope = getattr(config, name, None)
+        if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) not in (
+            None,
+            "default",
+        ):
+            return True
+    return False
 
 
 def prompt_seed(seed: int, index: int) -> int:
@@ -114,10 +222,16 @@ def encode_prompt(tokenizer, prompt: str | list[dict[str, str]]) -> torch.Tensor
     if isinstance(prompt, str):
         ids = tokenizer(prompt, return_tensors="pt").input_ids
     else:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                "a prompt is a chat conversation but the target's tokenizer has no chat "
+                'template; pass text prompts (a text file or {"prompt": ...} records) or a '
+                "target folder whose tokenizer has one"
+            )
         ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, return_tensors="pt")
         ids = ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
     if ids.shape[1] == 0:
-        raise ValueError(f"prompt {prompt!r} encodes to no tokens")
+        raise ValueError(f"prompt {str(prompt)[:80]!r} encodes to no tokens; drop it from the file")
     return ids
 
 

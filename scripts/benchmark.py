@@ -30,6 +30,7 @@ from decode.defaults import LOOKUP_DRAFT_TOKENS, NUM_DRAFT_TOKENS
 from decode.drafters.hybrid import HybridDrafter
 from decode.drafters.registry import load_drafter
 from decode.evaluate import load_targets_for
+from decode.loading import check_device
 from decode.machine import describe_machine, machine_record
 from decode.plots import (
     plot_acceptance_by_position,
@@ -46,11 +47,13 @@ from decode.side_by_side import (
     add_repeats_argument,
     add_tree_arguments,
     at_least_one,
+    check_context,
     encode_prompt,
     hf_peer,
     measure_side_by_side,
     plain_method,
     speculative_method,
+    temperature_value,
     tree_from_arguments,
 )
 
@@ -83,9 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--num-prompts", type=int, default=6)
     add_repeats_argument(parser)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--num-draft-tokens", type=int, default=NUM_DRAFT_TOKENS)
-    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    parser.add_argument("--max-new-tokens", type=at_least_one, default=128)
+    parser.add_argument("--num-draft-tokens", type=at_least_one, default=NUM_DRAFT_TOKENS)
+    parser.add_argument("--temperatures", type=temperature_value, nargs="+", default=[0.0, 1.0])
     add_tree_arguments(parser)
     parser.add_argument(
         "--no-adaptive-tree",
@@ -96,7 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--sweep",
-        type=int,
+        type=at_least_one,
         nargs="*",
         default=[1, 2, 3, 4, 6],
         help="num_draft_tokens values for the speedup-vs-N plot (temperature 0)",
@@ -124,7 +127,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--json", required=True)
     parser.add_argument("--plots", required=True)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    problem = flags_problem(args)
+    if problem:
+        parser.error(problem)
+    return args
+
+
+def flags_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with ``args`` before anything loads: a count below 1, a value given twice
+    (its rows and plots would overwrite each other's), a bad tree shape."""
+    if args.num_prompts < 1:  # a negative count would slice prompts off the end
+        return f"--num-prompts must be >= 1, got {args.num_prompts}"
+    for flag, values in (
+        ("--prompts", args.prompts),
+        ("--temperatures", [f"{t:g}" for t in args.temperatures]),
+        ("--sweep", args.sweep),
+    ):
+        twice = sorted({str(v) for v in values if values.count(v) > 1})
+        if twice:
+            return f"{flag} names {', '.join(twice)} more than once; give each value once"
+    stems = [Path(source).stem for source in args.prompts]
+    clash = sorted({stem for stem in stems if stems.count(stem) > 1})
+    if clash:
+        return (
+            f"--prompts: several files are named {', '.join(clash)} (their plots would share a "
+            "name); rename one of them"
+        )
+    try:
+        tree_from_arguments(args)
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 class PeakMemory:
@@ -183,10 +217,21 @@ def with_peak_memory(method: Method, meter: PeakMemory, peaks: dict[str, tuple],
 
 def held_out_overlap(folder: str | None) -> list[float] | None:
     """Training's held-out overlap per draft position, if the drafter folder recorded it."""
-    if folder is None or not (Path(folder) / "eval_results.json").is_file():
+    path = Path(folder) / "eval_results.json" if folder is not None else None
+    if path is None or not path.is_file():
         return None
-    results = json.loads((Path(folder) / "eval_results.json").read_text())
-    keys = sorted((k for k in results if k.startswith("overlap@")), key=lambda k: int(k[8:]))
+    try:
+        results = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
+        raise ValueError(
+            f"{path} is not UTF-8 JSON ({error}); delete it or rewrite it with train/distill.py"
+        ) from None
+    if not isinstance(results, dict):
+        results = {}
+    keys = sorted(
+        (k for k in results if k.startswith("overlap@") and k[8:].isdigit()),
+        key=lambda k: int(k[8:]),
+    )
     return [results[k] for k in keys] or None
 
 
@@ -440,7 +485,13 @@ def _speed(row: dict) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    from decode.command_line import check_output_file, check_output_folder
+
     args = parse_args(argv)
+    check_device(args.device)
+    check_output_file(args.json, "--json")
+    check_output_folder(args.plots, "--plots")
+    texts = {source: load_eval_prompts(source, args.num_prompts) for source in args.prompts}
     choice, target, tokenizer, plain_copies = load_targets_for(args)
     drafters = {kind: load_drafter(None, target, kind=kind) for kind in ("none", "ngram")}
     folders = {
@@ -466,9 +517,10 @@ def main(argv: list[str] | None = None) -> dict:
         "draftsmith P-EAGLE chain": held_out_overlap(args.peagle),
     }
     prompt_sets = {
-        source: [encode_prompt(tokenizer, p) for p in load_eval_prompts(source, args.num_prompts)]
-        for source in args.prompts
+        source: [encode_prompt(tokenizer, p) for p in prompts] for source, prompts in texts.items()
     }
+    for encoded in prompt_sets.values():
+        check_context(target, encoded, args.max_new_tokens)
     headline = args.prompts[0]
     prompts = prompt_sets[headline]
     meter = PeakMemory(torch.device(args.device))

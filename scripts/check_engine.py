@@ -35,6 +35,7 @@ import gc
 import importlib.util
 import itertools
 import json
+import math
 import os
 import random
 import subprocess
@@ -49,13 +50,31 @@ RESULT_MARKER = "CHECK_ENGINE_RESULT "
 # ---------------------------------------------------------------------------- the folder
 
 
+def read_config(path: Path, flag: str) -> dict[str, Any]:
+    """The JSON object of ``path`` (a folder's config.json); ``SystemExit`` naming ``flag``
+    when it is not UTF-8 JSON holding an object."""
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
+        raise SystemExit(
+            f"{flag} {path.parent}: config.json is not UTF-8 JSON ({error}); pass a folder "
+            "saved with save_pretrained or written by --export_format"
+        ) from None
+    if not isinstance(config, dict):
+        raise SystemExit(
+            f"{flag} {path.parent}: config.json holds a JSON {type(config).__name__}, not an "
+            "object; pass a folder saved with save_pretrained or written by --export_format"
+        )
+    return config
+
+
 def drafter_method(folder: str | Path) -> str:
     """``eagle3``, ``medusa``, ``speculators`` (an EAGLE-3 head in vLLM's speculators format)
     or ``peagle`` (a P-EAGLE head in that format)."""
     config_path = Path(folder) / "config.json"
     if not config_path.is_file():
         raise SystemExit(f"--drafter {folder}: no config.json; pass an exported engine folder")
-    config = json.loads(config_path.read_text())
+    config = read_config(config_path, "--drafter")
     if config.get("speculators_config") is not None:
         kind = config.get("speculators_model_type")
         if kind not in ("eagle3", "peagle"):
@@ -439,15 +458,26 @@ def build_job(args: argparse.Namespace) -> dict[str, Any]:
     for name in ("num_prompts", "prompt_len", "max_tokens", "k"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+    if not math.isfinite(args.tolerance) or args.tolerance < 0:
+        raise SystemExit(
+            f"--tolerance must be a finite number >= 0 (0: exact), got {args.tolerance}"
+        )
+    if args.json:
+        from decode.command_line import check_output_file
+
+        try:
+            check_output_file(args.json, "--json")
+        except ValueError as error:
+            raise SystemExit(str(error)) from None
     target_config = Path(args.target) / "config.json"
     if not target_config.is_file():
         raise SystemExit(f"--target {args.target}: no config.json (a Hugging Face model folder)")
-    vocab = json.loads(target_config.read_text()).get("vocab_size")
-    if not isinstance(vocab, int):
+    vocab = read_config(target_config, "--target").get("vocab_size")
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
         raise SystemExit(f"--target {args.target}: config.json has no integer vocab_size")
     method = drafter_method(args.drafter)
     if method == "medusa":
-        heads = json.loads((Path(args.drafter) / "config.json").read_text()).get("num_heads")
+        heads = read_config(Path(args.drafter) / "config.json", "--drafter").get("num_heads")
         if isinstance(heads, int) and args.k > heads:
             raise SystemExit(f"--k {args.k}: these Medusa heads draft at most {heads} tokens")
     prompts = make_prompts(vocab, args.num_prompts, args.prompt_len, args.seed)
@@ -517,11 +547,17 @@ def main(argv: list[str] | None = None) -> int:
     print(format_report(job, engine, ours, verdict))
     if args.json:
         report = {"job": job, "engine": engine, "draftsmith": ours, "verdict": verdict}
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        from data.atomic_io import write_json_atomic
+
+        write_json_atomic(args.json, report)
     return 0 if verdict["ok"] else 1
 
 
 if __name__ == "__main__":
     if "--engine-side" not in sys.argv:  # draftsmith's packages, from a checkout
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    sys.exit(main())
+    if "--engine-side" in sys.argv:
+        sys.exit(main())
+    from decode.command_line import run_command
+
+    sys.exit(run_command(main))

@@ -45,6 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.depths < 2:
         parser.error(f"--depths must be >= 2 (depth 1 is never capped), got {args.depths}")
+    if not 0 <= args.seed < 2**63:
+        parser.error(f"--seed must be an integer in 0..2**63 - 1, got {args.seed}")
     return args
 
 
@@ -85,6 +87,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     import torch
 
+    from decode.command_line import check_output_file
+
+    if args.output is not None:  # before the measurement, which a bad path would waste
+        check_output_file(args.output, "--output")
+
     from data.atomic_io import write_json_atomic
     from decode.parallel_ceiling import parallel_ceilings, tau_cap
     from decode.precision import announce, choose_dtype
@@ -97,7 +104,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     target.eval()
     prompts = [p for p in load_eval_prompts(args.prompts, args.num_prompts) if isinstance(p, str)]
     if not prompts:
-        raise SystemExit(f"--prompts {args.prompts}: no text prompt to continue")
+        raise ValueError(
+            f"--prompts {args.prompts}: no text prompt to continue (chat prompts are not "
+            "measured); pass a text file, demo or ood"
+        )
     contexts = contexts_of(target, tokenizer, prompts, args)
     ceilings = parallel_ceilings(target, contexts, args.depths, args.top_k, args.beam)
     folder = Path(str(getattr(target, "name_or_path", "") or args.target))

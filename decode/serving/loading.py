@@ -23,15 +23,7 @@ from decode.serving.config import ServeConfig
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ValueError(
-            f"--device {name!r} is not a device; use auto, cpu, cuda or cuda:N"
-        ) from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: CUDA is not available here; use --device cpu")
-    return device
+    return torch.device(loading.check_device(name))
 
 
 def load_target(

@@ -45,3 +45,20 @@ def test_a_bug_keeps_its_traceback_and_a_result_passes_through() -> None:
     with pytest.raises(KeyError):
         run_command(_raises(KeyError("a bug")))
     assert run_command(lambda: {"failed": 0}) == {"failed": 0}
+
+
+def test_output_paths_are_checked_before_any_work(tmp_path) -> None:
+    """A folder where a file goes, a file where a folder goes, a parent that is a file."""
+    from decode.command_line import check_output_file, check_output_folder
+
+    afile = tmp_path / "a.txt"
+    afile.write_text("x")
+    assert check_output_file(tmp_path / "new" / "r.json", "--json") == tmp_path / "new" / "r.json"
+    with pytest.raises(ValueError, match=r"--json .* is a folder; pass a file path"):
+        check_output_file(tmp_path, "--json")
+    with pytest.raises(ValueError, match=r"a\.txt is a file, not a folder"):
+        check_output_file(afile / "sub" / "r.json", "--json")
+    with pytest.raises(ValueError, match=r"--plots .*a\.txt is a file; pass a folder"):
+        check_output_folder(afile, "--plots")
+    with pytest.raises(ValueError, match=r"a\.txt is a file, not a folder"):
+        check_output_folder(afile / "plots", "--plots")

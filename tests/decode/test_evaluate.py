@@ -142,3 +142,47 @@ def test_bad_prompt_files_and_counts_are_one_line_errors(tiny_pair_dirs, tmp_pat
         )  # fmt: skip
         assert result.returncode == 2, result.stderr
         assert "Traceback" not in result.stderr and expected in result.stderr
+
+
+def test_contradictions_and_outputs_are_refused_before_loading(tiny_pair_dirs, tmp_path) -> None:
+    """Checked before any model loads: a --json folder or a parent that is a file, an unknown
+    or absent device, a folder for a kind that takes none, tree flags without --tree."""
+    target_dir, draft_dir = tiny_pair_dirs
+    missing = ["--target", str(tmp_path / "no-target"), "--drafter-kind", "ngram"]
+    with pytest.raises(ValueError, match="is a folder; pass a file path"):
+        evaluate.main([*missing, "--json", str(tmp_path)])
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ValueError, match="is a file, not a folder"):
+        evaluate.main([*missing, "--json", str(tmp_path / "f" / "r.json")])
+    with pytest.raises(ValueError, match="not a device torch knows"):
+        evaluate.main([*missing, "--device", "tpu"])
+    with pytest.raises(ValueError, match="is a folder; pass a file in it"):
+        evaluate.main([*missing, "--prompts", str(tmp_path)])
+    with pytest.raises(ValueError, match="is a file, not a model folder"):
+        evaluate.main(["--target", str(tmp_path / "f"), "--drafter-kind", "ngram"])
+    for argv in (
+        [*missing, "--drafter", str(draft_dir)],  # ngram takes no folder
+        ["--target", str(target_dir)],  # no drafter at all
+        [*missing, "--tree-top-k", "9"],
+        [*missing, "--tree-when-sampling"],
+        [*missing, "--temperature", "nan"],
+        [*missing, "--top-p", "0"],
+        [*missing, "--max-new-tokens", "0"],
+        [*missing, "--num-draft-tokens", "-1"],
+        [*missing, "--seed", str(2**70)],
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            evaluate.main(argv)
+        assert exit_info.value.code == 2, argv
+
+
+def test_max_new_tokens_past_the_context_is_refused(tiny_pair_dirs, tmp_path) -> None:
+    """Instead of decoding past max_position_embeddings for hours."""
+    target_dir, _ = tiny_pair_dirs
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("def add(a, b):\n")
+    with pytest.raises(ValueError, match="passes the target's context of 512 tokens"):
+        evaluate.main(
+            ["--target", str(target_dir), "--drafter-kind", "ngram", "--prompts", str(prompts),
+             "--max-new-tokens", "100000000", "--plain-also", ""]
+        )  # fmt: skip

@@ -80,3 +80,42 @@ def test_corpus_definition_prompts_take_each_file_in_turn() -> None:
 def test_corpus_definition_prompts_refuse_a_bad_length(chars: object) -> None:
     with pytest.raises(ValueError, match="--prompt-chars"):
         corpus_definition_prompts(4, max_files=5, chars=chars)  # type: ignore[arg-type]
+
+
+def test_hostile_prompt_files_are_clear_errors(tmp_path) -> None:
+    """A folder, JSON nested past the parser's depth, counts below 1, a byte-order mark."""
+    from decode.prompts import file_prompts, load_eval_prompts
+
+    with pytest.raises(ValueError, match="is a folder; pass a file in it"):
+        load_eval_prompts(str(tmp_path), 2)
+    for name in ("deep.json", "deep.jsonl"):
+        deep = tmp_path / name
+        deep.write_text("[" * 100_000 + "]" * 100_000 + "\n")
+        with pytest.raises(ValueError, match="nests JSON too deeply"):
+            load_eval_prompts(str(deep), 2)
+    text = tmp_path / "p.txt"
+    text.write_bytes(b"\xef\xbb\xbffirst\nsecond\n")
+    assert file_prompts(str(text), 5) == ["first", "second"]
+    for spec in ("demo", "ood", str(text)):
+        for count in (0, -1):
+            with pytest.raises(
+                ValueError, match=rf"--num-prompts must be an integer >= 1, got {count}"
+            ):
+                load_eval_prompts(spec, count)
+
+
+def test_unreadable_prompt_file_is_a_clear_error(tmp_path, monkeypatch) -> None:
+    """An OSError while reading (permissions, a device) names the file, no traceback."""
+    from pathlib import Path
+
+    from decode.prompts import file_prompts
+
+    text = tmp_path / "p.txt"
+    text.write_text("a\n")
+
+    def refuse(*_args, **_kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "read_text", refuse)
+    with pytest.raises(ValueError, match=r"p\.txt cannot be read \(Permission denied\)"):
+        file_prompts(str(text), 1)

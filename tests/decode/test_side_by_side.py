@@ -131,3 +131,68 @@ def test_sampled_decoding_repeats_exactly(llama_target, llama_draft, kind: str) 
         for a, b in zip(once[name].outputs, thrice[name].outputs, strict=True):
             assert torch.equal(a, b)  # a seed per prompt: the same draws on every pass
     assert thrice["ours"].stats.rounds == once["ours"].stats.rounds
+
+
+def test_flag_types_refuse_bad_values() -> None:
+    """Temperatures, top-p, top-k and seeds out of range are argparse errors, not traces."""
+    import argparse
+
+    from decode.side_by_side import at_least_zero, seed_value, temperature_value, top_p_value
+
+    assert temperature_value("0.7") == 0.7 and top_p_value("1") == 1.0
+    assert at_least_zero("0") == 0 and seed_value("4294967295") == 2**32 - 1
+    for parse, texts in (
+        (temperature_value, ("nan", "inf", "-1", "hot")),
+        (top_p_value, ("nan", "0", "1.5", "x")),
+        (at_least_zero, ("-1", "2.5")),
+        (seed_value, ("-1", str(2**64), "x")),
+    ):
+        for text in texts:
+            with pytest.raises(argparse.ArgumentTypeError, match="must be"):
+                parse(text)
+
+
+def test_device_context_and_chat_template_checks(tiny_pair_dirs) -> None:
+    from transformers import AutoTokenizer
+
+    from decode.loading import check_device
+    from decode.side_by_side import check_context, encode_prompt
+
+    assert check_device("cpu") == "cpu"
+    with pytest.raises(ValueError, match="not a device torch knows"):
+        check_device("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device; pass --device cpu"):
+            check_device("cuda")
+    target = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=32, rope_scaling=None))
+    check_context(target, [torch.zeros(1, 10)], 22)
+    with pytest.raises(ValueError, match="pass --max-new-tokens 22 or less"):
+        check_context(target, [torch.zeros(1, 10)], 23)
+    target.config.rope_scaling = {"rope_type": "dynamic"}  # scales past its context: allowed
+    check_context(target, [torch.zeros(1, 10)], 1000)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_pair_dirs[0])
+    tokenizer.chat_template = None
+    with pytest.raises(ValueError, match="tokenizer has no chat template"):
+        encode_prompt(tokenizer, [{"role": "user", "content": "hi"}])
+
+
+def test_tree_flags_without_tree_are_refused() -> None:
+    from decode.side_by_side import tree_flags_problem
+
+    def args(**kw):
+        base = dict(tree=False, tree_when_sampling=False, tree_top_k=4, tree_total_tokens=12)
+        return SimpleNamespace(**(base | {"tree_frontier": 0} | kw))
+
+    from decode.defaults import TREE_TOP_K, TREE_TOTAL_TOKENS
+
+    plain = args(tree_top_k=TREE_TOP_K, tree_total_tokens=TREE_TOTAL_TOKENS)
+    assert tree_flags_problem(plain) is None
+    problem = tree_flags_problem(
+        args(tree_top_k=TREE_TOP_K + 1, tree_total_tokens=TREE_TOTAL_TOKENS)
+    )
+    assert problem == "--tree-top-k only apply with --tree: add --tree, or drop them"
+    problem = tree_flags_problem(
+        args(tree_top_k=TREE_TOP_K, tree_total_tokens=TREE_TOTAL_TOKENS, tree_when_sampling=True)
+    )
+    assert "--tree-when-sampling" in problem
+    assert "frontier must lie" in tree_flags_problem(args(tree=True, tree_frontier=-1))

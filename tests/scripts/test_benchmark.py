@@ -113,3 +113,44 @@ def test_benchmark_writes_report_and_plots(tiny_pair_dirs, tmp_path) -> None:
     assert set(saved["sweep"]) == {"ngram", "draft_lm", "peagle"}
     for png in ("acceptance_t0.png", "speedup_t1.png", "speedup_vs_draft_length.png"):
         assert (tmp_path / "plots" / png).stat().st_size > 1000
+
+
+def test_hostile_flags_are_refused_before_loading(tmp_path, capsys) -> None:
+    """Values given twice (rows and plots would overwrite each other), counts below 1, bad
+    temperatures, and output paths that cannot be written: refused before any model loads."""
+    script = _load_script()
+    base = ["--target", str(tmp_path / "no-target"), "--json", str(tmp_path / "b.json"),
+            "--plots", str(tmp_path / "plots")]  # fmt: skip
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    for flags, message in (
+        (["--temperatures", "0", "0.0"], "--temperatures names 0 more than once"),
+        (["--sweep", "2", "2"], "--sweep names 2 more than once"),
+        (["--prompts", "demo", "demo"], "--prompts names demo more than once"),
+        (["--prompts", str(tmp_path / "a/x.txt"), str(tmp_path / "b/x.jsonl")], "named x"),
+        (["--num-prompts", "0"], "--num-prompts must be >= 1"),
+        (["--sweep", "0"], "argument --sweep: must be an integer >= 1"),
+        (["--temperatures", "nan"], "argument --temperatures: must be a finite number"),
+        (["--max-new-tokens", "-1"], "argument --max-new-tokens: must be an integer >= 1"),
+        (["--tree-frontier", "-1"], "tree frontier must lie"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            script.parse_args([*base, *flags])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err, flags
+    afile = tmp_path / "file"
+    afile.write_text("x")
+    with pytest.raises(ValueError, match=r"--plots .* is a file; pass a folder"):
+        script.main([*base[:4], "--plots", str(afile)])
+    with pytest.raises(ValueError, match=r"--json .* is a folder"):
+        script.main([*base[:2], "--json", str(tmp_path), *base[4:]])
+    with pytest.raises(ValueError, match="is a folder; pass a file in it"):
+        script.main([*base, "--prompts", str(tmp_path)])
+
+
+def test_a_broken_eval_results_file_is_a_clear_error(tmp_path) -> None:
+    script = _load_script()
+    (tmp_path / "eval_results.json").write_bytes(b"{not json")
+    with pytest.raises(ValueError, match=r"eval_results\.json is not UTF-8 JSON"):
+        script.held_out_overlap(str(tmp_path))
+    (tmp_path / "eval_results.json").write_text('{"overlap@x": 1, "overlap@2": 0.5}')
+    assert script.held_out_overlap(str(tmp_path)) == [0.5]

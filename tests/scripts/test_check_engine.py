@@ -242,3 +242,24 @@ def test_benchmark_files_give_an_accept_length_per_benchmark_on_both_sides(tmp_p
     ):
         line = next(row for row in report.splitlines() if name in row)
         assert line.split()[-2:] == [f"{check_engine.accept_length(group):.2f}"] * 2
+
+
+def test_broken_configs_tolerance_and_json_path_are_refused(tmp_path) -> None:
+    """A config.json that is not JSON or not an object, a NaN tolerance, a --json folder:
+    one message each, never a JSON traceback."""
+    folder = tmp_path / "d"
+    folder.mkdir()
+    (folder / "config.json").write_text("{not json")
+    with pytest.raises(SystemExit, match=r"config\.json is not UTF-8 JSON"):
+        check_engine.drafter_method(folder)
+    (folder / "config.json").write_text("[1, 2]")
+    with pytest.raises(SystemExit, match=r"config\.json holds a JSON list, not an object"):
+        check_engine.drafter_method(folder)
+    parser = check_engine.build_parser()
+    base = ["--target", str(folder), "--drafter", str(folder)]
+    with pytest.raises(SystemExit, match="--tolerance must be a finite number >= 0"):
+        check_engine.build_job(parser.parse_args([*base, "--tolerance", "nan"]))
+    with pytest.raises(SystemExit, match=r"--json .* is a folder"):
+        check_engine.build_job(parser.parse_args([*base, "--json", str(tmp_path)]))
+    with pytest.raises(SystemExit, match=r"--target .*config\.json holds a JSON list"):
+        check_engine.build_job(parser.parse_args(base))

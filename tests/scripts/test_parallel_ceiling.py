@@ -36,3 +36,16 @@ def test_bad_settings_are_refused_by_name(
     with pytest.raises(SystemExit):
         load_script("parallel_ceiling").parse_args(flags)
     assert message in capsys.readouterr().err
+
+
+def test_bad_output_and_seed_are_refused_before_measuring(tmp_path: Path, capsys) -> None:
+    """An --output folder or one under a file fails at once, not after the measurement."""
+    script = load_script("parallel_ceiling")
+    with pytest.raises(ValueError, match=r"--output .* is a folder"):
+        script.main(["--target", str(tmp_path / "none"), "--output", str(tmp_path)])
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ValueError, match="is a file, not a folder"):
+        script.main(["--target", str(tmp_path / "none"), "--output", str(tmp_path / "f" / "o")])
+    with pytest.raises(SystemExit):
+        script.parse_args(["--seed", str(2**70)])
+    assert "--seed must be an integer in 0..2**63 - 1" in capsys.readouterr().err
