@@ -77,6 +77,7 @@ from safetensors.torch import save_file
 
 from data.atomic_io import atomic_folder
 from decode.drafters.eagle import EAGLE3_ARCHITECTURE, Eagle3Config, Eagle3Head
+from decode.drafters.eagle_config import eagle3_values_from_layer
 from decode.drafters.folder import check_weights_fit_config, config_from_fields
 from decode.drafters.medusa import MEDUSA_ARCHITECTURE, MedusaHeads
 from decode.drafters.peagle import PEagleConfig, PEagleHead
@@ -380,21 +381,9 @@ def _read_speculators(
     weights = load_safetensors(folder / "model.safetensors", _REWRITE)
     check_weights_fit_config(layer, weights, folder / "config.json")
     with _named_errors(folder, model_type):
-        values = {
-            "hidden_size": layer["hidden_size"],
-            "num_attention_heads": layer["num_attention_heads"],
-            "num_key_value_heads": layer.get("num_key_value_heads", layer["num_attention_heads"]),
-            "intermediate_size": layer["intermediate_size"],
-            "target_vocab_size": layer["vocab_size"],
-            "target_num_hidden_layers": raw.get("target_num_hidden_layers", max(ids) + 1),
-            "draft_vocab_size": raw.get("draft_vocab_size") or layer["vocab_size"],
-            "aux_hidden_state_layer_ids": ids,
-            "head_dim": layer.get("head_dim"),
-            "rms_norm_eps": layer.get("rms_norm_eps", 1e-6),
-            "rope_theta": layer.get("rope_theta", 10000.0),
-            "max_position_embeddings": layer.get("max_position_embeddings", 4096),
-            "num_hidden_layers": layer.get("num_hidden_layers", 1),
-        }
+        depth = raw.get("target_num_hidden_layers", max(ids) + 1)
+        draft_vocab = raw.get("draft_vocab_size") or layer["vocab_size"]
+        values = eagle3_values_from_layer(layer, depth, ids, draft_vocab)
         config = config_from_fields(Eagle3Config, values)
     state = {
         ("midlayer." + k.removeprefix("layers.0.") if k.startswith("layers.0.") else k): v

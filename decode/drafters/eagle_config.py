@@ -209,25 +209,37 @@ def config_from_engine_dict(
                 "target_num_hidden_layers=<target config.num_hidden_layers>"
             )
         depth = max(ids) + 1
-    values = {
-        "hidden_size": raw["hidden_size"],
-        "num_attention_heads": raw["num_attention_heads"],
-        "num_key_value_heads": raw.get("num_key_value_heads", raw["num_attention_heads"]),
-        "intermediate_size": raw["intermediate_size"],
-        "target_vocab_size": raw["vocab_size"],
-        "target_num_hidden_layers": depth,
-        "draft_vocab_size": raw.get("draft_vocab_size") or raw["vocab_size"],
-        "aux_hidden_state_layer_ids": ids,
-        "head_dim": raw.get("head_dim"),
-        "rms_norm_eps": raw.get("rms_norm_eps", 1e-6),
-        "rope_theta": raw.get(
-            "rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-        ),
-        "max_position_embeddings": raw.get("max_position_embeddings", 4096),
-        "num_hidden_layers": raw.get("num_hidden_layers", 1),
-    }
+    draft_vocab = raw.get("draft_vocab_size") or raw["vocab_size"]
+    values = eagle3_values_from_layer(raw, depth, ids, draft_vocab)
     # The same checks as our own folders' config.json: types, positive sizes.
     return config_from_fields(Eagle3Config, values)
+
+
+def eagle3_values_from_layer(
+    layer: dict[str, Any], depth: Any, ids: Any, draft_vocab_size: Any
+) -> dict[str, Any]:
+    """``Eagle3Config`` field values from an engine's Llama-style layer config (vLLM, SGLang,
+    speculators' ``transformer_layer_config``), unchecked: pass them to ``config_from_fields``.
+    ``depth`` is the target's layer count, ``ids`` the aux hidden-state ids (ours)."""
+    rope_parameters = layer.get("rope_parameters") or {}
+    return {
+        "hidden_size": layer["hidden_size"],
+        "num_attention_heads": layer["num_attention_heads"],
+        "num_key_value_heads": layer.get("num_key_value_heads", layer["num_attention_heads"]),
+        "intermediate_size": layer["intermediate_size"],
+        "target_vocab_size": layer["vocab_size"],
+        "target_num_hidden_layers": depth,
+        "draft_vocab_size": draft_vocab_size,
+        "aux_hidden_state_layer_ids": ids,
+        "head_dim": layer.get("head_dim"),
+        "rms_norm_eps": layer.get("rms_norm_eps", 1e-6),
+        "rope_theta": layer.get(
+            "rope_theta",
+            rope_parameters.get("rope_theta", 10000.0) if isinstance(rope_parameters, dict) else 0,
+        ),
+        "max_position_embeddings": layer.get("max_position_embeddings", 4096),
+        "num_hidden_layers": layer.get("num_hidden_layers", 1),
+    }
 
 
 # Keys an engine export's config.json must hold (the rest have defaults).
