@@ -12,6 +12,8 @@ that form (``train_prompts: definitions``, ``scripts/regenerate_data.py --prompt
 rounds that copy without running its network, and the benchmark's prompt-lookup rows): a
 copy costs no drafting, only verify rows, so it is not bound by N, which prices a network's
 draft steps. Hugging Face's ``prompt_lookup_num_tokens`` defaults to the same 10.
+``MAX_SEED`` bounds a run seed (command lines and recipes): per-prompt seeds derived from it
+(``decode.side_by_side.prompt_seed``) still fit torch's 64-bit generator, and numpy takes it.
 """
 
 from __future__ import annotations
@@ -21,3 +23,4 @@ TREE_TOP_K = 4
 TREE_TOTAL_TOKENS = 12
 DEMO_PROMPT_CHARS = 400
 LOOKUP_DRAFT_TOKENS = 10
+MAX_SEED = 2**32 - 1

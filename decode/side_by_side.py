@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decode.defaults import NUM_DRAFT_TOKENS, TREE_TOP_K, TREE_TOTAL_TOKENS
+from decode.defaults import MAX_SEED, NUM_DRAFT_TOKENS, TREE_TOP_K, TREE_TOTAL_TOKENS
 from decode.drafters.base import Drafter, TreeSpec
 from decode.engine import SpeculativeDecoder
 from decode.sampling import SamplingConfig
@@ -138,9 +138,6 @@ def at_least_one(text: str) -> int:
 def at_least_zero(text: str) -> int:
     """An argparse type: an integer >= 0 (``--top-k``, 0 disables it)."""
     return _integer_at_least(text, 0)
-
-
-MAX_SEED = 2**32 - 1  # per-prompt seeds (prompt_seed) then fit torch's 64-bit generator
 
 
 def seed_value(text: str) -> int:

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
-from decode.defaults import DEMO_PROMPT_CHARS, NUM_DRAFT_TOKENS, TREE_TOP_K
+from decode.defaults import DEMO_PROMPT_CHARS, MAX_SEED, NUM_DRAFT_TOKENS, TREE_TOP_K
 from decode.precision import DtypeChoice, choose_training_dtype
 from decode.yaml_values import describe_type, describe_value, load_plain_yaml, typed_value
 
@@ -60,7 +60,6 @@ EXPORT_FORMATS_BY_KIND = {  # drafter kind -> the --export_format layouts it wri
 }
 # Every engine layout some kind writes (train.export_formats.ENGINE_FORMATS).
 EXPORT_FORMATS = tuple(dict.fromkeys(f for fs in EXPORT_FORMATS_BY_KIND.values() for f in fs))
-MAX_SEED = 2**32 - 1
 
 
 @dataclass(frozen=True)

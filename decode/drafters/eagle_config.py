@@ -221,7 +221,8 @@ def eagle3_values_from_layer(
     """``Eagle3Config`` field values from an engine's Llama-style layer config (vLLM, SGLang,
     speculators' ``transformer_layer_config``), unchecked: pass them to ``config_from_fields``.
     ``depth`` is the target's layer count, ``ids`` the aux hidden-state ids (ours)."""
-    rope_parameters = layer.get("rope_parameters") or {}
+    rope_parameters = layer.get("rope_parameters")
+    theta = rope_parameters.get("rope_theta") if isinstance(rope_parameters, dict) else None
     return {
         "hidden_size": layer["hidden_size"],
         "num_attention_heads": layer["num_attention_heads"],
@@ -233,10 +234,7 @@ def eagle3_values_from_layer(
         "aux_hidden_state_layer_ids": ids,
         "head_dim": layer.get("head_dim"),
         "rms_norm_eps": layer.get("rms_norm_eps", 1e-6),
-        "rope_theta": layer.get(
-            "rope_theta",
-            rope_parameters.get("rope_theta", 10000.0) if isinstance(rope_parameters, dict) else 0,
-        ),
+        "rope_theta": layer.get("rope_theta", theta if theta is not None else 10000.0),
         "max_position_embeddings": layer.get("max_position_embeddings", 4096),
         "num_hidden_layers": layer.get("num_hidden_layers", 1),
     }
