@@ -81,11 +81,15 @@ def _looks_local(source: str) -> bool:
     )
 
 
+# Python's codec for UTF-8 that drops one leading byte-order mark (editors on Windows write one).
+UTF8_WITH_OPTIONAL_BOM = "utf-8-sig"
+
+
 def utf8_text(path: Path, expected: str) -> str:
     """The text of ``path``; ``ValueError`` naming it and ``expected`` (what to pass instead)
     if it is not UTF-8."""
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding=UTF8_WITH_OPTIONAL_BOM)
     except UnicodeDecodeError as error:
         raise _not_utf8(path, error, expected) from None
 
@@ -102,7 +106,7 @@ def _read_json_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
         raise ValueError(f"{path} has suffix {path.suffix!r}; use a .jsonl or .json file")
     expected = f"a {path.suffix} data file of UTF-8 JSON"
     if path.suffix == ".jsonl":  # streamed: a training set may not fit in memory twice
-        with path.open(encoding="utf-8") as handle:
+        with path.open(encoding=UTF8_WITH_OPTIONAL_BOM) as handle:
             try:
                 for number, line in enumerate(handle, start=1):
                     if not line.strip():

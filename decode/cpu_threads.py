@@ -52,13 +52,43 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
+def max_threads() -> int:
+    """The most intra-op threads a command accepts: one per CPU of the machine (OpenMP
+    aborts the process on absurd counts, and threads beyond the cores only wait)."""
+    return max(available_cores(), os.cpu_count() or 1)
+
+
+def check_thread_count(count: int, flag: str = "--threads") -> None:
+    """``ValueError`` naming ``flag`` unless ``count`` lies in ``1 .. max_threads()``."""
+    most = max_threads()
+    if not 1 <= count <= most:
+        raise ValueError(
+            f"{flag} {count}: give a thread count from 1 to {most} (this machine's CPUs; more "
+            "only makes threads wait for cores), or leave it out"
+        )
+
+
+def _threads_from_environment(most: int) -> int:
+    """``DRAFTSMITH_THREADS`` as a count in ``1 .. most`` (0 or unset: not set)."""
+    raw = os.environ.get("DRAFTSMITH_THREADS", "").strip()
+    try:
+        value = int(raw or 0)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= most:
+        raise ValueError(
+            f"DRAFTSMITH_THREADS={raw!r}: set a thread count from 1 to {most}, or unset it"
+        )
+    return value
+
+
 def set_cpu_threads(requested: int | None = None) -> int:
     """Set torch's intra-op threads to ``requested`` (or the process's share of the cores)."""
     import torch
 
-    if requested is not None and requested < 1:
-        raise ValueError(f"--threads {requested}: give a positive thread count, or leave it out")
-    from_env = int(os.environ.get("DRAFTSMITH_THREADS", "0") or 0)
+    if requested is not None:
+        check_thread_count(requested)
+    from_env = _threads_from_environment(max_threads())
     threads = requested or from_env or max(available_cores() // local_processes(), 1)
     torch.set_num_threads(threads)
     return threads

@@ -149,7 +149,7 @@ def _text_prompts(file: Path, num_prompts: int) -> list[str | list[dict[str, str
     if not file.is_file():
         raise FileNotFoundError(f"prompt file {file} does not exist; pass a file or 'demo'")
     text = utf8_text(file, "a text file of one prompt a line, a .jsonl file or 'demo'")
-    prompts = [line for line in text.removeprefix("\ufeff").splitlines() if line.strip()]
+    prompts = [line for line in text.splitlines() if line.strip()]
     if not prompts:
         raise ValueError(f"prompt file {file} has no non-empty line")
     return prompts[:num_prompts]

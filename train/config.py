@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
+from decode.cpu_threads import check_thread_count
 from decode.defaults import DEMO_PROMPT_CHARS, MAX_SEED, NUM_DRAFT_TOKENS, TREE_TOP_K
 from decode.precision import DtypeChoice, choose_training_dtype
 from decode.yaml_values import describe_type, describe_value, load_plain_yaml, typed_value
@@ -497,6 +498,8 @@ class DistillConfig:
         for name, value in positive.items():
             if value < 1:
                 raise ValueError(f"--{name} must be >= 1, got {value}")
+        if self.optim.threads is not None:
+            check_thread_count(self.optim.threads)
         for name, zero in (
             ("speed_eval_prompts", "skips it"),
             ("speed_eval_tree_total_tokens", "chains"),

@@ -35,6 +35,11 @@ _EXPORT_ARCHITECTURES = {"LlamaForCausalLMEagle3": "eagle3", "MedusaModel": "med
 def detect_drafter_kind(path: str | Path) -> str:
     """The kind declared by a drafter folder (``drafter.json``, else its export architecture)."""
     folder = Path(path)
+    if folder.is_file():
+        raise ValueError(
+            f"drafter path {folder} is a file, not a drafter folder: pass the folder that holds "
+            "it (train/distill.py writes drafter.json, config.json and model.safetensors there)"
+        )
     if not folder.is_dir():
         raise FileNotFoundError(
             f"drafter folder {folder} does not exist: pass the folder written by "

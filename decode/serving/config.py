@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from decode.cpu_threads import check_thread_count
 from decode.defaults import LOOKUP_DRAFT_TOKENS, NUM_DRAFT_TOKENS, TREE_TOP_K, TREE_TOTAL_TOKENS
 from decode.precision import DTYPE_NAMES
 from decode.yaml_values import describe_type, describe_value, load_plain_yaml, typed_value
@@ -144,8 +145,8 @@ class ServeConfig:
             seconds = getattr(self, name)
             if not 0 < seconds < float("inf"):
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds, got {seconds}")
-        if self.num_threads is not None and self.num_threads < 1:
-            raise ValueError(f"--num-threads must be >= 1, got {self.num_threads}")
+        if self.num_threads is not None:
+            check_thread_count(self.num_threads, "--num-threads")
         if self.max_context_length is not None and self.max_context_length < 2:
             raise ValueError(f"--max-context-length must be >= 2, got {self.max_context_length}")
         if not 0 <= self.port <= 65535:

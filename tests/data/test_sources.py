@@ -66,6 +66,10 @@ def test_load_jsonl_and_its_errors(tmp_path: Path) -> None:
     separator = tmp_path / "u2028.jsonl"  # U+2028 is legal raw inside a JSON string
     separator.write_text('{"text": "a\u2028b"}\n', encoding="utf-8")
     assert load_jsonl(separator)["text"] == ["a\u2028b"]
+    for suffix, body in ((".jsonl", '{"text": "bom"}\n'), (".json", '[{"text": "bom"}]')):
+        marked = tmp_path / f"bom{suffix}"  # Windows editors start UTF-8 files with a BOM
+        marked.write_bytes(b"\xef\xbb\xbf" + body.encode())
+        assert load_jsonl(marked)["text"] == ["bom"]
 
 
 def test_load_conversations_jsonl_and_json(tmp_path: Path) -> None:

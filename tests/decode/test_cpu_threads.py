@@ -33,9 +33,21 @@ def test_the_share_of_the_cores_ignores_accelerates_one_thread(
     assert cpu_threads.set_cpu_threads() == 2
 
 
-def test_a_bad_thread_count_names_the_fix() -> None:
-    with pytest.raises(ValueError, match="--threads 0: give a positive thread count"):
-        cpu_threads.set_cpu_threads(0)
+@pytest.mark.parametrize("count", [0, -1, 10**6])
+def test_a_bad_thread_count_names_the_fix(count: int) -> None:
+    """A count past the machine's CPUs used to abort the process inside OpenMP."""
+    most = cpu_threads.max_threads()
+    with pytest.raises(
+        ValueError, match=f"--threads {count}: give a thread count from 1 to {most}"
+    ):
+        cpu_threads.set_cpu_threads(count)
+
+
+@pytest.mark.parametrize("value", ["two", "-3", "1000000"])
+def test_a_bad_threads_variable_names_the_fix(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DRAFTSMITH_THREADS", value)
+    with pytest.raises(ValueError, match=f"DRAFTSMITH_THREADS='{value}': set a thread count"):
+        cpu_threads.set_cpu_threads()
 
 
 def test_a_single_process_keeps_libgomps_wait_policy_and_ranks_sleep_at_once() -> None:

@@ -62,6 +62,14 @@ def test_a_drafter_json_that_is_not_a_file_is_named(medusa_folder: Path, broken:
         detect_drafter_kind(medusa_folder)
 
 
+def test_a_drafter_path_that_is_a_file_is_named(medusa_folder: Path) -> None:
+    weights = medusa_folder / "model.safetensors"
+    with pytest.raises(ValueError, match=r"model\.safetensors is a file, not a drafter folder"):
+        detect_drafter_kind(weights)
+    with pytest.raises(ValueError, match="is a file, not a drafter folder"):
+        load_drafter(weights, tiny_llama())
+
+
 def test_a_malformed_config_json_is_named(medusa_folder: Path) -> None:
     (medusa_folder / "config.json").write_text("{oops")
     with pytest.raises(LoadError, match=r"config\.json is not valid JSON"):

@@ -498,6 +498,9 @@ def test_config_errors_name_the_fix() -> None:
         ServeConfig(target="t", drafter_kind="ngram", max_queue=0).validate()
     with pytest.raises(ValueError, match="--dtype"):
         ServeConfig(target="t", drafter_kind="ngram", dtype="int8").validate()
+    for threads in (0, 10**6):  # a huge count used to abort the process inside OpenMP
+        with pytest.raises(ValueError, match=f"--num-threads {threads}: give a thread count"):
+            ServeConfig(target="t", drafter_kind="ngram", num_threads=threads).validate()
     for value in (0.0, -1.0, math.inf, math.nan):
         with pytest.raises(ValueError, match="--timeout-headers must be > 0 seconds"):
             ServeConfig(target="t", drafter_kind="ngram", timeout_headers=value).validate()

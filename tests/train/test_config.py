@@ -116,6 +116,8 @@ def test_bad_flags_and_a_second_config_are_errors_not_exits(tmp_path: Path) -> N
         (["--max_steps", "0"], "--max_steps must be >= 1"),
         (["--train_prompts", "lines"], "--train_prompts 'lines' is not valid; choose one of"),
         (["--train_prompt_chars", "0"], "--train_prompt_chars must be >= 1"),
+        (["--threads", "0"], "--threads 0: give a thread count from 1 to"),
+        (["--threads", "1000000"], "--threads 1000000: give a thread count from 1 to"),
     ],
 )
 def test_out_of_range_optimisation_values(argv: list[str], expected: str) -> None:
