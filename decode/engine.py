@@ -31,7 +31,7 @@ import torch
 
 from decode.defaults import NUM_DRAFT_TOKENS
 from decode.draft_length import AdaptiveDraftLength
-from decode.drafters.base import Drafter, TargetPass, TreeSpec
+from decode.drafters.base import Drafter, TargetPass, TreeSpec, require_left_padded
 from decode.kv_cache import CachedSequence
 from decode.lean_decoder import LeanDecoder
 from decode.output_head import OutputHead
@@ -336,8 +336,7 @@ class SpeculativeDecoder:
             raise ValueError("attention_mask must hold only 0 (padding) and 1 (real tokens)")
         if bool((attention_mask.sum(-1) == 0).any()):
             raise ValueError("a prompt row is empty (its attention_mask is all zero)")
-        if bool((attention_mask[:, -1] == 0).any()):
-            raise ValueError("prompts must be left-padded: the last column must be a real token")
+        require_left_padded(attention_mask)
         vocab = self.drafter.vocab_size
         if bool(((input_ids < 0) | (input_ids >= vocab)).any()):
             raise ValueError(f"input_ids hold token ids outside [0, {vocab})")

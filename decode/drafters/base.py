@@ -217,3 +217,12 @@ class Drafter(ABC):
     def commit_tree(self, verification: TreeVerification, target_pass: TargetPass) -> None:
         """Bring the state to the accepted branch (drafters with ``supports_trees``)."""
         raise NotImplementedError(f"the {self.kind} drafter drafts chains only")
+
+
+def require_left_padded(attention_mask: torch.Tensor) -> None:  # [B, T]
+    """``ValueError`` unless every row's last column is a real token (prompts left-padded:
+    a drafter's first draft follows each row's last prompt token)."""
+    if not bool(attention_mask[:, -1].bool().all()):
+        raise ValueError(
+            "prompts must be left-padded: every row's last column must be a real token"
+        )

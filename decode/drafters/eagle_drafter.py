@@ -20,7 +20,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from decode.drafters.base import Drafter, DraftProposal, TargetPass, TreeSpec
+from decode.drafters.base import Drafter, DraftProposal, TargetPass, TreeSpec, require_left_padded
 from decode.drafters.eagle import Eagle3Head
 from decode.drafters.eagle_layers import block_visibility, positions_from_mask
 from decode.drafters.eagle_lean import LeanEagle3
@@ -96,9 +96,8 @@ class Eagle3Drafter(Drafter):
         pending: torch.Tensor,  # [B]
     ) -> None:
         hidden_states = _require_hidden(target_pass, input_ids.shape[1])
+        require_left_padded(attention_mask)
         valid = attention_mask.bool()
-        if not valid[:, -1].all():
-            raise ValueError("prompts must be left-padded: every row's last column must be real")
         next_ids = torch.cat((input_ids[:, 1:], pending[:, None]), dim=1)
         positions = positions_from_mask(attention_mask)
         fused = self.lean.fuse(self.head.gather_aux(hidden_states))

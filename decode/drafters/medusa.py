@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from decode.drafters.base import Drafter, DraftProposal, TargetPass, TreeSpec
+from decode.drafters.base import Drafter, DraftProposal, TargetPass, TreeSpec, require_left_padded
 from decode.drafters.folder import config_from_fields, read_folder, save_native_folder
 from decode.sampling import SamplingConfig, greedy_tokens, logits_to_probs, sample
 from decode.tree import StaticTree, TreeProposal
@@ -238,8 +238,7 @@ class MedusaDrafter(Drafter):
         target_pass: TargetPass,
         pending: torch.Tensor,  # [B]
     ) -> None:
-        if not attention_mask.bool()[:, -1].all():
-            raise ValueError("prompts must be left-padded: every row's last column must be real")
+        require_left_padded(attention_mask)
         self._hidden = _last_hidden(target_pass)[:, -1]
 
     @torch.no_grad()
