@@ -196,7 +196,11 @@ class Projection:
         return out.view(*x.shape[:-1], out.shape[-1])
 
     def _layout(self, rows: int) -> Layout:
-        """``choose``'s layout, unless it is int8 and the kernel cannot take this weight."""
+        """``choose``'s layout on CPU, unless it is int8 and the kernel cannot take this weight;
+        ``F.linear`` elsewhere (the tables are CPU measurements, and oneDNN's packed weight and
+        the int8 kernel are CPU code: on a GPU ``F.linear`` is cuBLAS's product)."""
+        if self.weight.device.type != "cpu":
+            return LINEAR
         layout = self._choose(self.weight.dtype, rows)
         if layout == INT8_WEIGHTS and not _int8_kernel_takes(self.weight):
             return layer_layout(self.weight.dtype, rows)
@@ -329,9 +333,9 @@ def _int8_copy(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return int8, scales.to(weight.dtype)
 
 
-def _int8_kernel_takes(weight: torch.Tensor) -> bool:  # [out, in]
-    """The int8 kernel's limits: a CPU weight whose input width is a multiple of 16."""
-    return weight.device.type == "cpu" and weight.shape[1] % INT8_KERNEL_WIDTH_MULTIPLE == 0
+def _int8_kernel_takes(weight: torch.Tensor) -> bool:  # [out, in] on CPU
+    """The int8 kernel's limit: an input width that is a multiple of 16."""
+    return weight.shape[1] % INT8_KERNEL_WIDTH_MULTIPLE == 0
 
 
 def _narrower(dtype: torch.dtype, than: torch.dtype) -> bool:

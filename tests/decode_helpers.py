@@ -6,7 +6,9 @@ import copy
 
 import torch
 
-from decode.drafters.base import Drafter, DraftProposal, TargetPass
+from decode.drafters.base import Drafter, DraftProposal, TargetPass, TreeSpec
+from decode.drafters.hybrid import HybridDrafter
+from decode.drafters.ngram import NgramDrafter
 from decode.sampling import SamplingConfig, logits_to_probs
 
 
@@ -55,7 +57,8 @@ def exact_two_token_law(
     with torch.no_grad():
         first = logits_to_probs(target(prompt[None]).logits[0, -1], sampling)  # [V]
         vocab = first.shape[0]
-        extended = torch.cat([prompt[None].repeat(vocab, 1), torch.arange(vocab)[:, None]], 1)
+        every_token = torch.arange(vocab, device=prompt.device)[:, None]  # [V, 1]
+        extended = torch.cat([prompt[None].repeat(vocab, 1), every_token], 1)
         second = logits_to_probs(target(extended).logits[:, -1], sampling)  # [V, V]
     return first.double(), (first.double()[:, None] * second.double()).sum(0)
 
@@ -84,16 +87,22 @@ def chi_square_p_value(
     return float(torch.special.gammaincc(torch.tensor(dof / 2.0), statistic / 2.0))
 
 
-def tiny_eagle_drafter(target: torch.nn.Module, num_layers: int = 1):
-    """A random EAGLE-3 head on the target's own LM head, so drafts are sometimes right."""
+def tiny_eagle_drafter(
+    target: torch.nn.Module, num_layers: int = 1, draft_vocab_size: int | None = None
+):
+    """A random EAGLE-3 head on the target's own LM head, so drafts are sometimes right; with
+    ``draft_vocab_size`` a random head over that pruned vocabulary instead."""
     from decode.drafters.eagle import Eagle3Config, Eagle3Head
     from decode.drafters.eagle_drafter import Eagle3Drafter
 
     torch.manual_seed(0)
-    config = Eagle3Config.for_target(target.config, num_hidden_layers=num_layers)
+    config = Eagle3Config.for_target(
+        target.config, num_hidden_layers=num_layers, draft_vocab_size=draft_vocab_size
+    )
     head = Eagle3Head(config).double()
-    with torch.no_grad():  # reuse the target's head so drafts are sometimes right
-        head.lm_head.weight.copy_(target.get_output_embeddings().weight)
+    if draft_vocab_size is None:
+        with torch.no_grad():  # reuse the target's head so drafts are sometimes right
+            head.lm_head.weight.copy_(target.get_output_embeddings().weight)
     randomize_later_layers(head, scale=0.02)  # small: random drafts still accepted at times
     return Eagle3Drafter(head, target)
 
@@ -149,3 +158,25 @@ def ragged_greedy_batch(
         input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False
     )
     return ids, mask, reference
+
+
+# Every drafter kind the decoder ships, as (drafter factory for a target, tree, adaptive):
+# EAGLE-3 chains (two layers, pruned vocabulary), EAGLE-2 trees fixed / frontier one /
+# adaptive, P-EAGLE, Medusa chains and static trees, the hybrids, the n-gram drafter.
+KIND_TREE = TreeSpec(top_k=3, total_tokens=10)
+DRAFTER_KINDS = {
+    "eagle3-two-layers-pruned": (
+        lambda t: tiny_eagle_drafter(t, num_layers=2, draft_vocab_size=40), None, False
+    ),
+    "eagle3-tree": (tiny_eagle_drafter, KIND_TREE, False),
+    "eagle3-frontier-one": (
+        tiny_eagle_drafter, TreeSpec(top_k=3, total_tokens=9, frontier=1), False
+    ),
+    "eagle3-tree-adaptive": (tiny_eagle_drafter, KIND_TREE, True),
+    "peagle": (tiny_peagle_drafter, None, False),
+    "medusa": (tiny_medusa_drafter, None, False),
+    "medusa-tree": (tiny_medusa_drafter, TreeSpec(), False),
+    "hybrid-eagle3": (lambda t: HybridDrafter(tiny_eagle_drafter(t)), None, False),
+    "hybrid-peagle-adaptive": (lambda t: HybridDrafter(tiny_peagle_drafter(t)), None, True),
+    "ngram-adaptive": (lambda t: NgramDrafter(t.config.vocab_size), None, True),
+}  # fmt: skip

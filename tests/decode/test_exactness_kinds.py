@@ -17,10 +17,13 @@ from __future__ import annotations
 import pytest
 import torch
 from decode_helpers import (
+    DRAFTER_KINDS,
+    KIND_TREE,
     chi_square_p_value,
     exact_two_token_law,
     noisy_copy,
-    randomize_later_layers,
+    tiny_eagle_drafter,
+    tiny_medusa_drafter,
 )
 from family_variants import (
     LEAN_FAMILIES,
@@ -35,12 +38,8 @@ from tiny_models import tiny_llama
 
 from decode import DraftModelDrafter, SpeculativeDecoder
 from decode.drafters.base import TreeSpec
-from decode.drafters.eagle import Eagle3Config, Eagle3Head
-from decode.drafters.eagle_drafter import Eagle3Drafter
 from decode.drafters.hybrid import HybridDrafter
-from decode.drafters.medusa import MedusaDrafter, MedusaHeads
 from decode.drafters.ngram import NgramDrafter
-from decode.drafters.peagle import PEagleConfig, PEagleDrafter, PEagleHead
 from decode.sampling import SamplingConfig
 
 # A sample of family_variants.VARIANTS: rope types, windows, non-lean Gemma, biases and ties.
@@ -67,54 +66,6 @@ def _prompts(batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ragged_prompts(batch, repeat_tail=True)
 
 
-def _eagle(target: torch.nn.Module, layers: int = 1, draft_vocab: int | None = None):
-    """A random EAGLE-3 head in the target's dtype, on the target's LM head unless pruned."""
-    torch.manual_seed(0)
-    config = Eagle3Config.for_target(
-        target.config, num_hidden_layers=layers, draft_vocab_size=draft_vocab
-    )
-    head = Eagle3Head(config).to(target.dtype)
-    if draft_vocab is None:
-        with torch.no_grad():
-            head.lm_head.weight.copy_(target.get_output_embeddings().weight)
-    randomize_later_layers(head, scale=0.02)
-    return Eagle3Drafter(head, target)
-
-
-def _peagle(target: torch.nn.Module):
-    torch.manual_seed(0)
-    head = PEagleHead(PEagleConfig.for_target(target.config, num_depths=3)).to(target.dtype)
-    with torch.no_grad():
-        head.lm_head.weight.copy_(target.get_output_embeddings().weight)
-    randomize_later_layers(head, scale=0.02)
-    return PEagleDrafter(head, target)
-
-
-def _medusa(target: torch.nn.Module):
-    heads = MedusaHeads.from_target(target, num_heads=3).to(target.dtype)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for param in heads.blocks.parameters():
-            param.copy_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * 0.3)
-    return MedusaDrafter(heads, target)
-
-
-TREE = TreeSpec(top_k=3, total_tokens=10)
-# kind -> (drafter factory, tree, adaptive)
-KINDS = {
-    "eagle3-two-layers-pruned": (lambda t: _eagle(t, layers=2, draft_vocab=40), None, False),
-    "eagle3-tree": (_eagle, TREE, False),
-    "eagle3-frontier-one": (_eagle, TreeSpec(top_k=3, total_tokens=9, frontier=1), False),
-    "eagle3-tree-adaptive": (_eagle, TREE, True),
-    "peagle": (_peagle, None, False),
-    "medusa": (_medusa, None, False),
-    "medusa-tree": (_medusa, TreeSpec(), False),
-    "hybrid-eagle3": (lambda t: HybridDrafter(_eagle(t)), None, False),
-    "hybrid-peagle-adaptive": (lambda t: HybridDrafter(_peagle(t)), None, True),
-    "ngram-adaptive": (lambda t: NgramDrafter(VOCAB), None, True),
-}
-
-
 @pytest.mark.parametrize("name", SAMPLED_VARIANTS)
 def test_every_drafter_kind_equals_generate(name: str) -> None:
     target = _build(name)
@@ -125,7 +76,7 @@ def test_every_drafter_kind_equals_generate(name: str) -> None:
             input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False
         )
         for lean in lean_options:
-            for kind, (make, tree, adaptive) in KINDS.items():
+            for kind, (make, tree, adaptive) in DRAFTER_KINDS.items():
                 decoder = SpeculativeDecoder(
                     target, make(target), 3, tree=tree, lean_target=lean, adaptive=adaptive
                 )
@@ -148,8 +99,8 @@ def test_eos_and_limits_inside_an_accepted_block(name: str) -> None:
     makers = {
         "perfect": (lambda: DraftModelDrafter(target), None),
         "hybrid-perfect": (lambda: HybridDrafter(DraftModelDrafter(target)), None),
-        "eagle3-tree": (lambda: _eagle(target), TREE),
-        "medusa-tree": (lambda: _medusa(target), TreeSpec()),
+        "eagle3-tree": (lambda: tiny_eagle_drafter(target), KIND_TREE),
+        "medusa-tree": (lambda: tiny_medusa_drafter(target), TreeSpec()),
         "ngram": (lambda: NgramDrafter(VOCAB), None),
     }
     for max_new, eos_ids in ((1, []), (2, []), (3, []), (NEW_TOKENS, eos)):
@@ -191,9 +142,9 @@ def test_rows_joining_and_leaving_on_windowed_families(name: str) -> None:
         expected.append(out[0, len(prompt) :].tolist())
     makers = {
         "draft_lm": (lambda: DraftModelDrafter(noisy_copy(target, 0.3)), None),
-        "eagle3-tree": (lambda: _eagle(target), TreeSpec(top_k=3, total_tokens=8)),
-        "medusa-tree": (lambda: _medusa(target), TreeSpec()),
-        "hybrid-eagle3": (lambda: HybridDrafter(_eagle(target)), None),
+        "eagle3-tree": (lambda: tiny_eagle_drafter(target), TreeSpec(top_k=3, total_tokens=8)),
+        "medusa-tree": (lambda: tiny_medusa_drafter(target), TreeSpec()),
+        "hybrid-eagle3": (lambda: HybridDrafter(tiny_eagle_drafter(target)), None),
     }
     for kind, (make, tree) in makers.items():
         decoder = SpeculativeDecoder(target, make(), 3, tree=tree, lean_target=lean)
@@ -257,7 +208,11 @@ def test_sampled_chains_of_head_kinds_follow_target_law(
     Medusa chains (one head per position) and EAGLE-3 under an adaptive length: the first two
     emitted tokens of 3000 rows follow the target's exact law (chi-square)."""
     target = tiny_llama(seed=0, dtype=torch.float32)
-    drafter = _eagle(target, draft_vocab=40) if kind.startswith("eagle3") else _medusa(target)
+    drafter = (
+        tiny_eagle_drafter(target, draft_vocab_size=40)
+        if kind.startswith("eagle3")
+        else tiny_medusa_drafter(target)
+    )
     prompt = torch.tensor([5, 9, 5, 9, 5, 9, 5, 9, 5])
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
     first_law, second_law = exact_two_token_law(target, prompt, sampling)

@@ -180,3 +180,25 @@ def test_engine_comparisons_can_turn_int8_drafting_off(monkeypatch: pytest.Monke
             assert projection.draft_layer_layout(torch.bfloat16, rows) == projection.PACKED
             assert projection.draft_vocab_layout(torch.bfloat16, rows) == projection.PACKED
     assert projection.draft_layer_layout(torch.bfloat16, 1) == projection.INT8_WEIGHTS
+
+
+@pytest.mark.parametrize(
+    "choose",
+    [
+        projection.layer_layout,
+        projection.draft_layer_layout,
+        projection.vocab_layout,
+        projection.draft_vocab_layout,
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weights_off_the_cpu_multiply_with_f_linear(choose, dtype: torch.dtype) -> None:
+    """The layout tables are CPU measurements: oneDNN's packed weight and the int8 kernel are
+    CPU code, so a weight on another device (a GPU; here ``meta``, which runs no kernel at
+    all) multiplies with ``F.linear``, whatever ``choose`` would pick on a CPU."""
+    weight = torch.empty(48, 32, dtype=dtype, device="meta")
+    for rows in (1, 4, 13):
+        product = Projection(weight, choose=choose)
+        out = product(torch.empty(rows, 32, dtype=dtype, device="meta"))
+        assert out.shape == (rows, 48) and out.device.type == "meta"
+        assert product._prepared == {}  # no CPU layout was built
