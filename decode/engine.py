@@ -32,7 +32,7 @@ import torch
 from decode.defaults import NUM_DRAFT_TOKENS
 from decode.draft_length import AdaptiveDraftLength
 from decode.drafters.base import Drafter, TargetPass, TreeSpec, require_left_padded
-from decode.kv_cache import CachedSequence
+from decode.kv_cache import CachedSequence, single_row_problem, tree_verification_problem
 from decode.lean_decoder import LeanDecoder
 from decode.output_head import OutputHead
 from decode.rejection import verify_chain
@@ -93,6 +93,9 @@ class SpeculativeDecoder:
                 f"num_draft_tokens must be >= 1 (drafted tokens per round), got {num_draft_tokens}"
             )
         drafter.check_compatible(target)
+        problem = None if tree is None else tree_verification_problem(target)
+        if problem is not None:
+            raise ValueError(problem)
         if tree is not None and not drafter.supports_trees:
             raise ValueError(
                 f"the {drafter.kind} drafter drafts chains only: drop the tree settings or use "
@@ -489,6 +492,10 @@ class DecodeSession:
         ``batch_size .. batch_size + R - 1``) and emit each one's first token."""
         decoder = self.decoder
         input_ids, attention_mask = decoder._check_inputs(input_ids, attention_mask, 1)
+        if self.batch_size + input_ids.shape[0] > 1:
+            problem = single_row_problem(decoder.target)
+            if problem is not None:
+                raise ValueError(problem)
         limits = _row_limits(max_new_tokens, input_ids.shape[0])
         start = _clock(decoder.device)
         drafter = self.drafter if self.batch_size == 0 else self.drafter.spawn()

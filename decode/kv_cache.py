@@ -39,6 +39,50 @@ FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 
 
+def tree_verification_problem(model: torch.nn.Module) -> str | None:
+    """Why ``model``'s forward cannot score a draft tree exactly, or ``None`` if it can.
+
+    A tree's nodes sit side by side in the cache but at their depths' positions, so the
+    forward must take explicit positions and a tree-shaped 4-D mask. ALiBi models derive their
+    position biases otherwise: BLOOM and Falcon with ``alibi`` from a 2-D padding mask (their
+    forward refuses a 4-D one), MPT from the slot order (``single_row_problem``). Chains are
+    exact on all of them."""
+    if _alibi(model) is None:
+        return None
+    return (
+        f"{type(model).__name__} places tokens with ALiBi biases, which follow cache slots or "
+        "a 2-D padding mask, not a draft tree's node depths: draft chains on it (drop the "
+        "tree settings)"
+    )
+
+
+def single_row_problem(model: torch.nn.Module) -> str | None:
+    """Why ``model`` must decode one row at a time, or ``None``.
+
+    MPT's ALiBi biases a key by its cache slot, whatever the attention mask says. The rows of
+    a batch accept different numbers of drafts, so rejected slots stay behind as masked holes
+    (and rows that join a running batch bring their own front padding); a hole shifts every
+    later key's bias, where Hugging Face's own forward, which never leaves one, does not.
+    (BLOOM and Falcon count positions from the 2-D mask, holes excluded: exact.)"""
+    if _alibi(model) != "slots":
+        return None
+    return (
+        f"{type(model).__name__} biases attention by cache slot (ALiBi over slot order), which "
+        "the holes a batch leaves behind would shift: decode one row at a time (batch size 1)"
+    )
+
+
+def _alibi(model: torch.nn.Module) -> str | None:
+    """How the model's ALiBi biases count positions: "mask" (BLOOM, Falcon with ``alibi``),
+    "slots" (MPT), or ``None`` for a model without ALiBi."""
+    config = model.config.get_text_config(decoder=True)
+    if getattr(getattr(config, "attn_config", None), "alibi", False) is True:
+        return "slots"
+    if config.model_type == "bloom" or getattr(config, "alibi", False) is True:
+        return "mask"
+    return None
+
+
 class CachedSequence:
     """Incremental forward passes of one model over a batch, with a rollback."""
 

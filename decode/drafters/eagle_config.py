@@ -119,7 +119,7 @@ class Eagle3Config:
             "num_key_value_heads": getattr(
                 target_config, "num_key_value_heads", target_config.num_attention_heads
             ),
-            "intermediate_size": target_config.intermediate_size,
+            "intermediate_size": target_mlp_width(target_config),
             "target_vocab_size": target_config.vocab_size,
             "target_num_hidden_layers": target_config.num_hidden_layers,
             "head_dim": getattr(target_config, "head_dim", None),
@@ -145,6 +145,18 @@ class Eagle3Config:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> Eagle3Config:
         return config_from_fields(cls, values)
+
+
+def target_mlp_width(target_config: Any) -> int:
+    """The target's MLP width, which a head copies, under the names Hugging Face's families
+    give it: ``intermediate_size`` (Llama and most), ``n_inner`` (GPT-2, GPT-BigCode),
+    ``ffn_dim`` (OPT), ``ffn_hidden_size`` (Falcon); else four times the width (GPT-2's
+    ``n_inner=None``, BLOOM)."""
+    for name in ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size"):
+        value = getattr(target_config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return 4 * target_config.hidden_size
 
 
 def check_layer_count(config: Eagle3Config, state: dict[str, torch.Tensor]) -> None:

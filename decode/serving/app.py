@@ -41,6 +41,7 @@ from starlette.requests import ClientDisconnect
 
 from decode.defaults import NUM_DRAFT_TOKENS
 from decode.drafters.base import Drafter, TreeSpec
+from decode.kv_cache import single_row_problem
 from decode.serving.config import MAX_BATCH_SIZE
 from decode.serving.metrics import CONTENT_TYPE, ServerMetrics
 from decode.serving.protocol import (
@@ -158,6 +159,9 @@ class OpenAIServer:
                 f"the tokenizer has {len(tokenizer)} tokens but the target's vocabulary only "
                 f"{self.vocab_size}: serve the tokenizer the target was trained with"
             )
+        problem = single_row_problem(target) if max_batch_size > 1 else None
+        if problem is not None:
+            raise ValueError(f"{problem}: serve it with --max-batch-size 1")
         self.eos_token_ids = stop_token_ids(tokenizer, target)
         pad = tokenizer.pad_token_id
         if pad is None:

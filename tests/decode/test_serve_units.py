@@ -718,3 +718,23 @@ def test_a_request_after_the_decoder_stopped_is_a_503_not_a_429(
     assert response.status_code == 503
     error = response.json()["error"]
     assert error["code"] == "server_unavailable" and "retry later" in error["message"]
+
+
+def test_a_target_that_decodes_one_row_at_a_time_is_served_unbatched(
+    tokenizer: PreTrainedTokenizerFast,
+) -> None:
+    """MPT biases attention by cache slot (``decode.kv_cache.single_row_problem``): a batch
+    would shift it, so the server refuses to batch it at start, not on the second request."""
+    import transformers
+
+    from decode.drafters.none import NoDrafter
+    from decode.serving.app import OpenAIServer
+
+    config = transformers.MptConfig(
+        vocab_size=len(tokenizer), d_model=32, n_layers=1, n_heads=4, max_seq_len=64
+    )
+    target = transformers.MptForCausalLM(config).eval()
+    drafter = NoDrafter(len(tokenizer))
+    with pytest.raises(ValueError, match=r"cache slot.*--max-batch-size 1"):
+        OpenAIServer(target, tokenizer, drafter, model_name="m", max_batch_size=2)
+    OpenAIServer(target, tokenizer, drafter, model_name="m", max_batch_size=1)
