@@ -5,7 +5,7 @@ marked ``gpu`` and skip cleanly without CUDA; ``pytest -m gpu`` runs them alone)
 CPU-only paths stand aside: the target runs its own forward, drafters' products use
 ``F.linear`` (``decode.projection``), attention keeps the input's dtype. In float32 greedy
 output must equal Hugging Face ``generate`` on the same device token for token, and sampled
-output must follow the target's exact law (chi-square); in bfloat16, where kernels for one row
+output must follow the target's exact law (chi-square); in bfloat16 and float16, where kernels for one row
 and for a verify block may round a near-tie apart, every kind must run, stay on the device,
 and repeat itself under a seed.
 """
@@ -59,10 +59,13 @@ def test_every_kind_equals_generate_in_float32(device: str) -> None:
         assert torch.equal(out.sequences, reference), kind
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("device", DEVICES)
-def test_every_kind_runs_in_bfloat16_and_repeats_under_a_seed(device: str) -> None:
+def test_every_kind_runs_in_half_precision_and_repeats_under_a_seed(
+    device: str, dtype: torch.dtype
+) -> None:
     """Greedy and sampled (chains, top-k trees at T = 0, sampled trees at T = 1)."""
-    target = _target(device, torch.bfloat16)
+    target = _target(device, dtype)
     ids, mask = _prompts(device)
     vocab = target.config.vocab_size
     for kind, (make, tree, adaptive) in DRAFTER_KINDS.items():
