@@ -32,7 +32,12 @@ import torch
 from decode.defaults import NUM_DRAFT_TOKENS
 from decode.draft_length import AdaptiveDraftLength
 from decode.drafters.base import Drafter, TargetPass, TreeSpec, require_left_padded
-from decode.kv_cache import CachedSequence, single_row_problem, tree_verification_problem
+from decode.kv_cache import (
+    CachedSequence,
+    learned_position_limit,
+    single_row_problem,
+    tree_verification_problem,
+)
 from decode.lean_decoder import LeanDecoder
 from decode.output_head import OutputHead
 from decode.rejection import verify_chain
@@ -497,6 +502,7 @@ class DecodeSession:
             if problem is not None:
                 raise ValueError(problem)
         limits = _row_limits(max_new_tokens, input_ids.shape[0])
+        _check_position_table(decoder.target, input_ids.shape[1], int(limits.max()))
         start = _clock(decoder.device)
         drafter = self.drafter if self.batch_size == 0 else self.drafter.spawn()
         target = CachedSequence(
@@ -638,6 +644,19 @@ class DecodeSession:
             raise RuntimeError("the session keeps no tokens: open it with record=True")
         longest = int(self.count.max())
         return torch.cat([input_ids, self.tokens[:, :longest]], dim=1)
+
+
+def _check_position_table(target: torch.nn.Module, prompt_width: int, most_new: int) -> None:
+    """``ValueError`` when a prompt (left-padded to ``prompt_width``) and ``most_new`` tokens
+    need positions past the target's learned table (the last new token is never fed back)."""
+    limit = learned_position_limit(target)
+    needed = prompt_width + most_new - 1
+    if limit is not None and needed > limit:
+        raise ValueError(
+            f"the prompt ({prompt_width} tokens) and max_new_tokens={most_new} need {needed} "
+            f"positions, past the {limit} of this target's learned position table: shorten "
+            f"the prompt or pass max_new_tokens <= {max(limit - prompt_width + 1, 0)}"
+        )
 
 
 def _row_limits(max_new_tokens: int | Sequence[int], rows: int) -> torch.Tensor:

@@ -72,6 +72,25 @@ def single_row_problem(model: torch.nn.Module) -> str | None:
     )
 
 
+def learned_position_limit(model: torch.nn.Module) -> int | None:
+    """The positions a model with a learned table of absolute positions can embed (GPT-2's
+    ``n_positions``, OPT's and GPT-BigCode's ``max_position_embeddings``), or ``None`` for
+    relative schemes (rope, ALiBi), which have no hard end. Past the table its forward fails
+    with an index error deep inside torch, as Hugging Face's ``generate`` does."""
+    config = model.config.get_text_config(decoder=True)
+    size = getattr(config, "max_position_embeddings", None)
+    if isinstance(size, bool) or not isinstance(size, int):
+        return None
+    tokens = model.get_input_embeddings()
+    # OPT's table holds two offset rows in front of its max_position_embeddings.
+    tables = (
+        module
+        for module in model.modules()
+        if isinstance(module, torch.nn.Embedding) and module is not tokens
+    )
+    return size if any(table.num_embeddings in (size, size + 2) for table in tables) else None
+
+
 def _alibi(model: torch.nn.Module) -> str | None:
     """How the model's ALiBi biases count positions: "mask" (BLOOM, Falcon with ``alibi``),
     "slots" (MPT), or ``None`` for a model without ALiBi."""
@@ -102,6 +121,10 @@ class CachedSequence:
         self.head = head
         self.decoder = decoder
         self.layout = AttentionLayout.for_model(model)
+        # A learned position table's size (GPT-2, OPT): rows that finished, or drafts past a
+        # row's own limit, may run past it while other rows decode; their outputs are never
+        # emitted, so their positions are clamped to the table's last row.
+        self.position_limit = learned_position_limit(model)
         self.cache = preallocated_cache(model)
         self._layers = PreallocatedStack(self.cache.layers)  # the same layer objects
         self.valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)  # [B, S]
@@ -135,6 +158,8 @@ class CachedSequence:
         if positions is None:
             positions = self.lengths[:, None] + valid.long().cumsum(-1) - 1
             positions = positions.clamp(min=0)
+        if self.position_limit is not None:
+            positions = positions.clamp(max=self.position_limit - 1)
         full_valid = torch.cat([self.valid, valid], dim=1)  # [B, S + W]
         slot_positions = None
         if self.slot_positions is not None:

@@ -20,6 +20,7 @@ from decode_helpers import noisy_copy, tiny_eagle_drafter, tiny_medusa_drafter
 from decode import DraftModelDrafter, SpeculativeDecoder
 from decode.drafters.base import TreeSpec
 from decode.drafters.ngram import NgramDrafter
+from decode.kv_cache import learned_position_limit
 
 VOCAB = 96
 NEW_TOKENS = 16
@@ -134,3 +135,41 @@ def test_slot_order_alibi_decodes_one_row_at_a_time() -> None:
     session.add_rows(ids[:1], mask[:1], 4)
     with pytest.raises(ValueError, match="biases attention by cache slot"):
         session.add_rows(ids[1:2], mask[1:2], 4)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_learned_position_tables_bound_the_request(family: str) -> None:
+    """GPT-2, OPT and GPT-BigCode embed absolute positions from a table: a request past it is
+    refused by name (their forward would fail with an index error); the others have no end."""
+    target = _target(family)
+    learned = family in {"gpt2", "opt", "gpt_bigcode"}
+    assert (learned_position_limit(target) == 128) is learned
+    decoder = SpeculativeDecoder(target, NgramDrafter(VOCAB), 3)
+    ids, _ = _prompts(1)
+    if learned:
+        with pytest.raises(ValueError, match=r"need 137 positions, past the 128 .* <= 119"):
+            decoder.generate(ids, max_new_tokens=128)
+    out = decoder.generate(ids, max_new_tokens=119, eos_token_id=[], pad_token_id=0)
+    assert out.sequences.shape == (1, 10 + 119)
+
+
+def test_rows_past_their_limit_stay_inside_a_learned_position_table() -> None:
+    """A row that finished keeps riding along in its batch's verify passes, and may accept
+    more per round than a row still decoding: its positions ran past GPT-2's table (an index
+    error) while the long rows' stayed inside. They are clamped; no emitted token changes."""
+    target = _target("gpt2")
+    ids = torch.randint(3, VOCAB, (3, 10), generator=torch.Generator().manual_seed(1))
+    limits = [119, 3, 119]  # rows 0 and 2 end at the table's last position
+    session = SpeculativeDecoder(target, DraftModelDrafter(target), 4).session(
+        eos_token_id=[], pad_token_id=0, record=True
+    )
+    session.add_rows(ids, None, limits)
+    while session.room() > 0:
+        session.step()
+    sequences = session.sequences(ids)
+    for row, limit in enumerate(limits):
+        reference = target.generate(
+            input_ids=ids[row : row + 1], max_new_tokens=limit, do_sample=False,
+            eos_token_id=None, pad_token_id=0,
+        )  # fmt: skip
+        assert torch.equal(sequences[row, : 10 + limit], reference[0]), row
