@@ -327,8 +327,7 @@ class SpeculativeDecoder:
             )
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
             raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        _row_limits(max_new_tokens, 1)  # its range
         input_ids = input_ids.to(self.device, torch.long)
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
@@ -478,8 +477,12 @@ class DecodeSession:
         self.count = torch.zeros(0, dtype=torch.long, device=device)  # [B] tokens emitted
         self.limit = torch.zeros(0, dtype=torch.long, device=device)  # [B] max_new_tokens
         self.active = torch.zeros(0, dtype=torch.bool, device=device)  # [B]
-        # [B, C] every emitted token (record=True); the last column takes masked-out writes.
+        # [B, C + 1] every emitted token (record=True) in C columns, grown on demand (a
+        # max_new_tokens that EOS ends early costs nothing); the last column takes masked-out
+        # writes. _most_emitted bounds every row's count from the host, without a sync.
         self.tokens = torch.full((0, 1), pad, dtype=torch.long, device=device) if record else None
+        self._most_emitted = 0
+        self._largest_limit = 0
         self._stopped = False
 
     @property
@@ -533,12 +536,9 @@ class DecodeSession:
         self.count = torch.cat([self.count, torch.zeros_like(pending)])
         self.limit = torch.cat([self.limit, limits.to(device)])
         self.active = torch.cat([self.active, torch.ones_like(pending, dtype=torch.bool)])
+        self._largest_limit = max(self._largest_limit, int(limits.max()))
         if self.tokens is not None:
-            width = max(self.tokens.shape[1], int(self.limit.max()) + decoder.num_draft_tokens + 2)
-            self.tokens[:, -1] = self.pad  # the old spare column becomes an ordinary one
-            grown = torch.full((self.batch_size, width), self.pad, dtype=torch.long, device=device)
-            grown[:old, : self.tokens.shape[1]] = self.tokens
-            self.tokens = grown
+            self._grow_record(self.tokens.shape[1] - 1)
         new_rows = torch.arange(self.batch_size, device=device) >= old
         self.emit(self.pending[:, None], new_rows.long(), None, 0)
         self.stats.prefill_seconds += _clock(decoder.device) - start
@@ -610,6 +610,8 @@ class DecodeSession:
         else:
             hit = torch.zeros_like(self.active)
         if self.tokens is not None:
+            self._most_emitted = min(self._most_emitted + width, self._largest_limit)
+            self._grow_record(self._most_emitted)
             spare = self.tokens.shape[1] - 1
             written = columns < num_new[:, None]
             target_column = torch.where(written, self.count[:, None] + columns, spare)
@@ -621,6 +623,19 @@ class DecodeSession:
             if self.streamer(RoundUpdate(rows, accepted, drafted)) is False:
                 self._stopped = True
         self.active &= ~hit & (self.count < self.limit)
+
+    def _grow_record(self, columns: int) -> None:
+        """Give ``tokens`` a row per session row and at least ``columns`` columns before the
+        spare one (doubling, so a long request copies its tokens O(log) times)."""
+        tokens, have = self.tokens, self.tokens.shape[1] - 1
+        if tokens.shape[0] == self.batch_size and columns <= have:
+            return
+        width = max(columns, 2 * have) if columns > have else have
+        grown = torch.full(
+            (self.batch_size, width + 1), self.pad, dtype=torch.long, device=tokens.device
+        )
+        grown[: tokens.shape[0], :have] = tokens[:, :have]  # the old spare column is dropped
+        self.tokens = grown
 
     def finish_round(
         self,
@@ -659,6 +674,10 @@ def _check_position_table(target: torch.nn.Module, prompt_width: int, most_new: 
         )
 
 
+# Limits are int64 tensors to which counts and widths are added: far from overflowing.
+LARGEST_MAX_NEW_TOKENS = 2**62
+
+
 def _row_limits(max_new_tokens: int | Sequence[int], rows: int) -> torch.Tensor:
     """``max_new_tokens`` per row ([R] int64): one int for every row, or one per row."""
     values = [max_new_tokens] * rows if _is_token_id(max_new_tokens) else max_new_tokens
@@ -669,8 +688,8 @@ def _row_limits(max_new_tokens: int | Sequence[int], rows: int) -> torch.Tensor:
     for value in values:
         if not _is_token_id(value):
             raise TypeError(f"max_new_tokens must be an int, got {value!r}")
-        if value < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {value}")
+        if not 1 <= value <= LARGEST_MAX_NEW_TOKENS:
+            raise ValueError(f"max_new_tokens must lie in [1, 2**62], got {value}")
     return torch.tensor([int(v) for v in values], dtype=torch.long)
 
 

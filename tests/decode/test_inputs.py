@@ -41,7 +41,8 @@ def test_num_draft_tokens_must_be_positive(bad: int) -> None:
         ({"top_k": -1}, "top_k must be an integer >= 0"),
         ({"top_k": 2.0}, "top_k must be an integer >= 0"),
         ({"top_k": True}, "top_k must be an integer >= 0"),
-        ({"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
+        ({"max_new_tokens": 0}, r"max_new_tokens must lie in \[1, 2\*\*62\]"),
+        ({"max_new_tokens": 2**64}, r"max_new_tokens must lie in \[1, 2\*\*62\], got 1844"),
         ({"eos_token_id": 64}, r"token id 64, outside the vocabulary \[0, 64\)"),
         ({"eos_token_id": [2, -1]}, r"token id -1, outside the vocabulary \[0, 64\)"),
         ({"pad_token_id": -1}, r"pad_token_id holds token id -1, outside the vocabulary"),
@@ -163,3 +164,15 @@ def test_sampling_transforms_match_transformers_warpers() -> None:
     assert torch.allclose(logits_to_probs(logits, config), torch.softmax(scores, -1), atol=1e-6)
     greedy = logits_to_probs(logits, SamplingConfig())
     assert torch.equal(greedy.argmax(-1), logits.argmax(-1)) and greedy.sum(-1).eq(1).all()
+
+
+def test_a_huge_max_new_tokens_ended_by_eos_allocates_as_tokens_come(
+    decoder: SpeculativeDecoder,
+) -> None:
+    """The record of emitted tokens grows on demand: 10**12 used to allocate 8 TB up front."""
+    prompt = torch.tensor([[4, 5, 6]])
+    free = decoder.generate(prompt, max_new_tokens=12, eos_token_id=[]).sequences
+    eos = int(free[0, 3 + 7])  # the 8th new token, if it first appears there
+    first = int((free[0, 3:] == eos).nonzero()[0])
+    out = decoder.generate(prompt, max_new_tokens=10**12, eos_token_id=[eos]).sequences
+    assert torch.equal(out, free[:, : 3 + first + 1])
