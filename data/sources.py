@@ -100,6 +100,8 @@ def _not_utf8(path: Path, error: UnicodeDecodeError, expected: str) -> ValueErro
 
 def _read_json_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
     """Yield ``(where, record)`` from a .jsonl or .json file; ``where`` is "file:line"."""
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder; pass a .jsonl or .json file")
     if not path.is_file():
         raise FileNotFoundError(f"data file {path} does not exist; check the path")
     if path.suffix not in (".jsonl", ".json"):
@@ -156,9 +158,21 @@ def _records(source: str | Path, split: str) -> Iterator[tuple[str, dict[str, An
                 )
             yield where, dict(record)
         return
-    dataset = datasets.load_dataset(source, split=split)
-    for number, record in enumerate(dataset):
+    for number, record in enumerate(_named_dataset(source, split)):
         yield f"{source}[{split}][{number}]", record
+
+
+def _named_dataset(source: str, split: str) -> datasets.Dataset:
+    """``datasets.load_dataset(source, split=split)``, a failure named as the user's mistake
+    (a path that does not exist reads as a dataset name, and the hub is offline here)."""
+    try:
+        return datasets.load_dataset(source, split=split)
+    except Exception as error:
+        raise FileNotFoundError(
+            f"{source}: not a file or folder here, and datasets.load_dataset could not load it "
+            f"({type(error).__name__}: {error}); pass a local .jsonl file, a text folder, "
+            "stdlib, or a dataset name available offline"
+        ) from error
 
 
 def load_records(source: str | Path, split: str = "train") -> datasets.Dataset:
@@ -172,14 +186,7 @@ def load_records(source: str | Path, split: str = "train") -> datasets.Dataset:
         if not records:
             raise ValueError(f"--dataset {source} holds no records; the file is empty")
         return datasets.Dataset.from_list(records)
-    try:
-        return datasets.load_dataset(source, split=split)
-    except Exception as error:
-        raise FileNotFoundError(
-            f"--dataset {source}: not a file or folder here, and datasets.load_dataset could not "
-            f"load it ({type(error).__name__}: {error}); pass a local .jsonl file, a text "
-            "folder, stdlib, or a dataset name available offline"
-        ) from error
+    return _named_dataset(source, split)
 
 
 def _field(record: Mapping[str, Any], field: str, where: str, argument: str) -> Any:

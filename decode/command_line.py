@@ -52,7 +52,10 @@ def check_output_folder(path: str | Path, flag: str) -> Path:
 
 
 def _check_parents(path: Path, flag: str) -> None:
-    """``ValueError`` when the nearest existing ancestor of ``path`` is not a folder."""
+    """``ValueError`` when the nearest existing ancestor of ``path`` is not a folder this
+    process may write into (where the path, or the folders down to it, would be created)."""
+    import os
+
     for parent in path.parents:
         if parent.exists():
             if not parent.is_dir():
@@ -60,4 +63,37 @@ def _check_parents(path: Path, flag: str) -> None:
                     f"{flag} {path}: {parent} is a file, not a folder; pass a path whose "
                     "parent is a folder (or does not exist yet)"
                 )
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise ValueError(
+                    f"{flag} {path}: this user may not write into {parent}; pass a path in a "
+                    "folder you can write to"
+                )
             return
+
+
+def http_url_problem(url: str, flag: str, example: str) -> str | None:
+    """What keeps ``url`` (the value of ``flag``) from naming an HTTP(S) server: its scheme,
+    a port that is no number or out of range, no host; ``None`` when nothing does. The
+    message's fix shows ``example``."""
+    from urllib.parse import urlparse
+
+    fix = f"pass the server's URL, e.g. {flag} {example}"
+    parsed = urlparse(url)
+    if parsed.scheme not in ("http", "https"):
+        return f"{flag} {url!r} is not an http(s) URL; {fix}"
+    try:
+        parsed.port  # noqa: B018 - raises on a port that is no number or out of range
+    except ValueError as error:
+        return f"{flag} {url!r}: {error}; {fix}"
+    if not parsed.hostname:
+        return f"{flag} {url!r} names no host; {fix}"
+    return None
+
+
+def check_positive_finite(value: float, flag: str, unit: str, unset: str = "") -> None:
+    """``ValueError`` unless ``value`` (of ``flag``, counted in ``unit``) is a finite number
+    > 0; ``unset`` tells what leaving the flag out means, for the message."""
+    import math
+
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{flag} must be a finite number of {unit} > 0{unset}, got {value}")

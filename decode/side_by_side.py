@@ -178,10 +178,14 @@ def top_p_value(text: str) -> float:
 
 
 def check_context(
-    target: torch.nn.Module, prompts: list[torch.Tensor], max_new_tokens: int
+    target: torch.nn.Module,
+    prompts: list[torch.Tensor],
+    max_new_tokens: int,
+    flag: str = "--max-new-tokens",
 ) -> None:
-    """``ValueError`` when the longest prompt plus ``max_new_tokens`` passes the target's context
-    (``max_position_embeddings``) and its config scales no rope past it."""
+    """``ValueError`` when the longest prompt plus ``max_new_tokens`` (the value of ``flag``)
+    passes the target's context (``max_position_embeddings``) and its config scales no rope
+    past it."""
     config = getattr(target, "config", None)
     context = getattr(config, "max_position_embeddings", None)
     if not isinstance(context, int) or _scales_rope(config) or not prompts:
@@ -189,9 +193,9 @@ def check_context(
     longest = max(ids.shape[-1] for ids in prompts)
     if longest + max_new_tokens > context:
         raise ValueError(
-            f"--max-new-tokens {max_new_tokens}: the longest prompt ({longest} tokens) plus "
+            f"{flag} {max_new_tokens}: the longest prompt ({longest} tokens) plus "
             f"{max_new_tokens} new tokens passes the target's context of {context} tokens "
-            f"(max_position_embeddings); pass --max-new-tokens {max(context - longest, 1)} or "
+            f"(max_position_embeddings); pass {flag} {max(context - longest, 1)} or "
             "less, or shorter prompts"
         )
 

@@ -71,10 +71,14 @@ from pathlib import Path
 from typing import Any
 
 from data.atomic_io import write_text_atomic
+from decode.command_line import check_output_folder
 from train.ablation import (
     RECIPES,
     GridSettings,
     cells_of,
+    check_baselines,
+    check_run_counts,
+    check_runs,
     default,
     grid_target,
     needs_regenerated,
@@ -91,6 +95,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    from decode.side_by_side import seed_value, temperature_value
+
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawTextHelpFormatter,
@@ -105,7 +111,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="axes of the grid: loss=..., data=corpus,regenerated,samples,onpolicy, "
         "kind=draft_lm,eagle3,medusa,peagle, or any recipe field",
     )
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--seeds", nargs="+", type=seed_value, default=[0, 1, 2])
     parser.add_argument("--preset", default="demo", choices=sorted(RECIPES))
     parser.add_argument(
         "--recipe", action="append", default=[], metavar="KIND=PATH", help="recipe of one kind"
@@ -127,7 +133,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--tau-new-tokens", type=int, default=default("tau_new_tokens"), help="tokens per prompt"
     )
     parser.add_argument(
-        "--temperatures", nargs="+", type=float, default=list(default("temperatures"))
+        "--temperatures",
+        nargs="+",
+        type=temperature_value,
+        default=list(default("temperatures")),
     )
     parser.add_argument(
         "--num-draft-tokens", type=int, default=default("num_draft_tokens"), help="chain length"
@@ -138,7 +147,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--samples-seed",
-        type=int,
+        type=seed_value,
         default=None,
         help="data=samples: continue the prompts with this seed in every run, so the target "
         "regenerates once per grid and the seeds vary the training alone (default: each run's "
@@ -157,7 +166,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--output", type=Path, default=Path("outputs/ablation"))
     parser.add_argument("--max-runs", type=int, default=None, help="stop after N new runs")
-    parser.add_argument(
+    only = parser.add_mutually_exclusive_group()
+    only.add_argument(
         "--remeasure-tau",
         type=int,
         default=None,
@@ -165,7 +175,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="run nothing: measure tau of the runs in --output again with this many prompts "
         "(kept beside the grid's own as tau_check)",
     )
-    parser.add_argument(
+    only.add_argument(
         "--merge",
         nargs="+",
         type=Path,
@@ -225,7 +235,13 @@ def prepare_regenerated(settings: GridSettings, target: str, max_files: int | No
     if max_files is not None:
         command += ["--max-files", str(max_files)]
     print("regenerated data: " + " ".join(command[1:]), flush=True)
-    subprocess.run(command, check=True, cwd=REPO)
+    try:
+        subprocess.run(command, check=True, cwd=REPO)
+    except subprocess.CalledProcessError as error:
+        raise ValueError(
+            f"scripts/regenerate_data.py stopped with exit status {error.returncode} (its error "
+            "is printed above); fix what it names, or pass a file with --regenerated"
+        ) from None
     return path
 
 
@@ -361,6 +377,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     grid = parse_grid(args.grid)
     settings = settings_from(args)
+    check_output_folder(settings.output, "--output")
     baselines = None if args.baseline is None else parse_pairs(args.baseline, "--baseline")
     if args.merge:
         results = merge_results(settings.output / RESULTS_FILE, args.merge, baselines)
@@ -372,6 +389,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         report(results, settings.output)
         return results
     cells = cells_of(grid)
+    # Everything a run would refuse is refused now, before the first run (or the data) starts.
+    check_run_counts(args.seeds, args.max_runs)
+    if baselines is not None:
+        check_baselines(baselines, cells, settings.output / RESULTS_FILE)
+    check_runs(cells, args.seeds[0], settings)
     if needs_regenerated(cells):
         kinds = sorted({cell.get("kind", "draft_lm") for cell in cells})
         max_files = read_recipe(settings.recipes[kinds[0]]).get("max_files")

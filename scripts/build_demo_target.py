@@ -19,29 +19,49 @@ DEFAULT_PROMPT = "import os\n\n\ndef"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from decode.command_line import check_output_folder
     from decode.precision import add_dtype_argument  # after main set the OpenMP policy
+    from decode.side_by_side import at_least_one, seed_value
+    from train.demo_target import PRESETS
 
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         epilog="example: draftsmith-build-demo-target --preset tiny --output-dir /tmp/tiny",
     )
-    parser.add_argument("--preset", default="demo", help="demo (default), bench or tiny")
+    parser.add_argument("--preset", default="demo", choices=list(PRESETS), help="(default: demo)")
     parser.add_argument(
         "--output-dir", type=Path, default=None, help="default: the user cache directory"
     )
     parser.add_argument(
         "--max-minutes", type=float, default=None, help="training budget (preset default)"
     )
-    parser.add_argument("--max-steps", type=int, default=None, help="step cap (preset default)")
+    parser.add_argument(
+        "--max-steps", type=at_least_one, default=None, help="step cap (preset default)"
+    )
     parser.add_argument("--force", action="store_true", help="rebuild even if a build exists")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=seed_value, default=0)
     parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt of the sample generation")
-    parser.add_argument("--new-tokens", type=int, default=64, help="tokens to generate")
+    parser.add_argument("--new-tokens", type=at_least_one, default=64, help="tokens to generate")
     add_dtype_argument(parser, subject="the target trains in (bfloat16: autocast, float32 masters)")
     parser.add_argument(
         "--threads", type=int, default=None, help="torch CPU threads (default: every core)"
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    context = PRESETS[args.preset].context_length
+    if args.new_tokens > context:
+        parser.error(
+            f"--new-tokens {args.new_tokens} passes the {args.preset} target's context of "
+            f"{context} tokens; pass {context} or fewer"
+        )
+    if not args.prompt:
+        parser.error("--prompt is empty; pass the text the sample generation continues")
+    try:  # checked before training, which a bad folder would otherwise waste
+        PRESETS[args.preset].with_budget(args.max_minutes, args.max_steps)
+        if args.output_dir is not None:
+            check_output_folder(args.output_dir, "--output-dir")
+    except ValueError as error:
+        parser.error(str(error))
+    return args
 
 
 def show_generation(folder: Path, prompt: str, new_tokens: int, seed: int) -> None:

@@ -10,8 +10,8 @@ ends by itself. Printed: requests/s and completion tokens/s over the run, p50/p9
 (request sent -> ``[DONE]``), p50/p99 time to first token (request sent -> first non-empty
 text), the mean per-request tau when the server reports ``usage.speculative`` (draftsmith's
 acceptance: tokens per target pass), and errors (any non-200 answer, an ``error`` event, a
-stream without ``[DONE]``; expected: 0). Exit status 1 when there were errors. Only loopback servers unless
-``--allow-remote``.
+stream without ``[DONE]``; expected: 0). Exit status 1 when there were errors or no request
+completed. Only loopback servers unless ``--allow-remote``.
 """
 
 from __future__ import annotations
@@ -77,19 +77,24 @@ class Summary:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from decode.command_line import check_output_file, check_positive_finite, http_url_problem
+    from decode.side_by_side import at_least_one, temperature_value
+
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         epilog="example: draftsmith-load-test --url http://127.0.0.1:8000 --clients 16",
     )
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="server root URL")
     parser.add_argument("--model", default=None, help="model name (default: GET /v1/models)")
-    parser.add_argument("--clients", type=int, default=16, help="concurrent clients")
+    parser.add_argument("--clients", type=at_least_one, default=16, help="concurrent clients")
     parser.add_argument(
         "--duration", "--seconds", type=float, default=60.0, help="seconds to send requests"
     )
     parser.add_argument("--grace", type=float, default=30.0, help="seconds to let the last finish")
-    parser.add_argument("--max-tokens", type=int, default=64, help="max_tokens per request")
-    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument(
+        "--max-tokens", type=at_least_one, default=64, help="max_tokens per request"
+    )
+    parser.add_argument("--temperature", type=temperature_value, default=0.0)
     parser.add_argument("--chat", action="store_true", help="use /v1/chat/completions")
     parser.add_argument(
         "--api-key", default=os.environ.get("DRAFTSMITH_API_KEY"), help="bearer key, if any"
@@ -99,12 +104,48 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--allow-remote", action="store_true", help="allow a server that is not on loopback"
     )
     args = parser.parse_args(argv)
-    if args.clients < 1 or args.duration <= 0 or args.grace < 0 or args.max_tokens < 1:
-        parser.error("need --clients >= 1, --duration > 0, --grace >= 0, --max-tokens >= 1")
+    # A run that never ends (inf) or never starts (NaN) is refused, not timed.
+    try:
+        check_positive_finite(args.duration, "--duration", "seconds")
+    except ValueError as error:
+        parser.error(str(error))
+    if not (math.isfinite(args.grace) and args.grace >= 0):
+        parser.error(f"--grace must be a finite number of seconds >= 0, got {args.grace}")
+    most = max_clients()
+    if args.clients > most:
+        parser.error(
+            f"--clients {args.clients}: each client holds a connection, and this process may "
+            f"open {most + FILES_KEPT} files (ulimit -n); pass at most {most}, or raise the limit"
+        )
+    if args.model is not None and not args.model.strip():
+        parser.error("--model is empty; pass the served model's name, or drop it")
+    problem = http_url_problem(args.url, "--url", "http://127.0.0.1:8000")
+    if problem:
+        parser.error(problem)
     host = urlparse(args.url).hostname or ""
     if not args.allow_remote and not _is_loopback(host):
         parser.error(f"{args.url} is not a loopback address; pass --allow-remote to load it")
+    if args.json is not None:
+        try:
+            check_output_file(args.json, "--json")
+        except ValueError as error:
+            parser.error(str(error))
     return args
+
+
+FILES_KEPT = 64
+"""Open files left to the process itself (its modules, standard streams, the event loop)."""
+
+
+def max_clients() -> int:
+    """The most clients this process can connect at once: its open-file limit, less
+    :data:`FILES_KEPT` (each client holds one socket)."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 1_000_000
+    return max(soft - FILES_KEPT, 1)
 
 
 def _is_loopback(host: str) -> bool:
@@ -222,10 +263,28 @@ async def run(args: argparse.Namespace) -> Summary:
 
 
 async def first_model(client: httpx.AsyncClient) -> str:
-    response = await client.get("/v1/models")
+    """The first model the server lists; ``ValueError`` naming the fix when it answers none."""
+    import httpx
+
+    url = client.base_url.join("/v1/models")
+    try:
+        response = await client.get("/v1/models")
+    except httpx.HTTPError as error:
+        raise ValueError(
+            f"GET {url} failed ({type(error).__name__}: {error}); start the server "
+            "(python decode/serve.py ...) or pass its address with --url"
+        ) from None
     if response.status_code != 200:
-        raise SystemExit(f"GET /v1/models answered {response.status_code}: {response.text}")
-    return response.json()["data"][0]["id"]
+        raise ValueError(
+            f"GET {url} answered {response.status_code}: {response.text[:200]}; check --url "
+            "and --api-key, or name the model with --model"
+        )
+    try:
+        return str(response.json()["data"][0]["id"])
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise ValueError(
+            f"GET {url} listed no model ({response.text[:200]!r}); name it with --model"
+        ) from None
 
 
 def summarize(
@@ -286,7 +345,13 @@ def main(argv: list[str] | None = None) -> int:
     print(report(summary, args), flush=True)
     if args.json is not None:
         args.json.write_text(json.dumps(asdict(summary), indent=2) + "\n")
-    return 1 if summary.errors else 0
+    if not summary.completed and not summary.errors:  # nothing measured: not a passing run
+        print(
+            f"no request completed in {summary.duration_s:g} s (+ {args.grace:g} s grace): "
+            "raise --duration or --grace, or lower --clients",
+            file=sys.stderr,
+        )
+    return 1 if summary.errors or not summary.completed else 0
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from typing import Any
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from decode.side_by_side import seed_value
     from train.target_model import add_target_arguments
 
     parser = argparse.ArgumentParser(
@@ -37,7 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--depths", type=int, default=4, help="draft depths measured (>= 2)")
     parser.add_argument("--top-k", type=int, default=16, help="tokens each path is extended by")
     parser.add_argument("--beam", type=int, default=64, help="paths kept per depth")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=seed_value, default=0)
     parser.add_argument("--output", type=Path, default=None, help="write the figures as JSON")
     args = parser.parse_args(argv)
     for name in ("num_prompts", "new_tokens", "contexts_per_prompt", "top_k", "beam"):
@@ -45,8 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.depths < 2:
         parser.error(f"--depths must be >= 2 (depth 1 is never capped), got {args.depths}")
-    if not 0 <= args.seed < 2**63:
-        parser.error(f"--seed must be an integer in 0..2**63 - 1, got {args.seed}")
+    if not args.prompts.strip():
+        parser.error("--prompts is empty; pass demo, ood or a prompts file")
     return args
 
 
@@ -57,12 +58,14 @@ def contexts_of(
     import torch
 
     from decode.sampling import SamplingConfig
+    from decode.side_by_side import check_context
     from train.generation import left_pad, sample_continuations
 
     generator = torch.Generator().manual_seed(args.seed)
     contexts = []
     for prompt in prompts:
         ids = tokenizer(prompt, add_special_tokens=False)["input_ids"] or [tokenizer.eos_token_id]
+        check_context(target, [torch.tensor(ids)], args.new_tokens, "--new-tokens")
         batch, mask = left_pad([ids], tokenizer.pad_token_id or 0)
         out = sample_continuations(
             target,
@@ -98,16 +101,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from decode.prompts import load_eval_prompts
     from train.target_model import load_target, resolve_target
 
-    choice = choose_dtype(args.dtype, "cuda" if torch.cuda.is_available() else "cpu")
-    announce(choice)
-    target, tokenizer, name = load_target(resolve_target(args.target), choice.name)
-    target.eval()
+    # The target's name and the prompts are checked before the target loads.
+    ref = resolve_target(args.target)
     prompts = [p for p in load_eval_prompts(args.prompts, args.num_prompts) if isinstance(p, str)]
     if not prompts:
         raise ValueError(
             f"--prompts {args.prompts}: no text prompt to continue (chat prompts are not "
             "measured); pass a text file, demo or ood"
         )
+    choice = choose_dtype(args.dtype, "cuda" if torch.cuda.is_available() else "cpu")
+    announce(choice)
+    target, tokenizer, name = load_target(ref, choice.name)
+    target.eval()
     contexts = contexts_of(target, tokenizer, prompts, args)
     ceilings = parallel_ceilings(target, contexts, args.depths, args.top_k, args.beam)
     folder = Path(str(getattr(target, "name_or_path", "") or args.target))

@@ -33,6 +33,13 @@ from typing import Any
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from decode.side_by_side import (
+        at_least_one,
+        at_least_zero,
+        seed_value,
+        temperature_value,
+        top_p_value,
+    )
     from train.target_model import add_target_arguments
 
     parser = argparse.ArgumentParser(
@@ -45,19 +52,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--prompt-field", default="prompt")
     parser.add_argument("--messages-field", default="messages")
-    parser.add_argument("--num-prompts", type=int, default=None, help="cap on prompts")
-    parser.add_argument("--prompt-tokens", type=int, default=32, help="stdlib prompts: length")
+    parser.add_argument("--num-prompts", type=at_least_one, default=None, help="cap on prompts")
     parser.add_argument(
-        "--prompt-chars", type=int, default=None, help="stdlib-defs prompts: characters (400)"
+        "--prompt-tokens", type=int, default=32, help="stdlib prompts: length (>= 2)"
     )
-    parser.add_argument("--max-files", type=int, default=None, help="stdlib prompts: file cap")
+    parser.add_argument(
+        "--prompt-chars",
+        type=at_least_one,
+        default=None,
+        help="stdlib-defs prompts: characters (400)",
+    )
+    parser.add_argument(
+        "--max-files", type=at_least_one, default=None, help="stdlib prompts: file cap"
+    )
     parser.add_argument("--output", type=Path, required=True, help="JSONL file to write")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-new-tokens", type=at_least_one, default=128)
+    parser.add_argument("--temperature", type=temperature_value, default=1.0, help="0 = greedy")
+    parser.add_argument("--top-k", type=at_least_zero, default=0)
+    parser.add_argument("--top-p", type=top_p_value, default=1.0)
+    parser.add_argument("--batch-size", type=at_least_one, default=16)
+    parser.add_argument("--seed", type=seed_value, default=0)
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     remote = parser.add_argument_group("serving engine (--endpoint)")
     remote.add_argument(
         "--endpoint", default=None, help="OpenAI-compatible API base, e.g. http://host:8000/v1"
@@ -66,31 +81,109 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--api-key", default=os.environ.get("DRAFTSMITH_API_KEY"), help="bearer key, if any"
     )
     remote.add_argument("--model", default=None, help="model name (default: GET /v1/models)")
-    remote.add_argument("--concurrency", type=int, default=8, help="requests in flight")
-    remote.add_argument("--max-retries", type=int, default=6, help="per request")
+    remote.add_argument("--concurrency", type=at_least_one, default=8, help="requests in flight")
+    remote.add_argument("--max-retries", type=at_least_zero, default=6, help="per request")
     remote.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
-    remote.add_argument("--limit", type=int, default=None, help="answer at most N this run")
-    remote.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return parser.parse_args(argv)
+    remote.add_argument(
+        "--limit", type=at_least_one, default=None, help="answer at most N this run"
+    )
+    args = parser.parse_args(argv)
+    problem = flags_problem(args, parser)
+    if problem:
+        parser.error(problem)
+    return args
+
+
+STDLIB_PROMPTS = ("stdlib", "stdlib-defs")
+"""The ``--prompts`` values cut from the embedded corpus (every other value names a file or a
+``datasets`` name)."""
+
+# Flags that do something only in some runs; given elsewhere they are refused, not ignored.
+CORPUS_FLAGS = {
+    "--prompt-tokens": ("stdlib",),
+    "--prompt-chars": ("stdlib-defs",),
+    "--max-files": STDLIB_PROMPTS,
+}
+FILE_FLAGS = ("--prompt-field", "--messages-field")
+ENDPOINT_FLAGS = ("--model", "--concurrency", "--max-retries", "--timeout", "--limit")
+LOCAL_FLAGS = ("--batch-size", "--dtype")  # the server runs the target with --endpoint
+
+
+def flags_problem(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str | None:
+    """What is wrong with ``args`` before anything loads: an empty value, a stdlib prompt
+    length that cannot be cut, a flag given where it does nothing (it would be ignored
+    silently), a bad ``--output`` path; None when nothing is."""
+    from decode.command_line import check_output_file
+
+    def given(flag: str) -> bool:
+        dest = flag[2:].replace("-", "_")
+        return getattr(args, dest) != parser.get_default(dest)
+
+    if not args.prompts.strip():
+        return (
+            "--prompts is empty; pass a .jsonl/.json file, a datasets name, stdlib or stdlib-defs"
+        )
+    if Path(args.prompts).expanduser().is_dir():
+        return f"--prompts {args.prompts} is a folder; pass a .jsonl or .json file in it"
+    for flag, value in (
+        ("--prompt-field", args.prompt_field),
+        ("--messages-field", args.messages_field),
+        ("--endpoint", args.endpoint),
+        ("--model", args.model),
+    ):
+        if value is not None and not value.strip():
+            return f"{flag} is empty; pass a value, or drop {flag}"
+    if args.prompt_tokens < 2:
+        return (
+            f"--prompt-tokens must be >= 2 (a stdlib prompt is a packed block of tokens), got "
+            f"{args.prompt_tokens}"
+        )
+    for flag, sources in CORPUS_FLAGS.items():
+        if given(flag) and args.prompts not in sources:
+            return f"{flag} only applies with --prompts {' or '.join(sources)}: drop it"
+    for flag in FILE_FLAGS:
+        if given(flag) and args.prompts in STDLIB_PROMPTS:
+            return f"{flag} names a field of a prompts file: drop it with --prompts {args.prompts}"
+    for flag in ENDPOINT_FLAGS:
+        if given(flag) and args.endpoint is None:
+            return f"{flag} only applies with --endpoint: add --endpoint URL, or drop {flag}"
+    for flag in LOCAL_FLAGS:
+        if given(flag) and args.endpoint is not None:
+            return f"{flag} does nothing with --endpoint (the server runs the target): drop it"
+    try:
+        check_output_file(args.output, "--output")
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    if args.endpoint:
+    if args.endpoint is not None:
         return _through_endpoint(args)
     import torch
 
     from decode.precision import announce, choose_dtype
     from decode.sampling import SamplingConfig
-    from train.regenerate import regenerate
+    from decode.side_by_side import check_context
+    from train.regenerate import check_prompts, prompt_ids, regenerate
     from train.target_model import load_target, resolve_target
 
+    ref = resolve_target(args.target)
+    # A prompts file is read before the target loads: a bad file costs no loading time.
+    prompts = None if args.prompts == "stdlib" else _prompts(args, None)
+    if prompts is not None:
+        check_prompts(prompts)
     choice = choose_dtype(args.dtype, "cuda" if torch.cuda.is_available() else "cpu")
     announce(choice)
-    target, tokenizer, name = load_target(resolve_target(args.target), choice.name)
+    target, tokenizer, name = load_target(ref, choice.name)
     if torch.cuda.is_available():
         target.to("cuda")
-    prompts = _prompts(args, tokenizer)
+    if prompts is None:
+        prompts = _prompts(args, tokenizer)
+    # Every prompt encodes to tokens, and none runs past the target's context.
+    encoded = [torch.tensor([prompt_ids(tokenizer, prompt)]) for prompt in prompts]
+    check_context(target, encoded, args.max_new_tokens)
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     result = regenerate(
         target,
@@ -101,6 +194,7 @@ def main(argv: list[str] | None = None) -> dict:
         sampling,
         seed=args.seed,
         batch_size=args.batch_size,
+        progress=not args.no_progress,
     )
     print(
         f"{result['records']} responses ({result['response_tokens']:,} tokens) from {name} "

@@ -608,13 +608,35 @@ def check(paths: list[Path]) -> list[str]:
     return problems
 
 
+NOT_A_NUMBER = re.compile(r"\b(nan|inf)\b")
+"""A figure Python printed from NaN or infinity."""
+
+
 def take_main_job(run_dir: Path, destination: Path = REPO / MAIN_JOB) -> None:
-    """Copy a main-job run's ``summary.json`` to ``docs/results/main_job.json``."""
+    """Copy a main-job run's ``summary.json`` to ``docs/results/main_job.json``, once its
+    sections render from it: a record that does not would break every later report."""
+    from decode.loading import read_json_object
+
+    if not run_dir.is_dir():
+        raise FileNotFoundError(
+            f"--main-job {run_dir}: no such folder; pass a distill run folder (its --output_dir)"
+        )
     summary = run_dir / "summary.json"
     if not summary.is_file():
         raise FileNotFoundError(f"{summary}: no summary.json (is it a distill run folder?)")
-    if "speed" not in json.loads(summary.read_text()):
+    fix = "pass the folder of a finished distill run (train/distill.py writes summary.json last)"
+    record = read_json_object(summary, fix)
+    if "speed" not in record:
         raise ValueError(f"{summary} has no speed step (the run had speed_eval_prompts 0)")
+    try:
+        text = main_job_table(record) + main_job_run(record)
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as error:
+        raise ValueError(
+            f"{summary} is not a run summary the report can read ({type(error).__name__}: "
+            f"{error}); {fix}"
+        ) from error
+    if NOT_A_NUMBER.search(text):
+        raise ValueError(f"{summary} holds NaN or infinite figures; {fix}")
     shutil.copyfile(summary, destination)
 
 
@@ -634,7 +656,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the record --main-job replaces: main_job.json (the AMX machine's, the benchmarks "
         "guide's main job) or main_job_amd.json (the AMD EPYC's, the README's headline)",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.check and args.main_job is not None:
+        parser.error("--check changes nothing, so it takes no --main-job: drop one of them")
+    if args.into != parser.get_default("into") and args.main_job is None:
+        parser.error("--into names the record --main-job replaces: add --main-job, or drop it")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:

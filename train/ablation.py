@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from decode.command_line import check_positive_finite
 from decode.defaults import NUM_DRAFT_TOKENS
 from train.ablation_results import (
     RESULTS_FILE,
@@ -110,17 +111,37 @@ class GridSettings:
     regen_new_tokens: int = 224
 
     def __post_init__(self) -> None:
-        for name in ("tau_prompts", "tau_new_tokens", "num_draft_tokens", "regen_prompts"):
-            if getattr(self, name) < 1:
-                flag = name.replace("_", "-")
-                raise ValueError(f"--{flag} must be >= 1, got {getattr(self, name)}")
+        least = {
+            "tau_prompts": 1,
+            "tau_new_tokens": 1,
+            "num_draft_tokens": 1,
+            "regen_prompts": 1,
+            "regen_new_tokens": 1,
+            "regen_prompt_tokens": 2,  # a corpus prompt is a packed block of >= 2 tokens
+            "max_steps": 1,
+        }
+        for name, bound in least.items():
+            value = getattr(self, name)
+            if value is not None and value < bound:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= {bound}, got {value}")
+        if self.max_minutes is not None:
+            unset = " (or left out for the recipes' own)"
+            check_positive_finite(self.max_minutes, "--max-minutes", "minutes", unset)
         if not 0.0 < self.on_policy_fraction <= 1.0:
             raise ValueError(
                 f"--on-policy-fraction must lie in (0, 1], got {self.on_policy_fraction}"
             )
+        names = [f"{t:g}" for t in self.temperatures]  # how results key each temperature
+        if len(set(names)) != len(names):
+            raise ValueError(f"--temperatures repeats a temperature: {' '.join(names)}")
         for name in RESERVED:
             if name in self.overrides:
                 raise ValueError(f"--set {name}: set through {RESERVED[name]}")
+        unknown = sorted(set(self.overrides) - recipe_fields())
+        if unknown:
+            raise ValueError(
+                f"--set {unknown[0]}: not a recipe field (see python train/distill.py --help)"
+            )
 
     @property
     def regenerated_file(self) -> Path:
@@ -170,8 +191,18 @@ def recipes_for(preset: str, replaced: dict[str, str] | None = None) -> dict[str
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(sorted(RECIPES))}")
     recipes = {kind: REPO / path for kind, path in RECIPES[preset].items()}
     for kind, path in (replaced or {}).items():
+        if not Path(path).is_file():
+            raise FileNotFoundError(
+                f"--recipe {kind}={path}: no such file; pass a recipe YAML (e.g. "
+                f"{RECIPES[preset]['eagle3']})"
+            )
         recipes[kind] = Path(path)
     return recipes
+
+
+def recipe_fields() -> set[str]:
+    """Every field a recipe sets (the flags of ``train/distill.py``)."""
+    return {name for cls in SECTIONS.values() for name in cls.__dataclass_fields__}
 
 
 # --------------------------------------------------------------------------- the grid
@@ -179,7 +210,7 @@ def recipes_for(preset: str, replaced: dict[str, str] | None = None) -> dict[str
 
 def parse_grid(items: Sequence[str]) -> dict[str, list[str]]:
     """``["loss=ce,tv", "kind=draft_lm"]`` -> ``{"loss": ["ce", "tv"], "kind": ["draft_lm"]}``."""
-    fields = {f for cls in SECTIONS.values() for f in cls.__dataclass_fields__}
+    fields = recipe_fields()
     grid: dict[str, list[str]] = {}
     for item in items:
         axis, sep, values = item.partition("=")
@@ -220,10 +251,68 @@ def parse_pairs(items: Iterable[str], flag: str) -> dict[str, str]:
     out: dict[str, str] = {}
     for item in items:
         key, sep, value = item.partition("=")
-        if not sep or not key.strip():
+        key = key.strip()
+        if not sep or not key:
             raise ValueError(f"{flag} {item!r}: write KEY=VALUE")
-        out[key.strip()] = value.strip()
+        if key in out:
+            raise ValueError(f"{flag} names {key!r} twice; give it once")
+        out[key] = value.strip()
     return out
+
+
+def check_baselines(baselines: dict[str, str], cells: Iterable[dict[str, str]], path: Path) -> None:
+    """``ValueError`` for a ``--baseline AXIS=VALUE`` that no cell takes, neither in this grid
+    nor among the runs already in ``path`` (a grid may add runs to a file whose earlier cells
+    hold its baseline): no gain would be computed against it."""
+    known = list(cells)
+    if path.is_file():
+        known += [record["cell"] for record in read_results(path)["runs"].values()]
+    for axis, value in baselines.items():
+        values = sorted({cell[axis] for cell in known if axis in cell})
+        where = f"this grid{' and the runs in ' + str(path) if path.is_file() else ''}"
+        if not values:
+            raise ValueError(
+                f"--baseline {axis}={value}: no cell of {where} varies {axis!r}; name an axis "
+                "of --grid"
+            )
+        if value not in values:
+            raise ValueError(
+                f"--baseline {axis}={value}: the cells of {where} take {axis} = "
+                f"{', '.join(values)}; name one of them"
+            )
+
+
+def check_run_counts(seeds: Sequence[int], max_runs: int | None) -> None:
+    """``ValueError`` for repeated seeds or a ``--max-runs`` below 1."""
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds repeats a seed: {list(seeds)}")
+    if max_runs is not None and max_runs < 1:
+        raise ValueError(f"--max-runs must be >= 1, got {max_runs}")
+
+
+def check_runs(cells: Iterable[dict[str, str]], seed: int, settings: GridSettings) -> None:
+    """Parse each cell's ``train/distill.py`` flags as its run will (recipe, ``--set``, the
+    grid's values, the target's name, the loss, the kind), so that a bad value fails here,
+    before the grid starts, not in every run after it has."""
+    from train.config import parse_config
+    from train.losses import build_loss
+    from train.objectives import get_objective_class
+    from train.target_model import resolve_target
+
+    for cell in cells:
+        try:
+            argv = run_argv(cell, seed, settings, run_folder(settings.output, run_key(cell, seed)))
+        except Skip:
+            continue
+        try:
+            config = parse_config(argv)
+            build_loss(config.loss.loss)
+            get_objective_class(config.drafter.drafter_kind)
+            resolve_target(config.target.target)
+        except FileNotFoundError as error:
+            raise FileNotFoundError(f"cell {cell_key(cell)}: {error}") from error
+        except ValueError as error:
+            raise ValueError(f"cell {cell_key(cell)}: {error}") from error
 
 
 def cells_of(grid: dict[str, list[str]]) -> list[dict[str, str]]:
@@ -509,10 +598,7 @@ def run_grid(
     stops after that many new runs (``results["stopped"]``). A run that raises is logged and
     left out of ``runs`` (``results["failed"]``), so the next call retries it.
     """
-    if len(set(seeds)) != len(seeds):
-        raise ValueError(f"--seeds repeats a seed: {list(seeds)}")
-    if max_runs is not None and max_runs < 1:
-        raise ValueError(f"--max-runs must be >= 1, got {max_runs}")
+    check_run_counts(seeds, max_runs)
     cells = cells_of(grid)
     if needs_regenerated(cells) and not settings.regenerated_file.is_file():
         raise FileNotFoundError(

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from data.atomic_io import atomic_folder
+from decode.command_line import check_positive_finite
 from decode.machine import machine_record
 from decode.precision import DtypeChoice, announce, choose_training_dtype
 from train.batches import ShardedBatches
@@ -59,6 +60,23 @@ class DemoPreset:
     test_fraction: float = 0.01
     max_eval_blocks: int = 256
     tie_word_embeddings: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_minutes is not None:
+            unset = " (or left out for the preset's budget)"
+            check_positive_finite(self.max_minutes, "--max-minutes", "minutes", unset)
+        if self.max_steps < 1:
+            raise ValueError(f"--max-steps must be >= 1, got {self.max_steps}")
+
+    @property
+    def context_length(self) -> int:
+        """The target's ``max_position_embeddings``: the longest sequence it is built for."""
+        return max(2048, self.block_size)
+
+    def with_budget(self, max_minutes: float | None, max_steps: int | None) -> DemoPreset:
+        """This preset with its training budget replaced where given (checked at once)."""
+        spec = self if max_minutes is None else replace(self, max_minutes=max_minutes)
+        return spec if max_steps is None else replace(spec, max_steps=max_steps)
 
 
 PRESETS: dict[str, DemoPreset] = {
@@ -136,8 +154,11 @@ def is_complete(folder: Path) -> bool:
 
 
 def load_metrics(folder: Path) -> dict[str, Any]:
-    """The ``metrics.json`` of a finished build."""
-    return json.loads((Path(folder) / METRICS_FILE).read_text())
+    """The ``metrics.json`` of a finished build (``LoadError`` naming it when it is damaged)."""
+    from decode.loading import read_json_object
+
+    fix = f"rebuild the target with force=True (--force), or remove {folder}"
+    return read_json_object(Path(folder) / METRICS_FILE, fix)
 
 
 def build_demo_target(
@@ -162,12 +183,8 @@ def build_demo_target(
     are float32 either way, and ``metrics.json`` records the dtype. Metrics go to
     ``metrics.json`` and, with ``verbose``, to stdout.
     """
-    spec = _preset(preset)
+    spec = _preset(preset).with_budget(max_minutes, max_steps)
     choice = choose_training_dtype(dtype)
-    if max_minutes is not None:
-        spec = replace(spec, max_minutes=max_minutes)
-    if max_steps is not None:
-        spec = replace(spec, max_steps=max_steps)
     folder = (
         Path(output_dir).expanduser()
         if output_dir is not None
@@ -332,7 +349,7 @@ def _new_model(spec: DemoPreset, tokenizer: Any, seed: int) -> torch.nn.Module:
         num_hidden_layers=spec.num_layers,
         num_attention_heads=spec.num_heads,
         num_key_value_heads=spec.num_heads,
-        max_position_embeddings=max(2048, spec.block_size),
+        max_position_embeddings=spec.context_length,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

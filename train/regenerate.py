@@ -87,14 +87,7 @@ def regenerate(
     """Sample a response per prompt and write the JSONL atomically; return counts."""
     from tqdm.auto import tqdm
 
-    if not prompts:
-        raise ValueError("no prompts to answer; pass a prompts file with at least one record")
-    chat = isinstance(prompts[0], list)
-    if any(isinstance(p, list) != chat for p in prompts):
-        raise ValueError(
-            "the prompts mix plain strings and chat messages; one output file holds one kind "
-            "(datasets needs one schema): split the prompts file"
-        )
+    chat = check_prompts(prompts)
     device = next(target.parameters()).device
     generator = torch.Generator(device).manual_seed(seed)
     stops = _stop_ids(tokenizer, chat)
@@ -107,7 +100,7 @@ def regenerate(
             range(0, len(prompts), batch_size), disable=not progress, desc="regenerate"
         ):
             chunk = prompts[start : start + batch_size]
-            ids, mask = left_pad([_encode(tokenizer, p) for p in chunk], tokenizer.pad_token_id)
+            ids, mask = left_pad([prompt_ids(tokenizer, p) for p in chunk], tokenizer.pad_token_id)
             out = sample_continuations(
                 target,
                 ids.to(device),
@@ -129,7 +122,24 @@ def regenerate(
     return {"records": records, "response_tokens": response_tokens, "output": str(output)}
 
 
-def _encode(tokenizer: Any, prompt: Prompt) -> list[int]:
+def check_prompts(prompts: Sequence[Prompt]) -> bool:
+    """Whether ``prompts`` are chat prompts; ``ValueError`` when there are none or they mix
+    plain strings and chat messages (checked before the target loads, then by
+    :func:`regenerate`)."""
+    if not prompts:
+        raise ValueError("no prompts to answer; pass a prompts file with at least one record")
+    chat = isinstance(prompts[0], list)
+    if any(isinstance(p, list) != chat for p in prompts):
+        raise ValueError(
+            "the prompts mix plain strings and chat messages; one output file holds one kind "
+            "(datasets needs one schema): split the prompts file"
+        )
+    return chat
+
+
+def prompt_ids(tokenizer: Any, prompt: Prompt) -> list[int]:
+    """The token ids the target continues for ``prompt`` (a chat prompt through the chat
+    template, with the generation prompt); ``ValueError`` when it encodes to none."""
     if isinstance(prompt, str):
         ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     else:

@@ -30,6 +30,7 @@ named, not written, so a rerun retries them.
 from __future__ import annotations
 
 import json
+import math
 import random
 import threading
 import time
@@ -39,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from decode.command_line import check_positive_finite, http_url_problem
 from train.regenerate import Prompt, make_record
 
 if TYPE_CHECKING:
@@ -61,15 +63,17 @@ class EndpointConfig:
     timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
-        if not self.url.startswith(("http://", "https://")):
-            raise ValueError(
-                f"--endpoint {self.url!r} is not an http(s) URL; pass the API base, e.g. "
-                "http://127.0.0.1:8000/v1"
-            )
+        problem = http_url_problem(self.url, "--endpoint", "http://127.0.0.1:8000/v1")
+        if problem is not None:
+            raise ValueError(problem)
         if self.concurrency < 1:
             raise ValueError(f"--concurrency must be >= 1, got {self.concurrency}")
-        if self.max_retries < 0 or self.backoff_s < 0 or self.timeout_s <= 0:
-            raise ValueError("need max_retries >= 0, backoff_s >= 0 and timeout_s > 0")
+        if self.max_retries < 0:
+            raise ValueError(f"--max-retries must be >= 0, got {self.max_retries}")
+        check_positive_finite(self.timeout_s, "--timeout", "seconds")
+        backoff = (self.backoff_s, self.backoff_max_s)
+        if not all(math.isfinite(value) and value >= 0 for value in backoff):
+            raise ValueError(f"backoff_s and backoff_max_s must be finite and >= 0, got {backoff}")
 
 
 @dataclass(frozen=True)
@@ -197,20 +201,45 @@ def regenerate_through_endpoint(
 
 
 def completed_indices(output: Path, prompts: Sequence[Prompt]) -> set[int]:
-    """Indices already answered in ``output``; a torn last line is cut off the file first.
+    """Indices already answered in ``output``; a torn last line is cut off the file, once
+    every complete line is known to be a record of these prompts (another file is never cut).
 
     Raises ``ValueError`` when a record does not belong to these prompts (index out of range,
-    another prompt at that index) or appears twice.
+    another prompt at that index) or appears twice, or when the file is no file this script
+    wrote.
     """
     if not output.exists():
         return set()
     raw = output.read_bytes()
     complete = raw.rfind(b"\n") + 1  # everything after the last newline is a torn write
-    if complete < len(raw):
+    torn = raw[complete:]
+    if torn and not torn.startswith(RECORD_START[: len(torn)]):
+        raise ValueError(
+            f"{output} ends with a line that is no regenerated record ({torn[:60]!r}); resume "
+            "only into a file this script wrote, or pass another --output"
+        )
+    try:
+        text = raw[:complete].decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            f"{output} is not UTF-8 text ({error}), so not a file this script wrote; pass "
+            "another --output"
+        ) from None
+    done = _check_records(output, text, prompts)
+    if torn:
         with output.open("r+b") as stream:
             stream.truncate(complete)
+    return done
+
+
+RECORD_START = b'{"index": '
+"""How every record this module writes begins (``index`` is its first key)."""
+
+
+def _check_records(output: Path, text: str, prompts: Sequence[Prompt]) -> set[int]:
+    """The indices of the records in ``text`` (the complete lines of ``output``), checked."""
     done: set[int] = set()
-    for number, line in enumerate(raw[:complete].decode("utf-8").splitlines(), start=1):
+    for number, line in enumerate(text.splitlines(), start=1):
         where = f"{output}:{number}"
         try:
             record = json.loads(line)
@@ -411,6 +440,6 @@ def _prompt_of(record: dict[str, Any]) -> Prompt | None:
     if "prompt" in record:
         return record["prompt"]
     messages = record.get("messages")
-    if isinstance(messages, list) and messages and messages[-1].get("role") == "assistant":
-        return messages[:-1]
+    if isinstance(messages, list) and messages and isinstance(messages[-1], dict):
+        return messages[:-1] if messages[-1].get("role") == "assistant" else None
     return None

@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from data.sources import load_conversations, load_jsonl, load_prompts, load_text_files
+from data import sources
+from data.sources import (
+    load_conversations,
+    load_jsonl,
+    load_prompts,
+    load_records,
+    load_text_files,
+)
 
 CHAT = [
     {"role": "system", "content": "Be brief."},
@@ -123,3 +130,20 @@ def test_load_prompts(tmp_path: Path) -> None:
     only_assistant = _jsonl(tmp_path / "a.jsonl", [{"messages": [CHAT[2]]}])
     with pytest.raises(ValueError, match=r"a\.jsonl:1: after removing the final assistant turn"):
         load_prompts(only_assistant)
+
+
+def test_a_folder_or_an_unloadable_name_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = tmp_path / "prompts.jsonl"
+    folder.mkdir()
+    with pytest.raises(ValueError, match=r"prompts\.jsonl is a folder; pass a \.jsonl"):
+        load_prompts(folder)
+
+    def offline(*args: object, **kwargs: object) -> None:
+        raise ConnectionError("Couldn't reach 'banana' on the Hub")
+
+    monkeypatch.setattr(sources.datasets, "load_dataset", offline)
+    for load in (load_prompts, load_records):
+        with pytest.raises(FileNotFoundError, match=r"banana: not a file or folder here.*offline"):
+            load("banana")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from decode.command_line import run_command
@@ -62,3 +64,24 @@ def test_output_paths_are_checked_before_any_work(tmp_path) -> None:
         check_output_folder(afile, "--plots")
     with pytest.raises(ValueError, match=r"a\.txt is a file, not a folder"):
         check_output_folder(afile / "plots", "--plots")
+
+
+def test_an_output_folder_the_user_cannot_write_is_named(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A permission error at the end of a long run is a traceback after the work: refused up
+    front (``os.access`` is patched: root may write anywhere, so no real folder denies it)."""
+    import os
+
+    from decode.command_line import check_output_file, check_output_folder
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != locked)
+    for check, path in (
+        (check_output_file, locked / "r.json"),
+        (check_output_folder, locked / "p"),
+    ):
+        with pytest.raises(ValueError, match=r"may not write into .*locked; pass a path"):
+            check(path, "--out")
+    assert check_output_file(tmp_path / "r.json", "--out") == tmp_path / "r.json"

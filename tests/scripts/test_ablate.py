@@ -440,3 +440,84 @@ def test_a_run_stopped_by_its_time_box_before_the_step_cap_is_flagged(tmp_path: 
     assert ablation.short_budget({"stop_reason": "max_steps", "steps": 100}, settings) is None
     no_cap = dataclasses.replace(settings, max_steps=None)
     assert ablation.short_budget(early, no_cap) is None  # the time box is the budget
+
+
+def test_hostile_flags_are_refused_before_the_first_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each of these used to start the grid and fail in every run (a traceback per run, the
+    failures written to ablation.json), or to be ignored: now the command stops at once."""
+    ablate = _script()
+
+    def no_run(*_: object) -> dict:
+        raise AssertionError("a run started before the bad input was refused")
+
+    monkeypatch.setattr(ablation, "train_and_measure", no_run)
+    output = tmp_path / "grid"
+    base = ["--preset", "tiny", "--output", str(output), "--max-steps", "1"]
+    for flags, message in (
+        (["--seeds", "-1"], "argument --seeds: must be an integer in 0..4294967295"),
+        (["--seeds", str(2**70)], "argument --seeds: must be an integer in 0..4294967295"),
+        (["--samples-seed", "-1"], "argument --samples-seed: must be an integer in 0.."),
+        (["--temperatures", "-1"], "argument --temperatures: must be a finite number >= 0"),
+        (["--temperatures", "nan"], "argument --temperatures: must be a finite number >= 0"),
+        (["--merge", "a.json", "--remeasure-tau", "3"], "not allowed with argument --merge"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            ablate.main([*base, *flags])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err, flags
+    (tmp_path / "afile").write_text("x")
+    for flags, error, message in (
+        (["--seeds", "0", "0"], ValueError, "--seeds repeats a seed: [0, 0]"),
+        (["--max-runs", "0"], ValueError, "--max-runs must be >= 1, got 0"),
+        (["--max-steps", "0"], ValueError, "--max-steps must be >= 1, got 0"),
+        (["--max-minutes", "nan"], ValueError, "--max-minutes must be a finite number"),
+        (["--max-minutes", "inf"], ValueError, "--max-minutes must be a finite number"),
+        (["--max-minutes", "-1"], ValueError, "--max-minutes must be a finite number"),
+        (["--temperatures", "0", "0.0"], ValueError, "--temperatures repeats a temperature"),
+        (["--regen-prompt-tokens", "1"], ValueError, "--regen-prompt-tokens must be >= 2"),
+        (["--regen-new-tokens", "0"], ValueError, "--regen-new-tokens must be >= 1"),
+        (["--grid", "loss=banana"], ValueError, "cell loss=banana: unknown loss 'banana'"),
+        (["--grid", "learning_rate=fast"], ValueError, "invalid float value: 'fast'"),
+        (["--set", "banana=1"], ValueError, "--set banana: not a recipe field"),
+        (["--set", "max_train_sequences=many"], ValueError, "invalid int value: 'many'"),
+        (["--set", "log_every=1", "--set", "log_every=2"], ValueError, "names 'log_every' twice"),
+        (["--recipe", "eagle3=missing.yaml"], FileNotFoundError, "eagle3=missing.yaml: no such"),
+        (["--baseline", "loss=lk"], ValueError, "of this grid take loss = ce, tv; name one"),
+        (["--baseline", "kind=eagle3"], ValueError, "no cell of this grid varies 'kind'"),
+        (["--target", str(tmp_path / "none")], FileNotFoundError, "cell loss=ce: --target"),
+        (["--output", str(tmp_path / "afile")], ValueError, "afile is a file; pass a folder"),
+        (["--output", str(tmp_path / "afile" / "g")], ValueError, "is a file, not a folder"),
+    ):
+        with pytest.raises(error, match=re.escape(message)):
+            ablate.main([*base, *flags])
+    assert not output.exists()
+
+
+def test_a_failed_regeneration_is_one_line_not_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import subprocess
+
+    ablate = _script()
+
+    def failing(command: list[str], **_: object) -> None:
+        raise subprocess.CalledProcessError(2, command)
+
+    monkeypatch.setattr(ablate.subprocess, "run", failing)
+    settings = ablate.settings_from(ablate.parse_args(["--output", str(tmp_path)]))
+    with pytest.raises(ValueError, match=r"regenerate_data\.py stopped with exit status 2"):
+        ablate.prepare_regenerated(settings, "tiny", max_files=None)
+
+
+def test_a_baseline_may_be_a_cell_an_earlier_grid_left_in_the_results(tmp_path: Path) -> None:
+    """As the guide's vocabulary grids do: one grid adds 8192 cells beside the 2048 ones."""
+    path = tmp_path / "ablation.json"
+    earlier = {"draft_vocab_size": "2048"}
+    run = {"cell": earlier, "seed": 0, "tau": {}, "overlap": [], "greedy_match": []}
+    results = {"format_version": 1, "settings": {}, "runs": {"draft_vocab_size=2048,seed=0": run}}
+    path.write_text(json.dumps(results))
+    cells = ablation.cells_of({"draft_vocab_size": ["8192"]})
+    ablation.check_baselines({"draft_vocab_size": "2048"}, cells, path)
+    with pytest.raises(ValueError, match=r"and the runs in .* take draft_vocab_size = 2048, 8192"):
+        ablation.check_baselines({"draft_vocab_size": "4096"}, cells, path)

@@ -26,6 +26,15 @@ def test_the_caps_of_a_tiny_target_are_written_and_bounded(tmp_path: Path, targe
     assert 1.0 < result["tau_cap"][3] <= 4.0  # a chain of 3 drafts reaches at most 4
 
 
+def test_new_tokens_past_the_context_are_refused_before_sampling(target: Path) -> None:
+    """10**12 new tokens once allocated their padding up front (an 8 TB request)."""
+    script = load_script("parallel_ceiling")
+    argv = ["--target", str(target), "--dtype", "float32", "--num-prompts", "1",
+            "--new-tokens", str(10**12)]  # fmt: skip
+    with pytest.raises(ValueError, match=r"--new-tokens 1000000000000: the longest prompt"):
+        script.main(argv)
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [(["--depths", "1"], "--depths must be >= 2"), (["--beam", "0"], "--beam must be >= 1")],
@@ -46,6 +55,33 @@ def test_bad_output_and_seed_are_refused_before_measuring(tmp_path: Path, capsys
     (tmp_path / "f").write_text("x")
     with pytest.raises(ValueError, match="is a file, not a folder"):
         script.main(["--target", str(tmp_path / "none"), "--output", str(tmp_path / "f" / "o")])
-    with pytest.raises(SystemExit):
-        script.parse_args(["--seed", str(2**70)])
-    assert "--seed must be an integer in 0..2**63 - 1" in capsys.readouterr().err
+    for seed in (str(2**70), "-1", str(2**32)):
+        with pytest.raises(SystemExit) as exit_info:
+            script.parse_args(["--seed", seed])
+        assert exit_info.value.code == 2
+        assert "argument --seed: must be an integer in 0..4294967295" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        script.parse_args(["--prompts", ""])
+    assert exit_info.value.code == 2 and "--prompts is empty" in capsys.readouterr().err
+
+
+def test_bad_targets_and_prompts_are_refused_before_the_target_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import train.target_model
+
+    def refuse(*_: object, **__: object) -> None:
+        raise AssertionError("the target loaded before the bad input was refused")
+
+    monkeypatch.setattr(train.target_model, "load_target", refuse)
+    script = load_script("parallel_ceiling")
+    (tmp_path / "empty.jsonl").write_text("")
+    for argv, error, message in (
+        (["--target", str(tmp_path / "none")], FileNotFoundError, "no such folder"),
+        (["--target", str(tmp_path)], FileNotFoundError, "has no config.json"),
+        (["--prompts", str(tmp_path / "missing.txt")], FileNotFoundError, "does not exist"),
+        (["--prompts", str(tmp_path)], ValueError, "is a folder"),
+        (["--prompts", str(tmp_path / "empty.jsonl")], ValueError, "holds no records"),
+    ):
+        with pytest.raises(error, match=message):
+            script.main(["--target", "tiny", *argv])

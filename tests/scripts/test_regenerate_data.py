@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -246,3 +247,137 @@ def test_transient_errors_are_retried_with_backoff_and_client_errors_are_not(
     rows = _by_index(out)
     assert {i: r["response"] for i, r in rows.items()} == {0: " a", 1: " b"}
     assert any("HTTP 400" in f for f in report.failures)
+
+
+# -- hostile input --------------------------------------------------------------------------------
+
+
+def _no_loading(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make loading the target fail the test: what is checked here must be checked before."""
+    import train.target_model
+
+    def refuse(*_: object, **__: object) -> None:
+        raise AssertionError("the target loaded before the bad input was refused")
+
+    monkeypatch.setattr(train.target_model, "load_target", refuse)
+
+
+def test_hostile_flags_are_refused_by_name_before_anything_loads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Counts below 1, bad sampling values and seeds, flags that would be ignored silently
+    where they do nothing, empty values and output paths that cannot be written: exit 2."""
+    prompts = _prompts_file(tmp_path / "prompts.jsonl", 2)
+    (tmp_path / "afile").write_text("x")
+    base = ["--target", "tiny", "--prompts", str(prompts), "--output", str(tmp_path / "o.jsonl")]
+    endpoint = ["--endpoint", "http://127.0.0.1:9/v1"]
+    for flags, message in (
+        (["--num-prompts", "0"], "argument --num-prompts: must be an integer >= 1, got 0"),
+        (["--num-prompts", "-1"], "argument --num-prompts: must be an integer >= 1, got -1"),
+        (["--max-new-tokens", "0"], "argument --max-new-tokens: must be an integer >= 1"),
+        (["--batch-size", "-1"], "argument --batch-size: must be an integer >= 1"),
+        (["--temperature", "-1"], "argument --temperature: must be a finite number >= 0"),
+        (["--temperature", "nan"], "argument --temperature: must be a finite number >= 0"),
+        (["--top-p", "0"], "argument --top-p: must be a number in (0, 1]"),
+        (["--top-k", "-1"], "argument --top-k: must be an integer >= 0"),
+        (["--seed", "-1"], "argument --seed: must be an integer in 0..4294967295"),
+        (["--seed", str(2**70)], "argument --seed: must be an integer in 0..4294967295"),
+        (["--prompts", ""], "--prompts is empty"),
+        (["--prompts", str(tmp_path)], "is a folder; pass a .jsonl or .json file in it"),
+        (["--prompt-field", ""], "--prompt-field is empty"),
+        (["--prompt-chars", "50"], "--prompt-chars only applies with --prompts stdlib-defs"),
+        (["--max-files", "3"], "--max-files only applies with --prompts stdlib or stdlib-defs"),
+        (["--prompts", "stdlib", "--prompt-tokens", "1"], "--prompt-tokens must be >= 2"),
+        (["--prompts", "stdlib", "--prompt-field", "x"], "--prompt-field names a field of a"),
+        (["--concurrency", "4"], "--concurrency only applies with --endpoint"),
+        (["--model", "m"], "--model only applies with --endpoint"),
+        (["--endpoint", ""], "--endpoint is empty"),
+        ([*endpoint, "--limit", "0"], "argument --limit: must be an integer >= 1"),
+        ([*endpoint, "--max-retries", "-1"], "argument --max-retries: must be an integer >= 0"),
+        ([*endpoint, "--batch-size", "4"], "--batch-size does nothing with --endpoint"),
+        (["--output", str(tmp_path)], "is a folder; pass a file path"),
+        (["--output", str(tmp_path / "afile" / "o.jsonl")], "afile is a file, not a folder"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            _script().parse_args([*base, *flags])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err, flags
+
+
+def test_bad_prompts_and_endpoints_are_refused_before_the_target_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _no_loading(monkeypatch)
+    output = ["--output", str(tmp_path / "o.jsonl")]
+    local = ["--target", "tiny", *output, "--prompts"]
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "cut.json").write_text('[{"prompt": "a"}, {"pro')
+    (tmp_path / "number.json").write_text("42")
+    chat = {"messages": [{"role": "user", "content": "b"}]}
+    (tmp_path / "mixed.jsonl").write_text(f"{json.dumps({'prompt': 'a'})}\n{json.dumps(chat)}\n")
+    for argv, error, message in (
+        ([*local, str(tmp_path / "missing.jsonl")], FileNotFoundError, "does not exist"),
+        ([*local, str(tmp_path / "empty.jsonl")], ValueError, "holds no records"),
+        ([*local, str(tmp_path / "cut.json")], ValueError, "is not valid JSON"),
+        ([*local, str(tmp_path / "number.json")], ValueError, "holds a JSON int"),
+        ([*local, str(tmp_path / "mixed.jsonl")], ValueError, "mix plain strings and chat"),
+        ([*local, "no-such-dataset"], FileNotFoundError, "no-such-dataset: not a file or folder here"),
+        (["--endpoint", "http://", "--prompts", "stdlib", *output], ValueError, "names no host"),
+        (["--endpoint", "http://h:port/v1", "--prompts", "stdlib", *output], ValueError, "Port"),
+        (["--endpoint", "http://h/v1", "--timeout", "nan", "--prompts", "stdlib", *output],
+         ValueError, "--timeout must be a finite number of seconds > 0, got nan"),
+    ):  # fmt: skip
+        with pytest.raises(error, match=re.escape(message)):
+            _script().main(argv)
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_new_tokens_past_the_targets_context_are_refused_before_generating(
+    tmp_path: Path, target: Path
+) -> None:
+    prompts = _prompts_file(tmp_path / "prompts.jsonl", 2)
+    out = tmp_path / "o.jsonl"
+    argv = ["--target", str(target), "--prompts", str(prompts), "--output", str(out),
+            "--max-new-tokens", "100000"]  # fmt: skip
+    with pytest.raises(ValueError, match="passes the target's context of 2048 tokens"):
+        _script().main(argv)
+    assert not out.exists()
+
+
+def test_a_bad_flag_ends_the_command_with_one_line_and_status_2(tmp_path: Path) -> None:
+    (tmp_path / "cut.jsonl").write_text('{"prompt": "a"}\n{"prompt": ')
+    argv = ["--target", "tiny", "--prompts", str(tmp_path / "cut.jsonl"), "--output",
+            str(tmp_path / "o.jsonl")]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    result = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "regenerate_data.py"), *argv],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr and "cut.jsonl:2 is not valid JSON" in result.stderr
+    assert not (tmp_path / "cache").exists()  # the demo target was neither built nor loaded
+
+
+def test_an_output_this_script_did_not_write_is_refused_and_left_as_it_was(
+    tmp_path: Path,
+) -> None:
+    """Resuming cut everything after the last newline before reading the file: an unrelated
+    --output (a JSON document on one line, say) lost its content. Now it is read first."""
+    from train.regenerate_endpoint import completed_indices
+
+    prompts = ["def f(x):\n"]
+    for content, message in (
+        (b'{"settings": {"a": 1}}', "ends with a line that is no regenerated record"),
+        (b'{"a": 1}\n{"b": 2', "ends with a line that is no regenerated record"),
+        (b'{"a": 1}\n{"index": 0, "prom', ":1: not a regenerated record"),
+        (b"\xff\xfe\x00binary\n", "is not UTF-8 text"),
+        (b'{"index": 0, "messages": [1]}\n', "the record's prompt differs from prompt 0"),
+    ):
+        output = tmp_path / "other.jsonl"
+        output.write_bytes(content)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            completed_indices(output, prompts)
+        assert output.read_bytes() == content
+    ours = json.dumps({"index": 0, "prompt": prompts[0], "response": "a"}).encode()
+    output.write_bytes(ours + b'\n{"index": 1, "pro')  # a writer killed mid-line
+    assert completed_indices(output, [*prompts, "b"]) == {0}
+    assert output.read_bytes() == ours + b"\n"

@@ -4,6 +4,7 @@ says, and no result figure is typed outside them."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -251,7 +252,51 @@ def test_the_timing_clause_names_the_rule_the_record_was_measured_under() -> Non
 
 def test_into_names_which_main_job_record_a_run_replaces(capsys) -> None:
     assert report.parse_args(["--main-job", "run"]).into == "main_job.json"
-    assert report.parse_args(["--into", "main_job_amd.json"]).into == "main_job_amd.json"
+    amd = report.parse_args(["--main-job", "run", "--into", "main_job_amd.json"])
+    assert amd.into == "main_job_amd.json"
     with pytest.raises(SystemExit):
-        report.parse_args(["--into", "../README.md"])
+        report.parse_args(["--main-job", "run", "--into", "../README.md"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--check", "--main-job", "run"], "--check changes nothing, so it takes no --main-job"),
+        (["--into", "main_job_amd.json"], "--into names the record --main-job replaces"),
+    ],
+)
+def test_flags_that_would_be_ignored_are_refused(argv: list[str], message: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        report.parse_args(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_run_summary_that_would_not_render_leaves_the_record_untouched(tmp_path: Path) -> None:
+    """Copied first and read afterwards, a damaged summary replaced docs/results/'s record and
+    then failed with a KeyError, breaking every later report; now it is refused by name."""
+    destination = tmp_path / "main_job.json"
+    destination.write_text("the saved record")
+    run = tmp_path / "run"
+    run.mkdir()
+    no_held_out = {k: v for k, v in _summary().items() if k != "held_out"}
+    not_a_number = _summary()
+    not_a_number["speed"]["0"]["tau"] = float("nan")
+    for content, error, message in (
+        ("", ValueError, "summary.json is not valid JSON"),
+        ('{"speed": ', ValueError, "summary.json is not valid JSON"),
+        ("[1, 2]", ValueError, "holds a JSON list, not an object"),
+        (json.dumps({"speed": 5}), ValueError, "is not a run summary the report can read"),
+        (json.dumps(no_held_out), ValueError, "KeyError: 'held_out'"),
+        (json.dumps(not_a_number), ValueError, "holds NaN or infinite figures"),
+    ):
+        (run / "summary.json").write_text(content)
+        with pytest.raises(error, match=re.escape(message)):
+            report.take_main_job(run, destination)
+        assert destination.read_text() == "the saved record"
+    with pytest.raises(FileNotFoundError, match=r"--main-job .*: no such folder"):
+        report.take_main_job(tmp_path / "missing", destination)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(FileNotFoundError, match=r"--main-job .*: no such folder"):
+        report.take_main_job(tmp_path / "afile", destination)
+    assert destination.read_text() == "the saved record"
