@@ -505,7 +505,7 @@ class DecodeSession:
             if problem is not None:
                 raise ValueError(problem)
         limits = _row_limits(max_new_tokens, input_ids.shape[0])
-        _check_position_table(decoder.target, input_ids.shape[1], int(limits.max()))
+        _check_position_table(decoder.target, attention_mask, limits)
         start = _clock(decoder.device)
         drafter = self.drafter if self.batch_size == 0 else self.drafter.spawn()
         target = CachedSequence(
@@ -661,16 +661,25 @@ class DecodeSession:
         return torch.cat([input_ids, self.tokens[:, :longest]], dim=1)
 
 
-def _check_position_table(target: torch.nn.Module, prompt_width: int, most_new: int) -> None:
-    """``ValueError`` when a prompt (left-padded to ``prompt_width``) and ``most_new`` tokens
-    need positions past the target's learned table (the last new token is never fed back)."""
-    limit = learned_position_limit(target)
-    needed = prompt_width + most_new - 1
-    if limit is not None and needed > limit:
+def _check_position_table(
+    target: torch.nn.Module,
+    attention_mask: torch.Tensor,  # [R, T] the rows' prompts, left-padded
+    limits: torch.Tensor,  # [R] max_new_tokens of each row
+) -> None:
+    """``ValueError`` when a row's prompt and new tokens need positions past the target's
+    learned table (the last new token is never fed back; padding takes no position)."""
+    table = learned_position_limit(target)
+    if table is None:
+        return
+    prompt_lengths = attention_mask.sum(-1).cpu()  # [R] real tokens of each row
+    needed = prompt_lengths + limits - 1  # [R]
+    row = int(needed.argmax())
+    if int(needed[row]) > table:
+        prompt, most_new = int(prompt_lengths[row]), int(limits[row])
         raise ValueError(
-            f"the prompt ({prompt_width} tokens) and max_new_tokens={most_new} need {needed} "
-            f"positions, past the {limit} of this target's learned position table: shorten "
-            f"the prompt or pass max_new_tokens <= {max(limit - prompt_width + 1, 0)}"
+            f"the prompt ({prompt} tokens) and max_new_tokens={most_new} need {int(needed[row])} "
+            f"positions, past the {table} of this target's learned position table: shorten "
+            f"the prompt or pass max_new_tokens <= {max(table - prompt + 1, 0)}"
         )
 
 

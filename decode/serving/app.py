@@ -41,7 +41,7 @@ from starlette.requests import ClientDisconnect
 
 from decode.defaults import NUM_DRAFT_TOKENS
 from decode.drafters.base import Drafter, TreeSpec
-from decode.kv_cache import single_row_problem
+from decode.kv_cache import learned_position_limit, single_row_problem
 from decode.serving.config import MAX_BATCH_SIZE
 from decode.serving.metrics import CONTENT_TYPE, ServerMetrics
 from decode.serving.protocol import (
@@ -152,6 +152,12 @@ class OpenAIServer:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.limits = limits or ServingLimits()
+        table = learned_position_limit(target)
+        if table is not None and self.limits.max_context_length > table:
+            raise ValueError(
+                f"--max-context-length {self.limits.max_context_length} passes the {table} "
+                f"positions of this target's learned position table: pass at most {table}"
+            )
         self._api_key = api_key
         self.vocab_size = drafter.vocab_size
         if len(tokenizer) > self.vocab_size:

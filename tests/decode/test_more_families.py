@@ -173,3 +173,22 @@ def test_rows_past_their_limit_stay_inside_a_learned_position_table() -> None:
             eos_token_id=None, pad_token_id=0,
         )  # fmt: skip
         assert torch.equal(sequences[row, : 10 + limit], reference[0]), row
+
+
+def test_a_ragged_batch_needs_only_each_rows_own_positions() -> None:
+    """Padding takes no position: a long prompt with few new tokens beside a short prompt with
+    many fits the table when each row does, however wide the padded batch."""
+    target = _target("gpt2")
+    ids = torch.randint(3, VOCAB, (2, 100), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[1, :90] = 0  # row 1: 10 real tokens
+    limits = [20, 119]  # row 0: 100 + 20 - 1 <= 128; row 1: 10 + 119 - 1 = 128
+    session = SpeculativeDecoder(target, NgramDrafter(VOCAB), 3).session(
+        eos_token_id=[], pad_token_id=0, record=True
+    )
+    session.add_rows(ids.masked_fill(mask == 0, 0), mask, limits)
+    while session.room() > 0:
+        session.step()
+    assert session.count.tolist() == limits
+    with pytest.raises(ValueError, match=r"prompt \(10 tokens\) and max_new_tokens=120 need 129"):
+        session.add_rows(ids[1:, 90:], None, 120)

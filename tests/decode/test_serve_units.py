@@ -738,3 +738,24 @@ def test_a_target_that_decodes_one_row_at_a_time_is_served_unbatched(
     with pytest.raises(ValueError, match=r"cache slot.*--max-batch-size 1"):
         OpenAIServer(target, tokenizer, drafter, model_name="m", max_batch_size=2)
     OpenAIServer(target, tokenizer, drafter, model_name="m", max_batch_size=1)
+
+
+def test_a_context_past_a_learned_position_table_is_refused_at_start(
+    tokenizer: PreTrainedTokenizerFast,
+) -> None:
+    """GPT-2 embeds positions from a table: a --max-context-length past it would let requests
+    in that the forward cannot run (a 500), so the server refuses the setting at start."""
+    import transformers
+
+    from decode.drafters.none import NoDrafter
+    from decode.serving.app import OpenAIServer, ServingLimits
+
+    config = transformers.GPT2Config(
+        vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=4, n_positions=64
+    )
+    target = transformers.GPT2LMHeadModel(config).eval()
+    drafter = NoDrafter(len(tokenizer))
+    with pytest.raises(ValueError, match=r"--max-context-length 2048 passes the 64 positions"):
+        OpenAIServer(target, tokenizer, drafter, model_name="m")
+    limits = ServingLimits(max_context_length=64)
+    OpenAIServer(target, tokenizer, drafter, model_name="m", limits=limits)
