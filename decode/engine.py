@@ -114,6 +114,7 @@ class SpeculativeDecoder:
             )
         self.tree = tree
         self.target = target.eval()
+        self.position_table = learned_position_limit(target)  # None: no learned table
         self._target_head = OutputHead.for_model(self.target)
         self._target_decoder = (
             LeanDecoder.for_model(self.target)
@@ -327,7 +328,7 @@ class SpeculativeDecoder:
             )
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
             raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
-        _row_limits(max_new_tokens, 1)  # its range
+        _check_limit(max_new_tokens)
         input_ids = input_ids.to(self.device, torch.long)
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
@@ -505,7 +506,7 @@ class DecodeSession:
             if problem is not None:
                 raise ValueError(problem)
         limits = _row_limits(max_new_tokens, input_ids.shape[0])
-        _check_position_table(decoder.target, attention_mask, limits)
+        _check_position_table(decoder.position_table, attention_mask, limits)
         start = _clock(decoder.device)
         drafter = self.drafter if self.batch_size == 0 else self.drafter.spawn()
         target = CachedSequence(
@@ -662,13 +663,12 @@ class DecodeSession:
 
 
 def _check_position_table(
-    target: torch.nn.Module,
+    table: int | None,  # the target's learned position table (``learned_position_limit``)
     attention_mask: torch.Tensor,  # [R, T] the rows' prompts, left-padded
     limits: torch.Tensor,  # [R] max_new_tokens of each row
 ) -> None:
     """``ValueError`` when a row's prompt and new tokens need positions past the target's
     learned table (the last new token is never fed back; padding takes no position)."""
-    table = learned_position_limit(target)
     if table is None:
         return
     prompt_lengths = attention_mask.sum(-1).cpu()  # [R] real tokens of each row
@@ -697,9 +697,13 @@ def _row_limits(max_new_tokens: int | Sequence[int], rows: int) -> torch.Tensor:
     for value in values:
         if not _is_token_id(value):
             raise TypeError(f"max_new_tokens must be an int, got {value!r}")
-        if not 1 <= value <= LARGEST_MAX_NEW_TOKENS:
-            raise ValueError(f"max_new_tokens must lie in [1, 2**62], got {value}")
+        _check_limit(value)
     return torch.tensor([int(v) for v in values], dtype=torch.long)
+
+
+def _check_limit(max_new_tokens: int) -> None:
+    if not 1 <= max_new_tokens <= LARGEST_MAX_NEW_TOKENS:
+        raise ValueError(f"max_new_tokens must lie in [1, 2**62], got {max_new_tokens}")
 
 
 def _clock(device: torch.device) -> float:

@@ -120,61 +120,43 @@ def tree_flags_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _integer_at_least(text: str, least: int) -> int:
+def _checked(text: str, parse: type, accepts: Callable[[float], bool], requirement: str):
+    """An argparse type's value: ``parse(text)`` when ``accepts`` it, else the error
+    "must be ``requirement``, got ..." (NaN fails every ``accepts`` written as a range)."""
     try:
-        value = int(text)
+        value = parse(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= {least}, got {text!r}") from None
-    if value < least:
-        raise argparse.ArgumentTypeError(f"must be an integer >= {least}, got {value}")
+        raise argparse.ArgumentTypeError(f"must be {requirement}, got {text!r}") from None
+    if not accepts(value):
+        raise argparse.ArgumentTypeError(f"must be {requirement}, got {value}")
     return value
 
 
 def at_least_one(text: str) -> int:
     """An argparse type: an integer >= 1."""
-    return _integer_at_least(text, 1)
+    return _checked(text, int, lambda value: value >= 1, "an integer >= 1")
 
 
 def at_least_zero(text: str) -> int:
     """An argparse type: an integer >= 0 (``--top-k``, 0 disables it)."""
-    return _integer_at_least(text, 0)
+    return _checked(text, int, lambda value: value >= 0, "an integer >= 0")
 
 
 def seed_value(text: str) -> int:
     """An argparse type: a run seed in ``0..MAX_SEED``."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= MAX_SEED:
-        raise argparse.ArgumentTypeError(f"must be an integer in 0..{MAX_SEED}, got {text!r}")
-    return value
+    return _checked(text, int, lambda value: 0 <= value <= MAX_SEED, f"an integer in 0..{MAX_SEED}")
 
 
 def temperature_value(text: str) -> float:
     """An argparse type: a finite temperature >= 0 (0 is greedy)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(
-            f"must be a finite number >= 0 (0 is greedy), got {text!r}"
-        )
-    return value
+    return _checked(
+        text, float, lambda value: 0 <= value < math.inf, "a finite number >= 0 (0 is greedy)"
+    )
 
 
 def top_p_value(text: str) -> float:
     """An argparse type: a nucleus mass in (0, 1] (1 disables it)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 < value <= 1:  # NaN fails too
-        raise argparse.ArgumentTypeError(
-            f"must be a number in (0, 1] (1 disables it), got {text!r}"
-        )
-    return value
+    return _checked(text, float, lambda value: 0 < value <= 1, "a number in (0, 1] (1 disables it)")
 
 
 def check_context(

@@ -59,7 +59,7 @@ EXPORT_FORMATS_BY_KIND = {  # drafter kind -> the --export_format layouts it wri
     "medusa": ("vllm",),
     "peagle": ("speculators",),
 }
-# Every engine layout some kind writes (train.export_formats.ENGINE_FORMATS).
+# Every engine layout some kind writes.
 EXPORT_FORMATS = tuple(dict.fromkeys(f for fs in EXPORT_FORMATS_BY_KIND.values() for f in fs))
 
 

@@ -82,9 +82,10 @@ from decode.drafters.folder import check_weights_fit_config, config_from_fields
 from decode.drafters.medusa import MEDUSA_ARCHITECTURE, MedusaHeads
 from decode.drafters.peagle import PEagleConfig, PEagleHead
 from decode.loading import LoadError, load_safetensors, read_json_object
+from train.config import EXPORT_FORMATS_BY_KIND
 
 EngineFormat = Literal["vllm", "sglang", "speculators"]
-ENGINE_FORMATS: tuple[str, ...] = ("vllm", "sglang", "speculators")
+ENGINE_FORMATS = EXPORT_FORMATS_BY_KIND["eagle3"]  # EAGLE-3 heads are written in every layout
 SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
 PEAGLE_SPECULATORS_ARCHITECTURE = "PEagleSpeculator"
 # Each format's serving engine, for the folder cards.
