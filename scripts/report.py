@@ -51,6 +51,7 @@ ABLATION_VOCAB_NO_AMX_8MIN = RESULTS / "ablation_vocab_no_amx_8min" / "ablation.
 ABLATION_CACHE_NO_AMX = RESULTS / "ablation_cache_no_amx" / "ablation.json"
 ABLATION_CACHE256_NO_AMX = RESULTS / "ablation_cache256_no_amx" / "ablation.json"
 ABLATION_SCHEDULE_NO_AMX = RESULTS / "ablation_schedule_no_amx" / "ablation.json"
+ABLATION_STEPS_AMX = RESULTS / "ablation_steps_amx" / "ablation.json"
 ABLATION_RETUNE = RESULTS / "ablation_retune" / "ablation.json"
 PARALLEL_CEILING = RESULTS / "parallel_ceiling_demo.json"
 FOLLOW_UPS = (  # the 150-step runs after the grid, each its own results file
@@ -527,7 +528,7 @@ def ceiling_table(result: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------- sections
 
 SECTIONS: dict[str, Callable[[], str]] = {
-    "headline": lambda: headline_table(_read(BENCH_AMD), _read(MAIN_JOB_AMD)),
+    "headline": lambda: headline_table(_read(BENCH_DEMO), _read(MAIN_JOB)),
     "main-job-run": lambda: main_job_run(_read(MAIN_JOB)),
     "main-job": lambda: main_job_table(_read(MAIN_JOB)),
     "bench-demo": lambda: bench_table(_read(BENCH_DEMO)),
@@ -559,6 +560,7 @@ SECTIONS: dict[str, Callable[[], str]] = {
     "ablation-cache-no-amx": lambda: depth_overlaps_table(ABLATION_CACHE_NO_AMX),
     "ablation-cache256-no-amx": lambda: depth_overlaps_table(ABLATION_CACHE256_NO_AMX),
     "ablation-schedule-no-amx": lambda: depth_overlaps_table(ABLATION_SCHEDULE_NO_AMX),
+    "ablation-steps-amx": lambda: depth_overlaps_table(ABLATION_STEPS_AMX),
     "ablation-retune": lambda: ablation_tables(ABLATION_RETUNE),
     "parallel-ceiling": lambda: ceiling_table(_read(PARALLEL_CEILING)),
     "ablation-follow-ups": follow_ups_table,
@@ -653,8 +655,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--into",
         choices=(MAIN_JOB.name, MAIN_JOB_AMD.name),
         default=MAIN_JOB.name,
-        help="the record --main-job replaces: main_job.json (the AMX machine's, the benchmarks "
-        "guide's main job) or main_job_amd.json (the AMD EPYC's, the README's headline)",
+        help="the record --main-job replaces: main_job.json (the AMX machine's, the README's "
+        "headline and the benchmarks guide's main job) or main_job_amd.json (the AMD EPYC's)",
     )
     args = parser.parse_args(argv)
     if args.check and args.main_job is not None:
