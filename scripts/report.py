@@ -424,8 +424,9 @@ def depth_overlaps_table(path: Path) -> str:
     with_speed = any("train_tokens_per_s" in entry for entry in cells)
     header += ["training tokens/s"] if with_speed else []
     steps = results["settings"].get("max_steps")
-    timed_out = any(  # a time box ended some run before the step cap: say how far each got
-        entry.get("steps", {}).get("min", steps) != steps for entry in cells
+    timed_out = steps is None or any(  # a grid of step caps, or a time box ended some run
+        entry.get("steps", {}).get("min", steps) != steps  # before its cap: how far each got
+        for entry in cells
     )
     header += ["steps"] if timed_out else []
     rows = []
@@ -446,11 +447,12 @@ def depth_overlaps_table(path: Path) -> str:
             ]
         )
     minutes = results["settings"].get("max_minutes")
-    budget = (
-        f"up to {steps} steps or {minutes:g} minutes per run"
-        if timed_out
-        else f"{steps} steps per run"
-    )
+    if steps is None:  # max_steps was an axis: each cell names its own cap
+        budget = f"each cell's step cap, up to {minutes:g} minutes per run"
+    elif timed_out:
+        budget = f"up to {steps} steps or {minutes:g} minutes per run"
+    else:
+        budget = f"{steps} steps per run"
     mass_note = (
         " draftable mass: the target's held-out probability on the draft vocabulary, the most"
         " any overlap can reach (– where nothing is pruned);"

@@ -284,7 +284,7 @@ class OptimConfig:
     lr_scheduler: str = _f("cosine", "cosine, linear or constant after warmup")
     min_lr_ratio: float = _f(0.1, "final learning rate / peak")
     max_grad_norm: float = _f(1.0, "gradient clipping norm (0 disables)")
-    max_steps: int = _f(300, "optimizer steps")
+    max_steps: int = _f(450, "optimizer steps")
     max_minutes: float | None = _f(
         8.0, "wall-clock budget of the training loop; stops cleanly and checkpoints (null: none)"
     )

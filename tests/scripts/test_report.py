@@ -238,6 +238,11 @@ def test_the_depth_table_says_how_far_a_time_boxed_run_got(tmp_path: Path) -> No
     path.write_text(json.dumps(results))
     lines = report.depth_overlaps_table(path).splitlines()
     assert "71 steps per run;" in lines[0] and lines[2] == "| cell | seeds | overlap@1 | tau T=0 |"
+    settings["max_steps"] = None  # max_steps was a grid axis: each cell's own cap, shown
+    path.write_text(json.dumps(results))
+    lines = report.depth_overlaps_table(path).splitlines()
+    assert "each cell's step cap, up to 8 minutes per run;" in lines[0] and "None" not in lines[0]
+    assert lines[2] == "| cell | seeds | overlap@1 | tau T=0 | steps |"
 
 
 def test_the_timing_clause_names_the_rule_the_record_was_measured_under() -> None:
