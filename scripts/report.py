@@ -448,7 +448,8 @@ def depth_overlaps_table(path: Path) -> str:
         )
     minutes = results["settings"].get("max_minutes")
     if steps is None:  # max_steps was an axis: each cell names its own cap
-        budget = f"each cell's step cap, up to {minutes:g} minutes per run"
+        box = f", up to {minutes:g} minutes" if minutes is not None else ""
+        budget = f"each cell's step cap{box} per run"
     elif timed_out:
         budget = f"up to {steps} steps or {minutes:g} minutes per run"
     else:
