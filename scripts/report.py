@@ -2,8 +2,8 @@
 
     draftsmith-report                                   # rewrite every marked section
     draftsmith-report --check                           # exit 1 if any differs (tests run it)
-    draftsmith-report --main-job outputs/distill-demo   # take a new main-job run, then rewrite
-    draftsmith-report --main-job outputs/distill-demo --into main_job_amd.json  # the README's
+    draftsmith-report --main-job outputs/distill-demo   # take a new main-job run (the README's)
+    draftsmith-report --main-job outputs/distill-demo --into main_job_amd.json  # the AMD record
 
 A section is the text between ``<!-- report:NAME -->`` and ``<!-- /report:NAME -->`` in
 README.md or a file of docs/guides/; ``SECTIONS`` says which function writes each one from
