@@ -145,6 +145,20 @@ def tiny_medusa_drafter(target: torch.nn.Module, num_heads: int = 3):
     return MedusaDrafter(heads, target)
 
 
+def hf_greedy(
+    target: torch.nn.Module,
+    ids: torch.Tensor,  # [B, T] left-padded prompts
+    max_new_tokens: int,
+    mask: torch.Tensor | None = None,  # [B, T]; all ones when None
+) -> torch.Tensor:  # [B, T + max_new_tokens]
+    """Hugging Face ``generate``'s greedy continuation of ``ids`` with no EOS stop: the
+    reference every exactness test compares the decoder's greedy output with."""
+    return target.generate(
+        input_ids=ids, attention_mask=torch.ones_like(ids) if mask is None else mask,
+        max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
+    )  # fmt: skip
+
+
 def ragged_greedy_batch(
     target: torch.nn.Module, max_new_tokens: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -12,6 +12,7 @@ import torch
 from decode_helpers import (
     chi_square_p_value,
     exact_two_token_law,
+    hf_greedy,
     noisy_copy,
     tiny_eagle_drafter,
     tiny_medusa_drafter,
@@ -67,10 +68,7 @@ def make_drafter(target: torch.nn.Module, kind: str) -> tuple[Drafter, TreeSpec 
 
 def greedy_reference(target: torch.nn.Module, prompt: list[int], max_new: int) -> list[int]:
     ids = torch.tensor([prompt])
-    out = target.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
-        eos_token_id=None, pad_token_id=0,
-    )  # fmt: skip
+    out = hf_greedy(target, ids, max_new)
     return out[0, len(prompt) :].tolist()
 
 

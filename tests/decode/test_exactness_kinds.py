@@ -21,6 +21,7 @@ from decode_helpers import (
     KIND_TREE,
     chi_square_p_value,
     exact_two_token_law,
+    hf_greedy,
     noisy_copy,
     tiny_eagle_drafter,
     tiny_medusa_drafter,
@@ -91,10 +92,7 @@ def test_eos_and_limits_inside_an_accepted_block(name: str) -> None:
     length, falls inside an accepted block; the output is cut there as ``generate`` cuts it."""
     target = _build(name)
     ids, mask = _prompts(3)
-    free = target.generate(
-        input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
-        eos_token_id=None, pad_token_id=0,
-    )  # fmt: skip
+    free = hf_greedy(target, ids, NEW_TOKENS, mask)
     eos = [int(free[0, PROMPT_LEN + 4]), int(free[2, PROMPT_LEN + 6])]  # mid-block in two rows
     makers = {
         "perfect": (lambda: DraftModelDrafter(target), None),
@@ -135,10 +133,7 @@ def test_rows_joining_and_leaving_on_windowed_families(name: str) -> None:
     expected = []
     for prompt, limit in zip(SESSION_PROMPTS, SESSION_LIMITS, strict=True):
         ids = torch.tensor([prompt])
-        out = target.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=limit, do_sample=False,
-            eos_token_id=None, pad_token_id=0,
-        )  # fmt: skip
+        out = hf_greedy(target, ids, limit)
         expected.append(out[0, len(prompt) :].tolist())
     makers = {
         "draft_lm": (lambda: DraftModelDrafter(noisy_copy(target, 0.3)), None),

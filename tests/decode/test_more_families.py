@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from decode_helpers import noisy_copy, tiny_eagle_drafter, tiny_medusa_drafter
+from decode_helpers import hf_greedy, noisy_copy, tiny_eagle_drafter, tiny_medusa_drafter
 
 from decode import DraftModelDrafter, SpeculativeDecoder
 from decode.drafters.base import TreeSpec
@@ -89,10 +89,7 @@ def test_chains_equal_generate(family: str) -> None:
     target = _target(family)
     for batch in (1,) if family in SLOT_ORDER_ALIBI else (1, 3):
         ids, mask = _prompts(batch)
-        reference = target.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
-            eos_token_id=None, pad_token_id=0,
-        )  # fmt: skip
+        reference = hf_greedy(target, ids, NEW_TOKENS, mask)
         for kind, make in _drafters(target).items():
             out = SpeculativeDecoder(target, make(), 3).generate(
                 ids, mask, max_new_tokens=NEW_TOKENS, eos_token_id=[], pad_token_id=0
@@ -104,10 +101,7 @@ def test_chains_equal_generate(family: str) -> None:
 def test_trees_equal_generate(family: str) -> None:
     target = _target(family)
     ids, mask = _prompts(3)
-    reference = target.generate(
-        input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
-        eos_token_id=None, pad_token_id=0,
-    )  # fmt: skip
+    reference = hf_greedy(target, ids, NEW_TOKENS, mask)
     drafters = _drafters(target)
     for kind in ("eagle3", "medusa"):
         if kind in drafters:
@@ -168,10 +162,7 @@ def test_rows_past_their_limit_stay_inside_a_learned_position_table() -> None:
         session.step()
     sequences = session.sequences(ids)
     for row, limit in enumerate(limits):
-        reference = target.generate(
-            input_ids=ids[row : row + 1], max_new_tokens=limit, do_sample=False,
-            eos_token_id=None, pad_token_id=0,
-        )  # fmt: skip
+        reference = hf_greedy(target, ids[row : row + 1], limit)
         assert torch.equal(sequences[row, : 10 + limit], reference[0]), row
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from decode_helpers import randomize_later_layers, tiny_peagle_drafter
+from decode_helpers import hf_greedy, randomize_later_layers, tiny_peagle_drafter
 from head_helpers import (
     check_needs_prefill_and_hidden_states,
     extend_committed,
@@ -172,8 +172,7 @@ def test_folder_round_trip_registry_and_refusals(tmp_path) -> None:
 
 def _greedy_reference(target: torch.nn.Module, prompt: list[int], new: int) -> list[int]:
     ids = torch.tensor([prompt])
-    out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                          do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
+    out = hf_greedy(target, ids, new)
     return out[0, len(prompt) :].tolist()
 
 
