@@ -83,7 +83,7 @@ class LeanDecoder:
     ``cache`` of ``PreallocatedLayer``s. The fused weights are copies, rebuilt when any weight
     of the model changes in place (tracked by tensor versions). ``choose`` picks the products'
     layouts: a target's ``layer_layout``, or ``draft_layer_layout`` for a draft model, whose
-    products over a few rows may use int8 weights (``decode.projection``).
+    products over a few rows may use int4 or int8 weights (``decode.projection``).
     """
 
     def __init__(

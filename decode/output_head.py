@@ -49,7 +49,7 @@ LLAMA_FAMILY_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 # Drafters compute their logits in at least float32: in bfloat16 (8 significant bits) a draft's
 # top two logits often round to one value and argmax then proposes the lower token id rather
 # than the drafter's real first choice (docs/theory.md §7). A bfloat16 drafter's logits over a
-# few rows may come from int8 weights with their largest few recomputed in float32
+# few rows may come from int4 or int8 weights with their largest few recomputed in float32
 # (``draft_vocab_layout``, ``Projection._rescored``): the argmax stays the float32 one. The
 # target's logits stay in its own dtype: they are the distribution the output follows.
 DRAFT_LOGITS_DTYPE: torch.dtype | None = torch.float32

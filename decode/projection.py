@@ -48,13 +48,37 @@ threads, median microseconds, packed bfloat16 / int8), and warm for comparison:
 
 Cold, int8 costs half up to 4 rows and draws level at 5; warm, it ties up to 3 rows and loses
 from 4 on (its cost grows with the rows, oneDNN's does not; 13 rows warm: 642 against 148).
-So ``draft_layer_layout`` uses it for bfloat16 products of up to 4 rows: every chain step, a
-commit of up to 3 accepted drafts plus the pending token, a P-EAGLE pass of 4 depths. The
+So ``draft_layer_layout`` uses it for bfloat16 products of up to 4 rows
+(``QUANTIZED_DRAFT_ROWS``): every chain step, a commit of up to 3 accepted drafts plus the
+pending token, a P-EAGLE pass of 4 depths. The
 kernel has no fast float32 path (about 10x slower). A target never uses it: its output must
 follow its own weights. In the speculative decoder the one-row rule cut the EAGLE-3 chain's
 drafting cost per round by a fifth to a quarter with the same measured acceptance (4 seeds x 6
 held-out prompts at T = 1, tau 2.72 against 2.70); widening it to 4 rows took a further
 0.6-1.6 ms off a round of 9.8-11.4 ms (A/B, main job's head, 12 prompts x 128 tokens).
+
+Int4 goes one step further (``DRAFT_WEIGHT_BITS = 4``, the default where ATen's
+``_weight_int4pack_mm_for_cpu`` runs): asymmetric round-to-nearest levels 0..15 with a scale
+and a zero per group of 32 inputs (``quantize_int4``), a quarter of bfloat16's bytes. Measured
+on the AMX Xeon with today's 2 threads (median microseconds, 64 MB streamed between calls for
+"cold"; packed bfloat16 / int8 / int4):
+
+| weight | 1 row cold | 4 rows cold | 5 rows cold | 1 row warm | 4 rows warm |
+|---|---|---|---|---|---|
+| q/k/v 1536 x 1024 | 218 / 136 / 129 | 201 / 165 / 164 | 212 / 238 / 237 | 63 / 50 / 53 | 69 / 85 / 89 |
+| gate-up 2816 x 512 | 207 / 134 / 126 | 200 / 173 / 159 | 204 / 240 / 227 | 58 / 47 / 48 | 61 / 87 / 81 |
+| vocabulary 2048 x 512 | 185 / 120 / 115 | 183 / 153 / 127 | 185 / 191 / 193 | 43 / 37 / 40 | 44 / 64 / 63 |
+
+Per product int4 saves little over int8 (both kernels cost more per call than their bytes
+explain), and both lose to the packed weight from 5 rows on, so the row rule is the same for
+both. Over a decoding round it adds up: in an interleaved A/B on the main job's EAGLE-3 head
+(6 held-out prompts x 128 tokens, N = 4, two runs of two passes each) the chain's drafting per
+round fell from 3.75-3.93 to 3.32-3.41 ms at T = 0 and its speed over plain decoding rose from
+2.22-2.25 to 2.31-2.38 times, with greedy tau 3.90 against 3.94; a P-EAGLE round's drafting fell
+from 2.04-2.08 to 1.90-1.92 ms (2.30-2.34 to 2.36-2.44 times, tau 3.31 against 3.32). Greedy
+acceptance falls a little: over 12 held-out prompts the int4 head's tau was 3.87 against 3.98
+at T = 0, and 2.81 against 2.73 at T = 1 (2 seeds; sampled tau moves that much between seeds). A weight the kernel cannot take
+(outputs not a multiple of 16, inputs not whole groups) uses the int8 copy.
 
 The layouts are built on first use and rebuilt when the weight changes in place (tensor
 versions), so a model being trained can still be decoded.
@@ -76,9 +100,17 @@ WEIGHT_FIRST: Layout = "weight_first"  # (W @ rows^T)^T, W as stored [out, in]
 PACKED: Layout = "packed"  # oneDNN's inner product on a weight reordered for it
 LINEAR: Layout = "linear"  # F.linear on W as stored
 INT8_WEIGHTS: Layout = "int8_weights"  # rows @ (s * W8)^T, W8 int8 [out, in], s [out]
+INT4_WEIGHTS: Layout = "int4_weights"  # rows @ W4^T, W4 groups of 4-bit levels (quantize_int4)
+QUANTIZED: tuple[Layout, ...] = (INT8_WEIGHTS, INT4_WEIGHTS)
 
-# Up to this many rows a bfloat16 drafter's products use int8 weights (see the tables).
-INT8_DRAFT_ROWS = 4
+# Up to this many rows a bfloat16 drafter's products use quantized weights (see the tables).
+QUANTIZED_DRAFT_ROWS = 4
+# The bits of a drafter's quantized weights: 4 where ATen's int4 kernel takes the weight, else 8.
+DRAFT_WEIGHT_BITS = 4
+# Weights per (scale, zero) pair of the int4 copies (``quantize_int4``).
+INT4_GROUP_SIZE = 32
+# ``_weight_int4pack_mm_for_cpu`` (torch 2.13) packs output rows in blocks of 16.
+INT4_KERNEL_OUTPUT_MULTIPLE = 16
 # A drafter's int8 logits in a wider compute dtype: this many largest ones per row are
 # recomputed exactly, so its argmax and top-k are the exact product's (``Projection._rescored``).
 RESCORED_OUTPUTS = 8
@@ -100,33 +132,44 @@ def layer_layout(dtype: torch.dtype, rows: int) -> Layout:
 
 
 def draft_layer_layout(dtype: torch.dtype, rows: int) -> Layout:
-    """The layout of a drafter's layer products: int8 weights for up to ``INT8_DRAFT_ROWS``
-    bfloat16 rows where ATen has the kernel, else a target's ``layer_layout`` (see the module
-    docstring)."""
-    return INT8_WEIGHTS if _drafts_in_int8(dtype, rows) else layer_layout(dtype, rows)
+    """The layout of a drafter's layer products: quantized weights (``draft_quantized_layout``)
+    for up to ``QUANTIZED_DRAFT_ROWS`` bfloat16 rows where ATen has the kernel, else a
+    target's ``layer_layout`` (see the module docstring)."""
+    return _draft_quantized(dtype, rows) or layer_layout(dtype, rows)
 
 
 def draft_vocab_layout(dtype: torch.dtype, rows: int) -> Layout:
-    """The layout of a drafter's output projection: int8 weights for up to ``INT8_DRAFT_ROWS``
-    bfloat16 rows (each row's top outputs then rescored in the compute dtype,
-    ``Projection._rescored``), else ``vocab_layout``."""
-    return INT8_WEIGHTS if _drafts_in_int8(dtype, rows) else vocab_layout(dtype, rows)
+    """The layout of a drafter's output projection: quantized weights for up to
+    ``QUANTIZED_DRAFT_ROWS`` bfloat16 rows (each row's top outputs then rescored in the compute
+    dtype, ``Projection._rescored``), else ``vocab_layout``."""
+    return _draft_quantized(dtype, rows) or vocab_layout(dtype, rows)
 
 
-def _drafts_in_int8(dtype: torch.dtype, rows: int) -> bool:
-    return dtype == torch.bfloat16 and rows <= INT8_DRAFT_ROWS and int8_weight_kernel()
+def draft_quantized_layout() -> Layout | None:
+    """int4 weights when ``DRAFT_WEIGHT_BITS`` is 4 and ATen's int4 kernel runs, int8 when
+    its int8 kernel does, None without either. A weight a kernel cannot take falls back
+    (``Projection._layout``)."""
+    if DRAFT_WEIGHT_BITS == 4 and int4_weight_kernel():
+        return INT4_WEIGHTS
+    return INT8_WEIGHTS if int8_weight_kernel() else None
+
+
+def _draft_quantized(dtype: torch.dtype, rows: int) -> Layout | None:
+    if dtype != torch.bfloat16 or rows > QUANTIZED_DRAFT_ROWS:
+        return None
+    return draft_quantized_layout()
 
 
 @contextlib.contextmanager
 def drafts_in_their_own_dtype() -> Iterator[None]:
-    """Inside the block drafters multiply their weights as stored (no int8 copies), as an
+    """Inside the block drafters multiply their weights as stored (no quantized copies), as an
     engine that runs the head in the model's dtype does: for comparing acceptance with one."""
-    global INT8_DRAFT_ROWS
-    saved, INT8_DRAFT_ROWS = INT8_DRAFT_ROWS, 0
+    global QUANTIZED_DRAFT_ROWS
+    saved, QUANTIZED_DRAFT_ROWS = QUANTIZED_DRAFT_ROWS, 0
     try:
         yield
     finally:
-        INT8_DRAFT_ROWS = saved
+        QUANTIZED_DRAFT_ROWS = saved
 
 
 def vocab_layout(dtype: torch.dtype, rows: int) -> Layout:
@@ -187,8 +230,8 @@ class Projection:
         widened = self._compute_dtype is not None and _narrower(
             self.weight.dtype, self._compute_dtype
         )
-        if widened and layout == INT8_WEIGHTS:
-            out = self._rescored(rows)  # [R, out]
+        if widened and layout in QUANTIZED:
+            out = self._rescored(layout, rows)  # [R, out]
         elif widened:
             out = self._in_compute_dtype()(rows)  # [R, out]
         else:
@@ -196,24 +239,28 @@ class Projection:
         return out.view(*x.shape[:-1], out.shape[-1])
 
     def _layout(self, rows: int) -> Layout:
-        """``choose``'s layout on CPU, unless it is int8 and the kernel cannot take this weight;
-        ``F.linear`` elsewhere (the tables are CPU measurements, and oneDNN's packed weight and
-        the int8 kernel are CPU code: on a GPU ``F.linear`` is cuBLAS's product)."""
+        """``choose``'s layout on CPU, unless it is quantized and the kernel cannot take this
+        weight (int4 then falls back to int8, int8 to the layer layout); ``F.linear`` elsewhere
+        (the tables are CPU measurements, and oneDNN's packed weight and the quantized kernels
+        are CPU code: on a GPU ``F.linear`` is cuBLAS's product)."""
         if self.weight.device.type != "cpu":
             return LINEAR
         layout = self._choose(self.weight.dtype, rows)
+        if layout == INT4_WEIGHTS and not _int4_kernel_takes(self.weight):
+            layout = INT8_WEIGHTS if int8_weight_kernel() else layer_layout(self.weight.dtype, rows)
         if layout == INT8_WEIGHTS and not _int8_kernel_takes(self.weight):
             return layer_layout(self.weight.dtype, rows)
         return layout
 
-    def _rescored(self, rows: torch.Tensor) -> torch.Tensor:  # [R, in] -> [R, out]
-        """The int8 product in the weight's dtype, with each row's ``RESCORED_OUTPUTS`` largest
-        outputs recomputed in the compute dtype from the exact weight.
+    def _rescored(self, layout: Layout, rows: torch.Tensor) -> torch.Tensor:  # [R, in] -> [R, out]
+        """The quantized product in the weight's dtype, with each row's ``RESCORED_OUTPUTS``
+        largest outputs recomputed in the compute dtype from the exact weight.
 
         So the argmax and the order of the top outputs are the compute dtype's whenever the
         exact top outputs lie among the approximate ones (int8 moves a logit by a fraction of
-        a percent); the rest of the row keeps the int8 values. Drafts may use any ``q``."""
-        approx = self._multiply(INT8_WEIGHTS, rows.to(self.weight.dtype))
+        a percent, int4 by a few); the rest of the row keeps the quantized values. Drafts may
+        use any ``q``."""
+        approx = self._multiply(layout, rows.to(self.weight.dtype))
         approx = approx.to(self._compute_dtype)  # [R, out]
         exact = self._in_compute_dtype()
         top = approx.topk(min(RESCORED_OUTPUTS, approx.shape[-1]), dim=-1).indices  # [R, k]
@@ -242,6 +289,12 @@ class Projection:
         if layout == INT8_WEIGHTS:
             int8, scales = self._prepare(INT8_WEIGHTS, lambda: _int8_copy(weight))
             out = torch._weight_int8pack_mm(rows.contiguous(), int8, scales)
+            return out if bias is None else out + bias
+        if layout == INT4_WEIGHTS:
+            packed, scales_and_zeros = self._prepare(INT4_WEIGHTS, lambda: _int4_copy(weight))
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                rows.contiguous(), packed, INT4_GROUP_SIZE, scales_and_zeros
+            )
             return out if bias is None else out + bias
         if layout == WEIGHT_FIRST:
             out = (weight @ rows.T).T
@@ -319,6 +372,45 @@ def int8_weight_kernel() -> bool:
     return bool(out.shape == (1, 16) and (out == 64).all())
 
 
+def quantize_int4(
+    weight: torch.Tensor,  # [out, in], in a multiple of group
+    group: int = INT4_GROUP_SIZE,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # levels, scales, lows
+    """Asymmetric weight-only int4 over groups of ``group`` inputs of one output row:
+    ``W[i, j] ~ low[i, g] + s[i, g] * L[i, j]`` with ``L`` in 0..15, ``g = j // group``,
+    ``low`` the group's minimum and ``s = (max - min) / 15`` (a constant group gets a scale that
+    keeps it exact). Returns levels int32 [out, in], scales and lows float32 [out, in / group].
+    Round-to-nearest, the layout of GPTQ's and AWQ's groups (Frantar et al. 2023; Lin et al.
+    2024) without their calibration."""
+    out_features, in_features = weight.shape
+    grouped = weight.detach().float().reshape(out_features, in_features // group, group)
+    low = grouped.amin(-1)  # [out, G]
+    scales = ((grouped.amax(-1) - low) / 15.0).clamp_min(torch.finfo(torch.float32).tiny)
+    levels = torch.round((grouped - low[..., None]) / scales[..., None]).clamp(0, 15)
+    return levels.to(torch.int32).reshape(out_features, in_features), scales, low
+
+
+@functools.cache
+def int4_weight_kernel() -> bool:
+    """ATen's weight-only int4 product for CPU (``_weight_int4pack_mm_for_cpu``) is in this
+    torch and computes ``quantize_int4``'s weights: answered once, by trying it."""
+    ops = torch.ops.aten
+    if not (
+        hasattr(ops, "_weight_int4pack_mm_for_cpu")
+        and hasattr(ops, "_convert_weight_to_int4pack_for_cpu")
+    ):
+        return False
+    weight = torch.arange(16 * 64, dtype=torch.float32).reshape(16, 64).remainder(16)  # exact
+    try:
+        packed, scales_and_zeros = _int4_copy(weight.bfloat16())
+        out = ops._weight_int4pack_mm_for_cpu(
+            torch.ones(1, 64, dtype=torch.bfloat16), packed, INT4_GROUP_SIZE, scales_and_zeros
+        )
+    except RuntimeError:
+        return False
+    return bool(out.shape == (1, 16) and torch.allclose(out.float(), weight.sum(1)[None]))
+
+
 @functools.cache
 def packs_few_float32_rows() -> bool:
     """Whether oneDNN's packed float32 product beats MKL's layouts from 2 rows on: measured on
@@ -331,6 +423,25 @@ def _int8_copy(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize_int8`` with the scales in the weight's dtype, as the kernel takes them."""
     int8, scales = quantize_int8(weight)
     return int8, scales.to(weight.dtype)
+
+
+def _int4_copy(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_int4`` in the kernel's layout: levels packed two to a byte, and per group the
+    scale and ``low + 8 * scale`` (the kernel computes ``(L - 8) * s + zero``) as
+    [in / group, out, 2] in the weight's dtype."""
+    levels, scales, low = quantize_int4(weight)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels, 2)
+    zeros = low + 8.0 * scales
+    scales_and_zeros = torch.stack((scales, zeros), dim=-1).transpose(0, 1).contiguous()
+    return packed, scales_and_zeros.to(weight.dtype)
+
+
+def _int4_kernel_takes(weight: torch.Tensor) -> bool:  # [out, in] on CPU
+    """The int4 kernel's limits: outputs in blocks of 16, inputs in whole groups."""
+    return (
+        weight.shape[0] % INT4_KERNEL_OUTPUT_MULTIPLE == 0
+        and weight.shape[1] % INT4_GROUP_SIZE == 0
+    )
 
 
 def _int8_kernel_takes(weight: torch.Tensor) -> bool:  # [out, in] on CPU

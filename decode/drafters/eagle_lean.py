@@ -13,7 +13,7 @@ a draft step must cost a small fraction of a target step for drafting to pay):
     z   = n_out(h) @ W_head                              (the pruned draft vocabulary only)
 
 with the head's own weights (copied once into the fused layouts, rebuilt when a weight changes
-in place; a bfloat16 product over up to four rows multiplies an int8 copy,
+in place; a bfloat16 product over up to four rows multiplies an int4 or int8 copy,
 ``decode.projection``), rotary tables computed once in float64 as the head computes them, and
 keys/values written into a :class:`decode.kv_cache.PreallocatedStack` (one layer per head
 layer) that drafting appends to and crops back (never a concatenation of the whole cache).
