@@ -52,6 +52,7 @@ ABLATION_CACHE_NO_AMX = RESULTS / "ablation_cache_no_amx" / "ablation.json"
 ABLATION_CACHE256_NO_AMX = RESULTS / "ablation_cache256_no_amx" / "ablation.json"
 ABLATION_SCHEDULE_NO_AMX = RESULTS / "ablation_schedule_no_amx" / "ablation.json"
 ABLATION_STEPS_AMX = RESULTS / "ablation_steps_amx" / "ablation.json"
+ABLATION_PEAGLE_450_AMX = RESULTS / "ablation_peagle_450_amx" / "ablation.json"
 ABLATION_RETUNE = RESULTS / "ablation_retune" / "ablation.json"
 PARALLEL_CEILING = RESULTS / "parallel_ceiling_demo.json"
 FOLLOW_UPS = (  # the 150-step runs after the grid, each its own results file
@@ -472,6 +473,56 @@ def depth_overlaps_table(path: Path) -> str:
     return "\n".join([intro, "", *_table(header, rows)])
 
 
+def decoding_table(path: Path) -> str:
+    """One row per cell: tau, drafting time per round and decoding tokens/s at each
+    temperature, mean ± std over seeds; then every other cell against the first (ratios of the
+    means: P-EAGLE against EAGLE-3 in a ``kind`` grid)."""
+    from train.ablation_report import _mean_std, temperatures_of
+    from train.ablation_results import read_results, summarize
+
+    cells = [
+        entry
+        for entry in summarize(read_results(REPO / path)["runs"])
+        if "draft_ms_per_round" in entry and "tokens_per_s" in entry
+    ]
+    temperatures = temperatures_of(cells)
+    measures = (("tau", "tau", 2), ("draft_ms_per_round", "draft ms/round", 2))
+    measures += (("tokens_per_s", "tokens/s", 0),)
+    header = ["cell", "seeds"]
+    header += [f"{name} T={t}" for _, name, _ in measures for t in temperatures]
+    rows = [
+        [entry["key"], str(len(entry["seeds"]))]
+        + [
+            _mean_std(entry[metric].get(t), digits)
+            for metric, _, digits in measures
+            for t in temperatures
+        ]
+        for entry in cells
+    ]
+    first = cells[0]
+    for entry in cells[1:]:
+        rows.append(
+            [f"{entry['key']} / {first['key']}", "–"]
+            + [
+                _ratio(entry[metric].get(t), first[metric].get(t))
+                for metric, _, _ in measures
+                for t in temperatures
+            ]
+        )
+    intro = (
+        "mean ± std over seeds; tau: tokens per target pass on held-out prompts, chains of 4;"
+        " draft ms/round: the drafter's time per round; tokens/s: the speculative decoder's"
+        " speed (one pass per prompt); the last rows divide each cell's means by the first's."
+    )
+    return "\n".join([intro, "", *_table(header, rows)])
+
+
+def _ratio(value: dict[str, float] | None, base: dict[str, float] | None) -> str:
+    if value is None or base is None or not base["mean"]:
+        return "–"
+    return f"{value['mean'] / base['mean']:.2f}"
+
+
 def follow_ups_table(folder: Path = RESULTS / "ablation150") -> str:
     """One row per cell of each follow-up results file: overlap@1 and tau, mean ± std."""
     from train.ablation_report import _mean_std, tau_source, temperatures_of
@@ -564,6 +615,8 @@ SECTIONS: dict[str, Callable[[], str]] = {
     "ablation-cache256-no-amx": lambda: depth_overlaps_table(ABLATION_CACHE256_NO_AMX),
     "ablation-schedule-no-amx": lambda: depth_overlaps_table(ABLATION_SCHEDULE_NO_AMX),
     "ablation-steps-amx": lambda: depth_overlaps_table(ABLATION_STEPS_AMX),
+    "ablation-peagle-450-amx": lambda: depth_overlaps_table(ABLATION_PEAGLE_450_AMX),
+    "ablation-peagle-450-amx-decoding": lambda: decoding_table(ABLATION_PEAGLE_450_AMX),
     "ablation-retune": lambda: ablation_tables(ABLATION_RETUNE),
     "parallel-ceiling": lambda: ceiling_table(_read(PARALLEL_CEILING)),
     "ablation-follow-ups": follow_ups_table,

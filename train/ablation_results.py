@@ -44,8 +44,9 @@ def spread(values: Sequence[float]) -> dict[str, float]:
 
 def summarize(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """Per cell: overlap and greedy match per position, tau per temperature, the steps trained,
-    training tokens/s and, with a pruned draft vocabulary, the target's probability on it
-    (``draftable_mass``), over seeds."""
+    training tokens/s, the decoding's drafting time per round and tokens/s per temperature
+    and, with a pruned draft vocabulary, the target's probability on it (``draftable_mass``),
+    over seeds."""
     by_cell: dict[str, list[dict[str, Any]]] = {}
     for record in runs.values():
         by_cell.setdefault(cell_key(record["cell"]), []).append(record)
@@ -73,6 +74,12 @@ def summarize(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         entry["tau"] = {
             t: spread([r["tau"][t] for r in records]) for t in sorted(temperatures, key=float)
         }
+        for metric in ("draft_ms_per_round", "tokens_per_s"):  # the decoding measurement
+            timed = set.intersection(*(set(r.get(metric) or {}) for r in records))
+            if timed:
+                entry[metric] = {
+                    t: spread([r[metric][t] for r in records]) for t in sorted(timed, key=float)
+                }
         checks = [r.get("tau_check") for r in records]
         if all(checks) and len({c["prompts"] for c in checks}) == 1:
             shared = set.intersection(*(set(c["tau"]) for c in checks))

@@ -245,6 +245,26 @@ def test_the_depth_table_says_how_far_a_time_boxed_run_got(tmp_path: Path) -> No
     assert lines[2] == "| cell | seeds | overlap@1 | tau T=0 | steps |"
 
 
+def test_the_decoding_table_compares_each_cell_with_the_first(tmp_path: Path) -> None:
+    """Tau, drafting time and speed per temperature over seeds, then ratios of the means."""
+    from train import ablation_results
+
+    runs = {}
+    for kind, tau, draft_ms, speed in (("eagle3", 4.0, 4.0, 200.0), ("peagle", 3.0, 2.0, 220.0)):
+        for seed, wobble in ((0, -0.5), (1, 0.5)):
+            runs[ablation_results.run_key({"kind": kind}, seed)] = {
+                "cell": {"kind": kind}, "seed": seed, "overlap": [0.6], "greedy_match": [0.5],
+                "tau": {"0": tau + wobble / 10}, "draft_ms_per_round": {"0": draft_ms + wobble},
+                "tokens_per_s": {"0": speed},
+            }  # fmt: skip
+    path = tmp_path / "ablation.json"
+    path.write_text(json.dumps({"format_version": 1, "settings": {}, "runs": runs}))
+    lines = report.decoding_table(path).splitlines()
+    assert lines[2] == "| cell | seeds | tau T=0 | draft ms/round T=0 | tokens/s T=0 |"
+    assert lines[4] == "| kind=eagle3 | 2 | 4.00 ± 0.07 | 4.00 ± 0.71 | 200 ± 0 |"
+    assert lines[6] == "| kind=peagle / kind=eagle3 | – | 0.75 | 0.50 | 1.10 |"
+
+
 def test_the_timing_clause_names_the_rule_the_record_was_measured_under() -> None:
     """Records before the quietest-pass rule kept a non-reproducing row's first pass; the
     header says which rule a record used, and nothing for a single pass."""
