@@ -60,7 +60,7 @@ held-out prompts at T = 1, tau 2.72 against 2.70); widening it to 4 rows took a 
 Int4 goes one step further (``DRAFT_WEIGHT_BITS = 4``, the default where ATen's
 ``_weight_int4pack_mm_for_cpu`` runs): asymmetric round-to-nearest levels 0..15 with a scale
 and a zero per group of 32 inputs (``quantize_int4``), a quarter of bfloat16's bytes. Measured
-on the AMX Xeon with today's 2 threads (median microseconds, 64 MB streamed between calls for
+on the Intel Xeon with AMX (2 threads, median microseconds, 64 MB streamed between calls for
 "cold"; packed bfloat16 / int8 / int4):
 
 | weight | 1 row cold | 4 rows cold | 5 rows cold | 1 row warm | 4 rows warm |
@@ -77,8 +77,10 @@ round fell from 3.75-3.93 to 3.32-3.41 ms at T = 0 and its speed over plain deco
 2.22-2.25 to 2.31-2.38 times, with greedy tau 3.90 against 3.94; a P-EAGLE round's drafting fell
 from 2.04-2.08 to 1.90-1.92 ms (2.30-2.34 to 2.36-2.44 times, tau 3.31 against 3.32). Greedy
 acceptance falls a little: over 12 held-out prompts the int4 head's tau was 3.87 against 3.98
-at T = 0, and 2.81 against 2.73 at T = 1 (2 seeds; sampled tau moves that much between seeds). A weight the kernel cannot take
-(outputs not a multiple of 16, inputs not whole groups) uses the int8 copy.
+at T = 0. Sampled acceptance did not fall: 2.83 against 2.61 over 16 held-out prompts x 2
+seeds at T = 1, 2.61 against 2.67 over 16 ood prompts (sampled tau moves that much between
+samples). A weight the kernel cannot take (outputs not a multiple of 16, inputs not whole
+groups) uses the int8 copy.
 
 The layouts are built on first use and rebuilt when the weight changes in place (tensor
 versions), so a model being trained can still be decoded.
@@ -111,7 +113,7 @@ DRAFT_WEIGHT_BITS = 4
 INT4_GROUP_SIZE = 32
 # ``_weight_int4pack_mm_for_cpu`` (torch 2.13) packs output rows in blocks of 16.
 INT4_KERNEL_OUTPUT_MULTIPLE = 16
-# A drafter's int8 logits in a wider compute dtype: this many largest ones per row are
+# A drafter's quantized logits in a wider compute dtype: this many largest ones per row are
 # recomputed exactly, so its argmax and top-k are the exact product's (``Projection._rescored``).
 RESCORED_OUTPUTS = 8
 # ``_weight_int8pack_mm`` (torch 2.13, CPU) reads input widths in blocks of 16: at other widths
