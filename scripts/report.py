@@ -485,6 +485,8 @@ def decoding_table(path: Path) -> str:
         for entry in summarize(read_results(REPO / path)["runs"])
         if "draft_ms_per_round" in entry and "tokens_per_s" in entry
     ]
+    if not cells:
+        raise ValueError(f"{path}: no run recorded a decoding measurement")
     temperatures = temperatures_of(cells)
     measures = (("tau", "tau", 2), ("draft_ms_per_round", "draft ms/round", 2))
     measures += (("tokens_per_s", "tokens/s", 0),)

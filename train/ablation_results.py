@@ -42,6 +42,13 @@ def spread(values: Sequence[float]) -> dict[str, float]:
     return {"mean": mean, "std": std, "min": min(values), "max": max(values), "n": n}
 
 
+def by_temperature(tables: Sequence[dict[str, float]]) -> dict[str, dict[str, float]]:
+    """The ``spread`` of each temperature's values over runs (one table per run, keyed by
+    temperature), for the temperatures every run measured, in increasing order."""
+    shared = set.intersection(*(set(table) for table in tables))
+    return {t: spread([table[t] for table in tables]) for t in sorted(shared, key=float)}
+
+
 def summarize(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """Per cell: overlap and greedy match per position, tau per temperature, the steps trained,
     training tokens/s, the decoding's drafting time per round and tokens/s per temperature
@@ -70,24 +77,16 @@ def summarize(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         masses = [r.get("held_out", {}).get("draftable_mass") for r in records]
         if all(m is not None for m in masses):  # a pruned draft vocabulary's cap on overlap
             entry["draftable_mass"] = spread(masses)
-        temperatures = set.intersection(*(set(r["tau"]) for r in records))
-        entry["tau"] = {
-            t: spread([r["tau"][t] for r in records]) for t in sorted(temperatures, key=float)
-        }
+        entry["tau"] = by_temperature([r["tau"] for r in records])
         for metric in ("draft_ms_per_round", "tokens_per_s"):  # the decoding measurement
-            timed = set.intersection(*(set(r.get(metric) or {}) for r in records))
+            timed = by_temperature([r.get(metric) or {} for r in records])
             if timed:
-                entry[metric] = {
-                    t: spread([r[metric][t] for r in records]) for t in sorted(timed, key=float)
-                }
+                entry[metric] = timed
         checks = [r.get("tau_check") for r in records]
         if all(checks) and len({c["prompts"] for c in checks}) == 1:
-            shared = set.intersection(*(set(c["tau"]) for c in checks))
             entry["tau_check"] = {
                 "prompts": checks[0]["prompts"],
-                "tau": {
-                    t: spread([c["tau"][t] for c in checks]) for t in sorted(shared, key=float)
-                },
+                "tau": by_temperature([c["tau"] for c in checks]),
             }
         cells.append(entry)
     return cells
