@@ -12,6 +12,12 @@ that form (``train_prompts: definitions``, ``scripts/regenerate_data.py --prompt
 rounds that copy without running its network, and the benchmark's prompt-lookup rows): a
 copy costs no drafting, only verify rows, so it is not bound by N, which prices a network's
 draft steps. Hugging Face's ``prompt_lookup_num_tokens`` defaults to the same 10.
+``ADAPTIVE_DRAFT_TOKENS`` is the most drafts an adaptive round may take (``AdaptiveDraftLength``
+picks each round's length in 0..this from measured acceptance and round times), so the
+policy has room above the fixed N: on the demo target in bfloat16 (Intel Xeon with AMX, 2
+cores; the main job's EAGLE-3 head, 12 prompts x 128 tokens) greedy rounds ran fastest at 6-7
+drafts (fixed N = 6 1.09x N = 4 held-out, 1.03x ood) and sampled ones at about 4, where the
+policy with room for 8 ran at 1.09x / 1.01x (T = 0) and 0.99-1.04x (T = 1) of N = 4.
 ``MAX_SEED`` bounds a run seed (command lines and recipes): per-prompt seeds derived from it
 (``decode.side_by_side.prompt_seed``) still fit torch's 64-bit generator, and numpy takes it.
 """
@@ -19,6 +25,7 @@ draft steps. Hugging Face's ``prompt_lookup_num_tokens`` defaults to the same 10
 from __future__ import annotations
 
 NUM_DRAFT_TOKENS = 4
+ADAPTIVE_DRAFT_TOKENS = 8
 TREE_TOP_K = 4
 TREE_TOTAL_TOKENS = 12
 DEMO_PROMPT_CHARS = 400

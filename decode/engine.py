@@ -88,7 +88,9 @@ class SpeculativeDecoder:
         with fused products: logits equal the model's own forward to float rounding); False
         keeps the model's own forward. ``adaptive`` picks each chain round's draft length in
         ``0 .. num_draft_tokens`` from the measured acceptance and round times
-        (``AdaptiveDraftLength``; 0 is a plain target step); with ``tree`` it picks each
+        (``AdaptiveDraftLength``; 0 is a plain target step), ``num_draft_tokens`` then a bound
+        that a drafter with fewer positions (Medusa's heads) lowers to its own; with ``tree``
+        it picks each
         round's shape, a plain step, a chain or a tree (``decode.tree_policy``). Its estimates
         carry over from one ``generate`` call to the next."""
         if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int):
@@ -107,7 +109,7 @@ class SpeculativeDecoder:
                 "an eagle3 or medusa drafter"
             )
         most = drafter.max_draft_tokens
-        if tree is None and most is not None and num_draft_tokens > most:
+        if tree is None and not adaptive and most is not None and num_draft_tokens > most:
             raise ValueError(
                 f"the {drafter.kind} drafter drafts at most {most} tokens per chain, got "
                 f"num_draft_tokens={num_draft_tokens}: pass num_draft_tokens <= {most} or a tree"
@@ -123,7 +125,9 @@ class SpeculativeDecoder:
         )
         self.drafter = drafter
         self.num_draft_tokens = num_draft_tokens
-        self.draft_length = AdaptiveDraftLength(num_draft_tokens) if adaptive else None
+        # An adaptive length is a bound, not a demand: at most what the drafter can draft.
+        longest = num_draft_tokens if most is None else min(num_draft_tokens, most)
+        self.draft_length = AdaptiveDraftLength(longest) if adaptive else None
         # Adaptive trees: the policy picks each round's shape in _tree_round and takes the
         # draft-length hook's place, so the chain rounds it delegates report to it.
         self.tree_policy = None
@@ -132,8 +136,7 @@ class SpeculativeDecoder:
 
             vary = tree.choices is None and drafter.kind == "eagle3"  # EAGLE-2 dynamic trees
             # Its chain rounds draft up to the menu's depth: no deeper than the drafter's chains.
-            depth = num_draft_tokens if most is None else min(num_draft_tokens, most)
-            self.tree_policy = TreeSizePolicy(tree, depth, vary_top_k=vary)
+            self.tree_policy = TreeSizePolicy(tree, longest, vary_top_k=vary)
             self.draft_length = self.tree_policy
 
     @property

@@ -6,9 +6,11 @@
 On the same prompts, interleaved per prompt: plain decoding (HF ``generate``), HF assisted
 generation with the same draft LM, HF prompt lookup, draftsmith's own plain decoding (the
 control: our decoder with no drafter), and draftsmith with the n-gram drafter, the draft LM
-(chain, with N fixed and with the adaptive length in 0..N), EAGLE-3 (chain and dynamic tree),
-P-EAGLE (a chain drafted in one pass) and Medusa (static tree), each tree also adaptive (every
-round's shape chosen by ``decode.tree_policy``), at each temperature.
+(chain, with N fixed and with the adaptive length), EAGLE-3 (chain and dynamic tree), P-EAGLE
+(a chain drafted in one pass), Medusa (static tree) and the hybrids of prompt lookup with each
+network, each tree also adaptive (every round's shape chosen by ``decode.tree_policy``), at
+each temperature. Adaptive rows pick each round's length in 0..``--adaptive-draft-tokens``
+(room above the fixed N, which prices the fixed rows).
 Reports tokens/s, speedup over plain, tau, predicted tau, acceptance per position, held-out
 overlap per position (from each drafter folder's ``eval_results.json``), and the peak resident
 memory of each method (Linux: the process's high-water mark, reset before each call; on a GPU,
@@ -26,7 +28,7 @@ from pathlib import Path
 import torch
 
 from data.atomic_io import write_json_atomic
-from decode.defaults import LOOKUP_DRAFT_TOKENS, NUM_DRAFT_TOKENS
+from decode.defaults import ADAPTIVE_DRAFT_TOKENS, LOOKUP_DRAFT_TOKENS, NUM_DRAFT_TOKENS
 from decode.drafters.hybrid import HybridDrafter
 from decode.drafters.registry import load_drafter
 from decode.evaluate import load_targets_for
@@ -88,6 +90,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_repeats_argument(parser)
     parser.add_argument("--max-new-tokens", type=at_least_one, default=128)
     parser.add_argument("--num-draft-tokens", type=at_least_one, default=NUM_DRAFT_TOKENS)
+    parser.add_argument(
+        "--adaptive-draft-tokens",
+        type=at_least_one,
+        default=ADAPTIVE_DRAFT_TOKENS,
+        help="the most drafts a round of the adaptive rows may take (chain length, or the "
+        f"adaptive trees' depth; default {ADAPTIVE_DRAFT_TOKENS}, at least --num-draft-tokens)",
+    )
     parser.add_argument("--temperatures", type=temperature_value, nargs="+", default=[0.0, 1.0])
     add_tree_arguments(parser)
     parser.add_argument(
@@ -249,13 +258,18 @@ def build_methods(
     lookup = replace(settings, num_draft_tokens=max(settings.num_draft_tokens, args.lookup_tokens))
     _, kwargs = hf_peer(drafters["ngram"], lookup)
     methods["HF prompt lookup"] = plain_method(target, lookup, **kwargs)
+    # The adaptive rows pick each round's length (or shape) with room above the fixed N.
+    adaptive = replace(
+        settings,
+        adaptive=True,
+        num_draft_tokens=max(settings.num_draft_tokens, args.adaptive_draft_tokens),
+    )
     methods[CONTROL] = speculative_method(target, drafters["none"], settings)
     for name, copy in plain_copies.items():
         methods[f"{PLAIN_ROW}{name}"] = speculative_method(copy, drafters["none"], settings)
     methods["draftsmith n-gram"] = speculative_method(target, drafters["ngram"], lookup)
     if "draft_lm" in drafters:
         methods["draftsmith draft LM"] = speculative_method(target, drafters["draft_lm"], settings)
-        adaptive = replace(settings, adaptive=True)
         methods["draftsmith draft LM (adaptive N)"] = speculative_method(
             target, drafters["draft_lm"], adaptive
         )
@@ -267,7 +281,6 @@ def build_methods(
         methods["draftsmith EAGLE-3 chain"] = speculative_method(
             target, drafters["eagle3"], settings
         )
-        adaptive = replace(settings, adaptive=True)
         methods["draftsmith EAGLE-3 chain (adaptive N)"] = speculative_method(
             target, drafters["eagle3"], adaptive
         )
@@ -280,6 +293,10 @@ def build_methods(
             name = f"{HYBRID} + {label}"
             hybrids[name] = HybridDrafter(drafters[kind], lookup_tokens=args.lookup_tokens)
             methods[name] = speculative_method(target, hybrids[name], settings)
+    if "eagle3" in drafters:  # the main job's hybrid: its rounds' lengths adaptive too
+        name = f"{HYBRID} + EAGLE-3 (adaptive N)"
+        hybrids[name] = HybridDrafter(drafters["eagle3"], lookup_tokens=args.lookup_tokens)
+        methods[name] = speculative_method(target, hybrids[name], adaptive)
     for kind, label in (
         ("eagle3", "draftsmith EAGLE-3 tree"),
         ("medusa", "draftsmith Medusa tree"),
@@ -290,9 +307,8 @@ def build_methods(
                 label += " (sampled)"  # root children drawn from q, each continued as a chain
             methods[label] = speculative_method(target, drafters[kind], tree_settings)
             if args.adaptive_tree:  # each round's shape: plain step, chain or tree
-                adaptive = replace(tree_settings, adaptive=True)
                 methods[f"{label} (adaptive)"] = speculative_method(
-                    target, drafters[kind], adaptive
+                    target, drafters[kind], replace(adaptive, tree=tree)
                 )
     return {name: with_peak_memory(m, meter, peaks, name) for name, m in methods.items()}
 
@@ -534,6 +550,7 @@ def main(argv: list[str] | None = None) -> dict:
         "unreproduced_timing": UNREPRODUCED_TIMING,
         "max_new_tokens": args.max_new_tokens,
         "num_draft_tokens": args.num_draft_tokens,
+        "adaptive_draft_tokens": max(args.num_draft_tokens, args.adaptive_draft_tokens),
         "lookup_tokens": max(args.num_draft_tokens, args.lookup_tokens),
         "tree": {
             "top_k": args.tree_top_k,

@@ -73,9 +73,10 @@ HEADLINE = (
     "draftsmith plain (no drafter)",
     "draftsmith plain, float32",
     "draftsmith EAGLE-3 chain",
+    "draftsmith EAGLE-3 chain (adaptive N)",
 )
 """Benchmark rows the README's table always shows (the references and the kind the main job
-trains), beside each temperature's best draftsmith method and best trained drafter; a saved
+trains, with a fixed and, as the main job decodes, an adaptive length), beside each temperature's best draftsmith method and best trained drafter; a saved
 benchmark must hold all of them."""
 
 MARKER = re.compile(r"(<!-- report:([\w-]+) -->\n)(.*?)(<!-- /report:\2 -->)", re.DOTALL)
@@ -125,8 +126,10 @@ def _main_job_rows(summary: dict[str, Any]) -> list[tuple[str, str, str, dict[st
         *prefix, temperature = key.split(" ")
         prompts = "ood" if prefix[:1] == ["ood"] else "held-out"
         method = "hybrid" if "hybrid" in prefix else f"{kind} chain"
+        if figures.get("adaptive"):  # recorded since the speed step could adapt its length
+            method += f", adaptive N <= {figures['num_draft_tokens']}"
         rows.append((prompts, method, temperature, figures))
-    return sorted(rows, key=lambda r: (r[0] == "ood", float(r[2]), r[1] == "hybrid"))
+    return sorted(rows, key=lambda r: (r[0] == "ood", float(r[2]), r[1].startswith("hybrid")))
 
 
 def main_job_table(summary: dict[str, Any]) -> str:
@@ -230,7 +233,18 @@ def _setting(bench: dict[str, Any], prompts: str = "held-out") -> str:
     return (
         f"Benchmark on target `{Path(bench['target']).name}`: {bench['num_prompts']} {prompts} "
         f"prompts x {bench['max_new_tokens']} tokens, batch 1, N = {bench['num_draft_tokens']} "
-        f"draft tokens, interleaved per prompt{_repeats_clause(bench)}." + _machine(bench)
+        f"draft tokens{_adaptive_clause(bench)}, interleaved per prompt{_repeats_clause(bench)}."
+        + _machine(bench)
+    )
+
+
+def _adaptive_clause(bench: dict[str, Any]) -> str:
+    """How far the adaptive rows may draft, where the record says (runs since the flag)."""
+    most = bench.get("adaptive_draft_tokens")
+    return (
+        f" (adaptive rows: 0..{most} per round)"
+        if most is not None and most != bench["num_draft_tokens"]
+        else ""
     )
 
 

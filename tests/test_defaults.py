@@ -7,7 +7,7 @@ import inspect
 
 from script_helpers import load_script
 
-from decode.defaults import NUM_DRAFT_TOKENS, TREE_TOP_K, TREE_TOTAL_TOKENS
+from decode.defaults import ADAPTIVE_DRAFT_TOKENS, NUM_DRAFT_TOKENS, TREE_TOP_K, TREE_TOTAL_TOKENS
 from decode.drafters.base import TreeSpec
 from decode.engine import SpeculativeDecoder
 from decode.evaluate import build_parser
@@ -39,6 +39,9 @@ def test_draft_length_and_tree_shape_have_one_default_everywhere() -> None:
         TREE_TOTAL_TOKENS,
     )
     assert speed.speed_eval_draft_tokens == NUM_DRAFT_TOKENS
+    assert speed.speed_eval_adaptive_draft_tokens == ADAPTIVE_DRAFT_TOKENS
+    assert benchmark.adaptive_draft_tokens == ADAPTIVE_DRAFT_TOKENS
+    assert _default(measure_and_report, "adaptive_draft_tokens") == ADAPTIVE_DRAFT_TOKENS
     assert speed.speed_eval_tree_top_k == TREE_TOP_K
     drafted = [
         EvalSettings().num_draft_tokens,

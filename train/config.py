@@ -38,7 +38,13 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from decode.cpu_threads import check_thread_count
-from decode.defaults import DEMO_PROMPT_CHARS, MAX_SEED, NUM_DRAFT_TOKENS, TREE_TOP_K
+from decode.defaults import (
+    ADAPTIVE_DRAFT_TOKENS,
+    DEMO_PROMPT_CHARS,
+    MAX_SEED,
+    NUM_DRAFT_TOKENS,
+    TREE_TOP_K,
+)
 from decode.precision import DtypeChoice, choose_training_dtype
 from decode.yaml_values import describe_type, describe_value, load_plain_yaml, typed_value
 
@@ -359,10 +365,15 @@ class SpeedEvalConfig:
         "(installed third-party code), a prompt file, or '' to skip",
     )
     speed_eval_adaptive: bool = _f(
-        False, "choose each chain round's draft length in 0..N from measured acceptance"
+        True,
+        "choose each chain round's draft length in 0..speed_eval_adaptive_draft_tokens from "
+        "measured acceptance and round times (false: every round drafts speed_eval_draft_tokens)",
+    )
+    speed_eval_adaptive_draft_tokens: int = _f(
+        ADAPTIVE_DRAFT_TOKENS, "the most drafts an adaptive round may take"
     )
     speed_eval_draft_tokens: int = _f(
-        NUM_DRAFT_TOKENS, "num_draft_tokens (chain length or tree depth)"
+        NUM_DRAFT_TOKENS, "num_draft_tokens of fixed chains (chain length) and trees (depth)"
     )
     speed_eval_tree_top_k: int = _f(TREE_TOP_K, "eagle3/medusa trees: children per expanded node")
     speed_eval_tree_total_tokens: int = _f(
@@ -486,6 +497,7 @@ class DistillConfig:
         for name in (
             "speed_eval_new_tokens",
             "speed_eval_draft_tokens",
+            "speed_eval_adaptive_draft_tokens",
             "speed_eval_tree_top_k",
             "speed_eval_repeats",
         ):

@@ -457,6 +457,7 @@ def _measure_speed(
         prompts=speed.speed_eval_prompt_source,
         ood_prompts=speed.speed_eval_ood_prompts or None,
         adaptive=speed.speed_eval_adaptive,
+        adaptive_draft_tokens=speed.speed_eval_adaptive_draft_tokens,
         dtype=config.target.dtype,  # decoding: choose_dtype's answer, not training's
     )
     keys = (
@@ -473,6 +474,8 @@ def _measure_speed(
         "fastest_plain_dtype",
         "distinct_4gram_share",
         "repeats",
+        "adaptive",
+        "num_draft_tokens",
     )
     summary = {t: {k: r[k] for k in keys} for t, r in report["by_temperature"].items()}
     for t, r in report.get("hybrid", {}).items():

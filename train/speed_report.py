@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from data.atomic_io import write_json_atomic
-from decode.defaults import NUM_DRAFT_TOKENS
+from decode.defaults import ADAPTIVE_DRAFT_TOKENS, NUM_DRAFT_TOKENS
 
 
 def measure_and_report(
@@ -35,6 +35,7 @@ def measure_and_report(
     prompts: str = "demo",
     ood_prompts: str | None = None,
     adaptive: bool = False,
+    adaptive_draft_tokens: int = ADAPTIVE_DRAFT_TOKENS,
     dtype: str = "auto",
     plain_also: tuple[str, ...] = ("float32",),
 ) -> dict[str, Any]:
@@ -43,6 +44,9 @@ def measure_and_report(
     ``report["by_temperature"][t]`` is the drafter's evaluation on ``prompts``;
     ``report["hybrid"][t]`` the hybrid's; ``report["ood"][t]`` both on ``ood_prompts``.
     ``repeats`` passes over the prompts time each prompt by its fastest (``decode.side_by_side``).
+    Chains draft ``num_draft_tokens`` per round, or with ``adaptive`` a length the decoder picks
+    per round in 0..``adaptive_draft_tokens`` (at least ``num_draft_tokens``); trees are
+    ``num_draft_tokens`` deep.
     The target decodes in ``dtype`` (``decode.precision``); draftsmith's plain decoding is
     measured in ``plain_also`` too, so every speedup can be stated over the fastest plain
     decoding draftsmith has for the target (``speedup_over_fastest_plain``).
@@ -87,7 +91,7 @@ def measure_and_report(
                 num_draft_tokens,
                 max_new_tokens,
                 tree,
-                adaptive,
+                max(num_draft_tokens, adaptive_draft_tokens) if adaptive else None,
                 repeats,
             )
             bar.update()  # a cell counts once measured
@@ -133,10 +137,13 @@ def _measure(
     num_draft_tokens: int,
     max_new_tokens: int,
     tree: dict[str, int] | None,
-    adaptive: bool,
+    adaptive_draft_tokens: int | None,
     repeats: int,
 ) -> dict[str, dict[str, Any]]:
-    """One interleaved run of every method at one temperature; one report per drafting method."""
+    """One interleaved run of every method at one temperature; one report per drafting method.
+
+    Chain rounds (the drafter's without a tree, the hybrid's) pick their length in
+    0..``adaptive_draft_tokens`` when it is given, else draft ``num_draft_tokens``."""
     from dataclasses import replace
 
     import torch
@@ -156,18 +163,19 @@ def _measure(
     # Top-k trees accept a child only with the target's probability of it: they win greedy
     # and lose to chains when sampling (docs/theory.md §4).
     use_tree = tree is not None and drafter.supports_trees and temperature == 0
-    settings = EvalSettings(
+    fixed = EvalSettings(
         num_draft_tokens=num_draft_tokens,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
-        tree=TreeSpec(**tree) if use_tree else None,
-        adaptive=adaptive and not use_tree,
         repeats=repeats,
     )
-    chain = replace(settings, tree=None, adaptive=adaptive)
-    no_drafter, plain_settings = NoDrafter(drafter.vocab_size), replace(chain, adaptive=False)
+    chain = fixed
+    if adaptive_draft_tokens is not None:
+        chain = replace(fixed, num_draft_tokens=adaptive_draft_tokens, adaptive=True)
+    settings = replace(fixed, tree=TreeSpec(**tree)) if use_tree else chain
+    no_drafter, plain_settings = NoDrafter(drafter.vocab_size), fixed
     methods = {
-        "baseline": plain_method(target, settings),
+        "baseline": plain_method(target, fixed),
         "draftsmith_plain": speculative_method(target, no_drafter, plain_settings),
         "drafter": speculative_method(target, drafter, settings),
     }
@@ -175,9 +183,9 @@ def _measure(
     hybrid = HybridDrafter(drafter) if drafter.supports_external_drafts else None
     if hybrid is not None:
         methods["hybrid"] = speculative_method(target, hybrid, chain)
-    peer = hf_peer(drafter, settings)
+    peer = hf_peer(drafter, fixed)  # Hugging Face's own drafting: the fixed N
     if peer is not None:
-        methods["peer"] = plain_method(target, settings, **peer[1])
+        methods["peer"] = plain_method(target, fixed, **peer[1])
     with torch.inference_mode():
         results = measure_side_by_side(target, methods, prompts, repeats=settings.repeats)
     if peer is not None:

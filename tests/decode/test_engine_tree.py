@@ -103,18 +103,21 @@ def test_chain_only_drafter_refuses_tree_settings(target) -> None:
         SpeculativeDecoder(target, DraftModelDrafter(target), 3, tree=TreeSpec())
 
 
-def test_adaptive_tree_deeper_than_medusas_heads_stays_exact(target) -> None:
-    """An adaptive tree decoder's chain rounds stop at the heads' count (head i drafts the
-    token i + 1 places ahead), as its tree rounds do; a chain decoder refuses a longer chain
-    before any forward pass."""
+def test_adaptive_rounds_deeper_than_medusas_heads_stay_exact(target) -> None:
+    """An adaptive decoder's rounds stop at the heads' count (head i drafts the token i + 1
+    places ahead), tree and chain alike: its N is a bound, lowered to the drafter's; a fixed
+    chain decoder refuses a longer chain before any forward pass."""
     ids, mask = _prompts()
     reference = target.generate(
         input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False
     )
-    decoder = SpeculativeDecoder(
-        target, tiny_medusa_drafter(target, num_heads=2), 4, tree=TreeSpec(), adaptive=True
-    )
-    out = decoder.generate(ids, mask, max_new_tokens=20)
-    assert torch.equal(out.sequences, reference)
+    for tree in (TreeSpec(), None):
+        decoder = SpeculativeDecoder(
+            target, tiny_medusa_drafter(target, num_heads=2), 4, tree=tree, adaptive=True
+        )
+        assert decoder.draft_length is not None
+        out = decoder.generate(ids, mask, max_new_tokens=20)
+        assert torch.equal(out.sequences, reference)
+        assert len(out.stats.accepted_per_position) <= 2
     with pytest.raises(ValueError, match="at most 2 tokens per chain"):
         SpeculativeDecoder(target, tiny_medusa_drafter(target, num_heads=2), 4)

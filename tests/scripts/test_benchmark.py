@@ -53,6 +53,8 @@ def test_benchmark_writes_report_and_plots(tiny_pair_dirs, tmp_path) -> None:
             "1",
             "--lookup-tokens",
             "5",
+            "--adaptive-draft-tokens",
+            "5",
             "--json",
             str(tmp_path / "bench.json"),
             "--plots",
@@ -63,6 +65,7 @@ def test_benchmark_writes_report_and_plots(tiny_pair_dirs, tmp_path) -> None:
     assert saved["by_temperature"].keys() == {"0", "1"}
     assert saved["tree"] == {"top_k": TREE_TOP_K, "total_tokens": TREE_TOTAL_TOKENS, "frontier": 1}
     assert saved["lookup_tokens"] == 5  # prompt lookup copies past N = 3
+    assert saved["adaptive_draft_tokens"] == 5  # adaptive rows have room past N = 3
     greedy = {row["method"]: row for row in report["by_temperature"]["0"]}
     assert set(greedy) >= {
         "plain (HF generate)",
