@@ -365,7 +365,7 @@ class SpeedEvalConfig:
         "(installed third-party code), a prompt file, or '' to skip",
     )
     speed_eval_adaptive: bool = _f(
-        True,
+        False,
         "choose each chain round's draft length in 0..speed_eval_adaptive_draft_tokens from "
         "measured acceptance and round times (false: every round drafts speed_eval_draft_tokens)",
     )

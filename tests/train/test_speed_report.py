@@ -29,6 +29,10 @@ def test_distill_measures_the_exported_drafter(tiny_argv, tmp_path: Path, capsys
             "1",
             "--speed_eval_repeats",
             "2",
+            "--speed_eval_adaptive",
+            "true",
+            "--speed_eval_adaptive_draft_tokens",
+            "6",
         )
     )
     report = json.loads((out / "report.json").read_text())
@@ -37,9 +41,9 @@ def test_distill_measures_the_exported_drafter(tiny_argv, tmp_path: Path, capsys
     assert greedy["greedy_equal_to_baseline"] == 2  # exact: same tokens as plain decoding
     assert greedy["num_prompts"] == 2 and 1.0 <= greedy["tau"] <= 5.0
     assert report["repeats"] == greedy["repeats"] == 2  # each prompt timed by its faster pass
-    # The demo recipe's chains pick each round's length in 0..8; a fixed chain is one flag away.
-    assert greedy["adaptive"] and greedy["num_draft_tokens"] == 8
-    assert report["hybrid"]["0"]["adaptive"] and report["hybrid"]["1"]["num_draft_tokens"] == 8
+    # Adaptive chains pick each round's length in 0..6, the drafter's and the hybrid's alike.
+    assert greedy["adaptive"] and greedy["num_draft_tokens"] == 6
+    assert report["hybrid"]["0"]["adaptive"] and report["hybrid"]["1"]["num_draft_tokens"] == 6
     assert report["held_out_overlap"] == [summary["held_out"]["overlap@1"]]
     assert summary["speed"]["0"]["speedup"] == greedy["speedup"]
     # Against draftsmith's own plain decoding too, which is exact as well.
