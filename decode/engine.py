@@ -90,9 +90,8 @@ class SpeculativeDecoder:
         ``0 .. num_draft_tokens`` from the measured acceptance and round times
         (``AdaptiveDraftLength``; 0 is a plain target step), ``num_draft_tokens`` then a bound
         that a drafter with fewer positions (Medusa's heads) lowers to its own; with ``tree``
-        it picks each
-        round's shape, a plain step, a chain or a tree (``decode.tree_policy``). Its estimates
-        carry over from one ``generate`` call to the next."""
+        it picks each round's shape, a plain step, a chain or a tree (``decode.tree_policy``).
+        Its estimates carry over from one ``generate`` call to the next."""
         if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int):
             raise TypeError(f"num_draft_tokens must be an int, got {num_draft_tokens!r}")
         if num_draft_tokens < 1:

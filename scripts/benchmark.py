@@ -140,6 +140,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     problem = flags_problem(args)
     if problem:
         parser.error(problem)
+    # The adaptive rows' bound is at least the fixed rows' N (they may always draft as far).
+    args.adaptive_draft_tokens = max(args.adaptive_draft_tokens, args.num_draft_tokens)
     return args
 
 
@@ -259,11 +261,7 @@ def build_methods(
     _, kwargs = hf_peer(drafters["ngram"], lookup)
     methods["HF prompt lookup"] = plain_method(target, lookup, **kwargs)
     # The adaptive rows pick each round's length (or shape) with room above the fixed N.
-    adaptive = replace(
-        settings,
-        adaptive=True,
-        num_draft_tokens=max(settings.num_draft_tokens, args.adaptive_draft_tokens),
-    )
+    adaptive = replace(settings, adaptive=True, num_draft_tokens=args.adaptive_draft_tokens)
     methods[CONTROL] = speculative_method(target, drafters["none"], settings)
     for name, copy in plain_copies.items():
         methods[f"{PLAIN_ROW}{name}"] = speculative_method(copy, drafters["none"], settings)
@@ -293,7 +291,7 @@ def build_methods(
             name = f"{HYBRID} + {label}"
             hybrids[name] = HybridDrafter(drafters[kind], lookup_tokens=args.lookup_tokens)
             methods[name] = speculative_method(target, hybrids[name], settings)
-    if "eagle3" in drafters:  # the main job's hybrid: its rounds' lengths adaptive too
+    if "eagle3" in drafters:  # the same hybrid with each round's length chosen
         name = f"{HYBRID} + EAGLE-3 (adaptive N)"
         hybrids[name] = HybridDrafter(drafters["eagle3"], lookup_tokens=args.lookup_tokens)
         methods[name] = speculative_method(target, hybrids[name], adaptive)
@@ -550,7 +548,7 @@ def main(argv: list[str] | None = None) -> dict:
         "unreproduced_timing": UNREPRODUCED_TIMING,
         "max_new_tokens": args.max_new_tokens,
         "num_draft_tokens": args.num_draft_tokens,
-        "adaptive_draft_tokens": max(args.num_draft_tokens, args.adaptive_draft_tokens),
+        "adaptive_draft_tokens": args.adaptive_draft_tokens,
         "lookup_tokens": max(args.num_draft_tokens, args.lookup_tokens),
         "tree": {
             "top_k": args.tree_top_k,

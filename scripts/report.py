@@ -76,8 +76,8 @@ HEADLINE = (
     "draftsmith EAGLE-3 chain (adaptive N)",
 )
 """Benchmark rows the README's table always shows (the references and the kind the main job
-trains, with a fixed and, as the main job decodes, an adaptive length), beside each temperature's best draftsmith method and best trained drafter; a saved
-benchmark must hold all of them."""
+trains, at the fixed and at the adaptive length), beside each temperature's best draftsmith
+method and best trained drafter; a saved benchmark must hold all of them."""
 
 MARKER = re.compile(r"(<!-- report:([\w-]+) -->\n)(.*?)(<!-- /report:\2 -->)", re.DOTALL)
 FIGURE = re.compile(
