@@ -29,15 +29,15 @@ from types import EllipsisType
 
 import torch
 
-from decode.defaults import NUM_DRAFT_TOKENS
-from decode.draft_length import AdaptiveDraftLength
-from decode.drafters.base import Drafter, TargetPass, TreeSpec, require_left_padded
-from decode.kv_cache import (
-    CachedSequence,
+from decode.attention_layout import (
     learned_position_limit,
     single_row_problem,
     tree_verification_problem,
 )
+from decode.cached_sequence import CachedSequence
+from decode.defaults import NUM_DRAFT_TOKENS
+from decode.draft_length import AdaptiveDraftLength
+from decode.drafters.base import Drafter, TargetPass, TreeSpec, require_left_padded
 from decode.lean_decoder import LeanDecoder
 from decode.output_head import OutputHead
 from decode.rejection import verify_chain

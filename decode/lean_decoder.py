@@ -16,7 +16,7 @@ call (``dynamic`` NTK and ``longrope``, which Hugging Face switches by the large
 each forward: longrope's long factors once it exceeds ``original_max_position_embeddings``)
 call ``rotary_emb`` with each call's positions, exactly as the model's forward does, so a
 table grown past the threshold can never switch factors for a short sequence. Sliding-window
-layers use the per-kind position masks of ``kv_cache.AttentionLayout``, as the model's forward
+layers use the per-kind position masks of ``attention_layout.AttentionLayout``, as the model's forward
 does on this cache. Its logits match the model's to float rounding, not bit for bit
 (docs/theory.md §7 promises no more, as batched verification already differs from one-token
 steps in rounding). A drafter may use it freely: rejection sampling is exact for whatever
@@ -34,7 +34,8 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from decode.kv_cache import AttentionLayout, PreallocatedLayer
+from decode.attention_layout import AttentionLayout
+from decode.kv_cache import PreallocatedLayer
 from decode.llama_math import apply_rope, attention, rms_norm
 from decode.output_head import LLAMA_FAMILY_MODEL_TYPES
 from decode.projection import Layout, Projection, fused_projection, layer_layout
@@ -136,7 +137,7 @@ class LeanDecoder:
         hidden_states = [x] if output_hidden_states else None
         for weights, cache_layer, mask in zip(layers, cache.layers, masks, strict=True):
             if not isinstance(cache_layer, PreallocatedLayer):
-                raise TypeError("LeanDecoder needs a cache of PreallocatedLayer (kv_cache.py)")
+                raise TypeError("LeanDecoder needs a cache of PreallocatedLayer (decode/kv_cache.py)")
             x = decoder_layer(weights, x, cos, sin, mask, cache_layer, self.shape)
             if hidden_states is not None:
                 hidden_states.append(x)

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from decode.cached_sequence import CachedSequence
 from decode.drafters.base import TargetPass
-from decode.kv_cache import CachedSequence
 from decode.sampling import SamplingConfig
 from decode.tree import tree_attention_mask, tree_positions
 from decode.tree_verify import TreeVerification

@@ -6,7 +6,7 @@ batches continued by the drafter itself (GKD, Agarwal et al. 2024). Tokens are d
 ``decode.sampling`` (temperature, then top-k, then top-p, the same transforms decoding uses)
 from a seeded ``torch.Generator``, so a run replays exactly, resumed or not.
 
-Prompts may be left-padded (``attention_mask`` 0 on the left); ``decode.kv_cache`` counts
+Prompts may be left-padded (``attention_mask`` 0 on the left); ``decode.cached_sequence`` counts
 positions from each row's first real token, as Hugging Face ``generate`` does.
 """
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from decode.kv_cache import CachedSequence
+from decode.cached_sequence import CachedSequence
 from decode.lean_decoder import LeanDecoder
 from decode.output_head import OutputHead
 from decode.sampling import SamplingConfig, select_tokens

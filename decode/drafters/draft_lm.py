@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
+from decode.cached_sequence import CachedSequence, pad_front
 from decode.drafters.base import Drafter, DraftProposal, TargetPass
 from decode.drafters.vocab_map import VocabMap, to_target_ids, to_target_probs
-from decode.kv_cache import CachedSequence, pad_front
 from decode.lean_decoder import LeanDecoder
 from decode.output_head import DRAFT_LOGITS_DTYPE, OutputHead
 from decode.projection import draft_layer_layout, draft_vocab_layout

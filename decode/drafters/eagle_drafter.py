@@ -20,13 +20,14 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from decode.cached_sequence import pad_front
 from decode.drafters.base import Drafter, DraftProposal, TargetPass, TreeSpec, require_left_padded
 from decode.drafters.eagle import Eagle3Head
 from decode.drafters.eagle_layers import block_visibility, positions_from_mask
 from decode.drafters.eagle_lean import LeanEagle3
 from decode.drafters.eagle_state import HeadState, UnreadBlock
 from decode.drafters.eagle_trees import dynamic_tree, sampled_tree
-from decode.kv_cache import PreallocatedStack, pad_front
+from decode.kv_cache import PreallocatedStack
 from decode.llama_math import draft_cache_dtype
 from decode.sampling import SamplingConfig, select_tokens
 from decode.tree import TreeProposal

@@ -39,9 +39,9 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from decode.attention_layout import learned_position_limit, single_row_problem
 from decode.defaults import NUM_DRAFT_TOKENS
 from decode.drafters.base import Drafter, TreeSpec
-from decode.kv_cache import learned_position_limit, single_row_problem
 from decode.serving.config import MAX_BATCH_SIZE
 from decode.serving.metrics import CONTENT_TYPE, ServerMetrics
 from decode.serving.protocol import (

@@ -24,7 +24,7 @@ from family_variants import (
 )
 
 from decode import DraftModelDrafter, SpeculativeDecoder
-from decode.kv_cache import CachedSequence
+from decode.cached_sequence import CachedSequence
 from decode.lean_decoder import LeanDecoder
 from decode.output_head import OutputHead
 

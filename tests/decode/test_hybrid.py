@@ -224,7 +224,7 @@ def test_copies_stop_at_the_requests_last_position(
     position beyond the prompt plus max_new_tokens (a rope that switches frequencies past the
     model's context, or an absolute position table, would otherwise see positions a plain
     decoding of the same request never reaches)."""
-    from decode.kv_cache import CachedSequence
+    from decode.cached_sequence import CachedSequence
 
     ids = torch.tensor([REPEATING])
     reach = []

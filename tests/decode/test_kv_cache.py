@@ -6,7 +6,8 @@ import pytest
 import torch
 from tiny_models import tiny_llama, tiny_qwen2
 
-from decode.kv_cache import CachedSequence, PreallocatedLayer
+from decode.cached_sequence import CachedSequence
+from decode.kv_cache import PreallocatedLayer
 from decode.output_head import OutputHead
 
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from tiny_models import tiny_causal_lm, tiny_llama
 
-from decode.kv_cache import CachedSequence
+from decode.cached_sequence import CachedSequence
 from decode.lean_decoder import LeanDecoder
 from decode.llama_math import attention, draft_cache_dtype
 from decode.output_head import OutputHead

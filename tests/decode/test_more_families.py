@@ -18,9 +18,9 @@ import transformers
 from decode_helpers import hf_greedy, noisy_copy, tiny_eagle_drafter, tiny_medusa_drafter
 
 from decode import DraftModelDrafter, SpeculativeDecoder
+from decode.attention_layout import learned_position_limit
 from decode.drafters.base import TreeSpec
 from decode.drafters.ngram import NgramDrafter
-from decode.kv_cache import learned_position_limit
 
 VOCAB = 96
 NEW_TOKENS = 16
@@ -52,7 +52,7 @@ FAMILIES = {
     "mpt": dict(d_model=32, n_layers=2, n_heads=4, max_seq_len=128, expansion_ratio=2),
 }  # fmt: skip
 ALIBI = {"bloom", "falcon", "mpt"}
-SLOT_ORDER_ALIBI = {"mpt"}  # one row at a time (kv_cache.single_row_problem)
+SLOT_ORDER_ALIBI = {"mpt"}  # one row at a time (attention_layout.single_row_problem)
 
 
 def _target(family: str) -> torch.nn.Module:

@@ -723,7 +723,7 @@ def test_a_request_after_the_decoder_stopped_is_a_503_not_a_429(
 def test_a_target_that_decodes_one_row_at_a_time_is_served_unbatched(
     tokenizer: PreTrainedTokenizerFast,
 ) -> None:
-    """MPT biases attention by cache slot (``decode.kv_cache.single_row_problem``): a batch
+    """MPT biases attention by cache slot (``decode.attention_layout.single_row_problem``): a batch
     would shift it, so the server refuses to batch it at start, not on the second request."""
     import transformers
 

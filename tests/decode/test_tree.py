@@ -6,8 +6,8 @@ import pytest
 import torch
 from tiny_models import tiny_llama
 
+from decode.cached_sequence import CachedSequence
 from decode.drafters.base import TreeSpec
-from decode.kv_cache import CachedSequence
 from decode.tree import (
     Frontier,
     StaticTree,
