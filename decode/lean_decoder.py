@@ -137,7 +137,9 @@ class LeanDecoder:
         hidden_states = [x] if output_hidden_states else None
         for weights, cache_layer, mask in zip(layers, cache.layers, masks, strict=True):
             if not isinstance(cache_layer, PreallocatedLayer):
-                raise TypeError("LeanDecoder needs a cache of PreallocatedLayer (decode/kv_cache.py)")
+                raise TypeError(
+                    "LeanDecoder needs a cache of PreallocatedLayer (decode/kv_cache.py)"
+                )
             x = decoder_layer(weights, x, cos, sin, mask, cache_layer, self.shape)
             if hidden_states is not None:
                 hidden_states.append(x)
