@@ -44,6 +44,13 @@ PRIOR_REACHED, PRIOR_ACCEPTED = 2.0, 1.0
 TIME_WINDOW = 9
 
 
+def adaptive_draft_bound(num_draft_tokens: int, adaptive_draft_tokens: int) -> int:
+    """The most drafts an adaptive round may take beside fixed rounds of ``num_draft_tokens``:
+    ``adaptive_draft_tokens``, never fewer than the fixed N (an adaptive row may always draft as
+    far as a fixed one)."""
+    return max(num_draft_tokens, adaptive_draft_tokens)
+
+
 class RoundPolicy:
     """What the chain-length and tree-size policies share: estimates that decay by ``decay``
     per round, a probe every ``probe_every`` rounds (0: never), a switch only for ``switch_margin``

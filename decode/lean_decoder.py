@@ -16,8 +16,8 @@ call (``dynamic`` NTK and ``longrope``, which Hugging Face switches by the large
 each forward: longrope's long factors once it exceeds ``original_max_position_embeddings``)
 call ``rotary_emb`` with each call's positions, exactly as the model's forward does, so a
 table grown past the threshold can never switch factors for a short sequence. Sliding-window
-layers use the per-kind position masks of ``attention_layout.AttentionLayout``, as the model's forward
-does on this cache. Its logits match the model's to float rounding, not bit for bit
+layers use the per-kind position masks of ``attention_layout.AttentionLayout``, as the model's
+forward does on this cache. Its logits match the model's to float rounding, not bit for bit
 (docs/theory.md §7 promises no more, as batched verification already differs from one-token
 steps in rounding). A drafter may use it freely: rejection sampling is exact for whatever
 ``q`` the draft computes. A target uses it unless ``SpeculativeDecoder(lean_target=False)``:

@@ -29,6 +29,7 @@ import torch
 
 from data.atomic_io import write_json_atomic
 from decode.defaults import ADAPTIVE_DRAFT_TOKENS, LOOKUP_DRAFT_TOKENS, NUM_DRAFT_TOKENS
+from decode.draft_length import adaptive_draft_bound
 from decode.drafters.hybrid import HybridDrafter
 from decode.drafters.registry import load_drafter
 from decode.evaluate import load_targets_for
@@ -140,8 +141,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     problem = flags_problem(args)
     if problem:
         parser.error(problem)
-    # The adaptive rows' bound is at least the fixed rows' N (they may always draft as far).
-    args.adaptive_draft_tokens = max(args.adaptive_draft_tokens, args.num_draft_tokens)
+    args.adaptive_draft_tokens = adaptive_draft_bound(
+        args.num_draft_tokens, args.adaptive_draft_tokens
+    )
     return args
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from data.atomic_io import write_json_atomic
 from decode.defaults import ADAPTIVE_DRAFT_TOKENS, NUM_DRAFT_TOKENS
+from decode.draft_length import adaptive_draft_bound
 
 
 def measure_and_report(
@@ -91,7 +92,7 @@ def measure_and_report(
                 num_draft_tokens,
                 max_new_tokens,
                 tree,
-                max(num_draft_tokens, adaptive_draft_tokens) if adaptive else None,
+                adaptive_draft_bound(num_draft_tokens, adaptive_draft_tokens) if adaptive else None,
                 repeats,
             )
             bar.update()  # a cell counts once measured
@@ -173,13 +174,13 @@ def _measure(
     if adaptive_draft_tokens is not None:
         chain = replace(fixed, num_draft_tokens=adaptive_draft_tokens, adaptive=True)
     settings = replace(fixed, tree=TreeSpec(**tree)) if use_tree else chain
-    no_drafter, plain_settings = NoDrafter(drafter.vocab_size), fixed
+    no_drafter = NoDrafter(drafter.vocab_size)
     methods = {
         "baseline": plain_method(target, fixed),
-        "draftsmith_plain": speculative_method(target, no_drafter, plain_settings),
+        "draftsmith_plain": speculative_method(target, no_drafter, fixed),
         "drafter": speculative_method(target, drafter, settings),
     }
-    methods |= plain_in_dtypes(target, copies, no_drafter, plain_settings)
+    methods |= plain_in_dtypes(target, copies, no_drafter, fixed)
     hybrid = HybridDrafter(drafter) if drafter.supports_external_drafts else None
     if hybrid is not None:
         methods["hybrid"] = speculative_method(target, hybrid, chain)
