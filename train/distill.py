@@ -19,7 +19,6 @@ Runs as a script with ``train/`` first on ``sys.path``, so this file imports the
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
@@ -147,7 +146,8 @@ def _load(
     target_name: str,
 ) -> _Run:
     """Tokenizer, data (its errors before the model loads), target, objective and the rows."""
-    from train.distill_data import load_sequences
+    from train.distill_cache import cached_eval_rows, cached_training_rows
+    from train.distill_data import evaluation_rows, load_sequences, regenerated_rows
     from train.target_model import load_tokenizer
 
     remote = config.target.trust_remote_code
@@ -159,7 +159,7 @@ def _load(
     description = sets.description
     if config.data.train_source == "target_samples":
         started = time.perf_counter()
-        train_rows = _regenerated_rows(config, target, tokenizer, sets.train, accelerator)
+        train_rows = regenerated_rows(config, target, tokenizer, sets.train, accelerator)
         description = (
             f"{len(train_rows)} {config.data.train_prompts} prompts cut from {description}, "
             f"continued by the target at temperatures {config.data.train_temperatures}"
@@ -174,7 +174,7 @@ def _load(
     target, target_memory = _place_target(config, objective, target, location, accelerator)
     cache_stats = None
     if config.data.target_outputs != "online":
-        train_rows, cache_stats = _cached_training_rows(
+        train_rows, cache_stats = cached_training_rows(
             config,
             accelerator,
             objective,
@@ -184,9 +184,9 @@ def _load(
             tokenizer.pad_token_id,
             plan.output_dir,
         )
-    eval_rows = _eval_rows(config, target, tokenizer, sets.held_out, accelerator)
+    eval_rows = evaluation_rows(config, target, tokenizer, sets.held_out, accelerator)
     if config.data.target_outputs != "online":
-        eval_rows = _cached_eval_rows(
+        eval_rows = cached_eval_rows(
             config,
             accelerator,
             target,
@@ -358,6 +358,7 @@ def _finish(
     from data.atomic_io import write_json_atomic
     from train.distributed import format_report, parallel_report
     from train.export import export_drafter, push_to_hub
+    from train.speed_report import measure_recipe_speed
 
     accelerator, output_dir = run.accelerator, plan.output_dir
     parallel = parallel_report(run.objective.module, accelerator)  # a collective
@@ -377,7 +378,9 @@ def _finish(
         write_json_atomic(output_dir / "summary.json", summary)
         _print_summary(summary)
         if config.speed_eval.speed_eval_prompts > 0:
-            summary["speed"] = _measure_speed(config, run.location, output_dir, result.final_eval)
+            summary["speed"] = measure_recipe_speed(
+                config, run.location, output_dir, result.final_eval
+            )
             write_json_atomic(output_dir / "summary.json", summary)
     accelerator.wait_for_everyone()
     tracker.finish()
@@ -396,6 +399,8 @@ def _summary(
 ) -> dict[str, Any]:
     """What ``summary.json`` and the model card report about the run."""
     from decode.machine import machine_record
+    from train.distill_cache import cache_summary
+    from train.distill_data import evaluation_description
 
     return {
         "target": run.target_name,
@@ -409,7 +414,7 @@ def _summary(
         "loss": config.loss.loss,
         "loss_temperature": config.loss.loss_temperature,
         "eval_temperature": config.loss.eval_temperature,
-        "eval_description": _eval_description(config, len(run.eval_rows)),
+        "eval_description": evaluation_description(config, len(run.eval_rows)),
         "held_out": result.final_eval,
         "steps": result.steps,
         "stop_reason": result.stop_reason,
@@ -421,70 +426,12 @@ def _summary(
         "distributed": parallel,
         "train_sequences": len(run.train_rows),
         "last_checkpoint": str(result.last_checkpoint) if result.last_checkpoint else None,
-        "cache": None if run.cache_stats is None else _cache_summary(run.cache_stats),
+        "cache": None if run.cache_stats is None else cache_summary(run.cache_stats),
         "target_memory": run.target_memory,
         "peak_rss_bytes": _peak_rss_bytes(),
         "drafter_dir": str(plan.output_dir / "drafter"),
         "wandb_mode": wandb_mode,
     }
-
-
-def _measure_speed(
-    config: DistillConfig, target_path: Any, output_dir: Path, held_out: dict[str, float]
-) -> dict[str, Any]:
-    """Decode held-out prompts with the exported drafter against plain decoding (report.json)."""
-    from train.speed_report import measure_and_report
-
-    speed = config.speed_eval
-    tree = None
-    if speed.speed_eval_tree_total_tokens > 0:
-        tree = {
-            "top_k": speed.speed_eval_tree_top_k,
-            "total_tokens": speed.speed_eval_tree_total_tokens,
-            "frontier": speed.speed_eval_tree_frontier,
-        }
-    report = measure_and_report(
-        target_path,
-        output_dir / "drafter",
-        output_dir,
-        held_out,
-        num_prompts=speed.speed_eval_prompts,
-        max_new_tokens=speed.speed_eval_new_tokens,
-        repeats=speed.speed_eval_repeats,
-        num_draft_tokens=speed.speed_eval_draft_tokens,
-        temperatures=tuple(speed.speed_eval_temperatures),
-        tree=tree,
-        prompts=speed.speed_eval_prompt_source,
-        ood_prompts=speed.speed_eval_ood_prompts or None,
-        adaptive=speed.speed_eval_adaptive,
-        adaptive_draft_tokens=speed.speed_eval_adaptive_draft_tokens,
-        dtype=config.target.dtype,  # decoding: choose_dtype's answer, not training's
-    )
-    keys = (
-        "tau",
-        "predicted_tau",
-        "speedup",
-        "speedup_over_draftsmith_plain",
-        "tokens_per_s_baseline",
-        "tokens_per_s_draftsmith_plain",
-        "tokens_per_s_speculative",
-        "draft_cost_ratio",
-        "verify_cost_ratio",
-        "speedup_over_fastest_plain",
-        "fastest_plain_dtype",
-        "distinct_4gram_share",
-        "repeats",
-        "adaptive",
-        "num_draft_tokens",
-    )
-    summary = {t: {k: r[k] for k in keys} for t, r in report["by_temperature"].items()}
-    for t, r in report.get("hybrid", {}).items():
-        summary[f"hybrid {t}"] = {k: r[k] for k in keys}
-    for t, results in report.get("ood", {}).items():
-        if t != "prompts":
-            for name, r in results.items():
-                summary[f"ood {name} {t}"] = {k: r[k] for k in keys}
-    return summary
 
 
 def _check_output_dir(output_dir: Path) -> None:
@@ -512,234 +459,14 @@ def _resume_point(config: DistillConfig, checkpoints: Any) -> Path | None:
     return None
 
 
-def _cached_training_rows(
-    config: DistillConfig,
-    accelerator: Accelerator,
-    objective: Any,
-    target: Any,
-    target_name: str,
-    train_rows: Any,
-    pad_id: int,
-    output_dir: Path,
-) -> tuple[Any, Any]:
-    """Limit the rows to what the run will read, cache the target on them, join the two."""
-    from data.sequences import take
-
-    needed = (
-        config.optim.max_steps
-        * config.optim.per_device_batch_size
-        * config.optim.gradient_accumulation_steps
-        * accelerator.num_processes
-    )
-    rows = take(train_rows, needed) if len(train_rows) > needed else train_rows
-    folder = _cache_folder(config, output_dir)
-    hidden = objective.target_cache_hidden_layers()
-    return _cache_rows(config, accelerator, target, target_name, rows, folder, hidden, pad_id)
-
-
-def _cache_folder(config: DistillConfig, output_dir: Path) -> Path:
-    return Path(config.data.cache_dir or output_dir / "target_cache").expanduser()
-
-
-def _cache_rows(
-    config: DistillConfig,
-    accelerator: Accelerator,
-    target: Any,
-    target_name: str,
-    rows: Any,
-    folder: Path,
-    hidden: list[int] | None,
-    pad_id: int,
-) -> tuple[Any, Any]:
-    """Build (every process its share) or reuse the cache of ``rows`` in ``folder``; with
-    ``cache_only`` open it, refusing a missing cache or one of another key."""
-    from train.target_cache import build_or_reuse_cache, cache_key, cache_stats, open_cached_rows
-
-    data = config.data
-    key = {"target": target_name}  # the rows enter the key by their tokens (cache_key)
-    if data.target_outputs == "cache_only":
-        wanted = cache_key(key, data.cache_top_k, rows, hidden, data.cache_dtype)
-        return open_cached_rows(rows, folder, wanted), cache_stats(folder)
-    stats = build_or_reuse_cache(
-        target,
-        rows,
-        folder,
-        data.cache_top_k,
-        key,
-        pad_id,
-        accelerator.device,
-        batch_size=config.optim.per_device_batch_size,
-        hidden_layer_ids=hidden,
-        progress=accelerator.is_local_main_process and config.logging.progress_bar,
-        accelerator=accelerator,
-        dtype=data.cache_dtype,
-    )
-    return open_cached_rows(rows, folder), stats
-
-
-def _cached_eval_rows(
-    config: DistillConfig,
-    accelerator: Accelerator,
-    target: Any,
-    target_name: str,
-    eval_rows: list[dict[str, Any]],
-    objective: Any,
-    pad_id: int,
-    output_dir: Path,
-) -> Any:
-    """Held-out rows of data are scored into ``<cache>/held_out`` too, so that a ``cache_only``
-    run can evaluate without the target; it reads them from there, a ``cache`` run evaluates
-    online (the exact ``p``, not its top-k)."""
-    if config.data.eval_source != "data":
-        return eval_rows
-    folder = _cache_folder(config, output_dir) / "held_out"
-    hidden = objective.target_cache_hidden_layers()
-    cached, _ = _cache_rows(
-        config, accelerator, target, target_name, eval_rows, folder, hidden, pad_id
-    )
-    return list(cached) if config.data.target_outputs == "cache_only" else eval_rows
-
-
-def _read_regenerated_cache(cache: Path) -> list[dict[str, Any]] | None:
-    """The cached continuations at ``cache``; None when absent, or unreadable (a warning
-    names the file, and the rows are generated again and the file replaced)."""
-    if not cache.is_file():
-        return None
-    try:
-        rows = json.loads(cache.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as error:
-        rows, problem = None, str(error)
-    else:
-        problem = "it does not hold a list of rows"
-    if isinstance(rows, list) and all(isinstance(row, dict) for row in rows):
-        return rows
-    print(f"warning: ignoring the cached continuations {cache} ({problem}); generating them again")
-    return None
-
-
-def _regenerated_rows(
-    config: DistillConfig,
-    target: Any,
-    tokenizer: Any,
-    train: Any,
-    accelerator: Accelerator,
-) -> list[dict[str, Any]]:
-    """Training prompts continued by the target to a full block, an equal share at each
-    temperature.
-
-    Acceptance is measured on the target's own text, greedy and sampled (docs/theory.md §6):
-    greedy continuations teach the drafter the target's argmax (temperature-0 acceptance),
-    sampled ones its distribution. Prompts are the first tokens of training sequences
-    (``train_prompts: blocks``) or the code up to a ``def``/``class`` line in them, the form of
-    the prompts served and evaluated (``definitions``); either way spread over the whole
-    training split, and every process builds the same rows from the same seed.
-    """
-    from data.atomic_io import write_json_atomic
-    from train.distill_data import (
-        REGENERATION_BATCH_SIZE,
-        block_prompts,
-        continued_rows,
-        definition_prompts_of_rows,
-        regenerated_rows_file,
-    )
-
-    data = config.data
-    if data.train_prompts == "definitions":
-        prompts = definition_prompts_of_rows(
-            train, tokenizer, data.train_sequences, data.train_prompt_chars, data.block_size - 1
-        )
-    else:
-        stride = max(1, len(train) // data.train_sequences)
-        spread = [train[i] for i in range(0, len(train), stride)]
-        prompts = block_prompts(spread, data.train_prompt_tokens, len(spread))
-    if len(prompts) < data.train_sequences and accelerator.is_main_process:
-        print(
-            f"warning: the training data gives {len(prompts)} {data.train_prompts} prompts of "
-            f"the {data.train_sequences} asked (--train_sequences); temperatures share them"
-        )
-    temperatures = data.train_temperatures
-    share = data.train_sequences // len(temperatures)
-    seed = config.optim.seed if data.train_samples_seed is None else data.train_samples_seed
-    cache = regenerated_rows_file(
-        target,
-        {
-            "prompts": prompts,
-            "temperatures": temperatures,
-            "share": share,
-            "seed": seed,
-            "block_size": data.block_size,
-            "train_prompt": data.train_prompt_loss,
-            "batch_size": REGENERATION_BATCH_SIZE,
-        },
-    )
-    cached = _read_regenerated_cache(cache) if cache is not None else None
-    if cached is not None:
-        if accelerator.is_main_process:
-            print(f"reusing the target's continuations from {cache} (same target and prompts)")
-        return cached
-    rows: list[dict[str, Any]] = []
-    for index, temperature in enumerate(temperatures):
-        rows += continued_rows(
-            target,
-            prompts[index * share : (index + 1) * share] or prompts[:share],
-            length=data.block_size,
-            temperature=temperature,
-            seed=seed + 777 + index,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            device=accelerator.device,
-            batch_size=REGENERATION_BATCH_SIZE,
-            train_prompt=data.train_prompt_loss,
-            progress=f"regenerate at T={temperature:g}"
-            if accelerator.is_main_process and config.logging.progress_bar
-            else None,
-        )
-    if cache is not None and accelerator.is_main_process:
-        write_json_atomic(cache, rows, indent=None)
-    return rows
-
-
-def _eval_rows(
-    config: DistillConfig,
-    target: Any,
-    tokenizer: Any,
-    held_out: Any,
-    accelerator: Accelerator,
-) -> list[dict[str, Any]]:
-    from train.distill_data import block_prompts, continued_rows, held_out_rows
-
-    data = config.data
-    if data.eval_source == "data":
-        return held_out_rows(held_out, data.eval_sequences)
-    return continued_rows(
-        target,
-        block_prompts(held_out, data.eval_prompt_tokens, data.eval_sequences),
-        length=data.eval_prompt_tokens + data.eval_new_tokens,
-        temperature=config.loss.eval_temperature,
-        seed=config.optim.seed + 12345,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        device=accelerator.device,
-    )
-
-
-def _eval_description(config: DistillConfig, count: int) -> str:
-    data = config.data
-    if data.eval_source == "data":
-        return f"{count} held-out sequences of the training source"
-    return (
-        f"{count} held-out prompts of {data.eval_prompt_tokens} tokens continued by the target "
-        f"for up to {data.eval_new_tokens} tokens at temperature {config.loss.eval_temperature}"
-    )
-
-
 def _cache_built(config: DistillConfig, plan: _Plan, run: _Run) -> dict[str, Any]:
     """``--cache_build_only``: the cache is written; report it and the target, train nothing."""
     from data.atomic_io import write_json_atomic
+    from train.distill_cache import cache_summary
 
     summary = {
         "target": run.target_name,
-        "cache": None if run.cache_stats is None else _cache_summary(run.cache_stats),
+        "cache": None if run.cache_stats is None else cache_summary(run.cache_stats),
         "train_sequences": len(run.train_rows),
         "target_memory": run.target_memory,
         "world_size": run.accelerator.num_processes,
@@ -764,20 +491,6 @@ def _peak_rss_bytes() -> int:
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
-
-
-def _cache_summary(stats: Any) -> dict[str, Any]:
-    return {
-        "folder": stats.folder,
-        "k": stats.k,
-        "num_sequences": stats.num_sequences,
-        "num_tokens": stats.num_tokens,
-        "bytes_per_token": stats.bytes_per_token,
-        "full_fp16_bytes_per_token": stats.full_fp16_bytes_per_token,
-        "compression": stats.compression,
-        "parts_written": stats.parts_written,
-        "bytes_per_token_at_scale": stats.at_scale,
-    }
 
 
 def _print_summary(summary: dict[str, Any]) -> None:

@@ -20,15 +20,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from data.atomic_io import write_json_atomic
 from data.sequences import Row, SequenceSets
 from data.sequences import load_sequences as load_source_sequences
 from decode.sampling import SamplingConfig
 from train.generation import left_pad, sample_continuations
 
 if TYPE_CHECKING:
+    from accelerate import Accelerator
     from transformers import PreTrainedTokenizerBase
 
-    from train.config import DataConfig
+    from train.config import DataConfig, DistillConfig
 
 
 def load_sequences(
@@ -189,3 +191,128 @@ def regenerated_rows_file(target: torch.nn.Module, settings: dict[str, Any]) -> 
     )
     key = hashlib.sha256(blob.encode()).hexdigest()[:16]
     return user_cache_dir() / "regenerated" / f"{key}.json"
+
+
+def read_regenerated_cache(cache: Path) -> list[dict[str, Any]] | None:
+    """The cached continuations at ``cache``; None when absent, or unreadable (a warning
+    names the file, and the rows are generated again and the file replaced)."""
+    if not cache.is_file():
+        return None
+    try:
+        rows = json.loads(cache.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        rows, problem = None, str(error)
+    else:
+        problem = "it does not hold a list of rows"
+    if isinstance(rows, list) and all(isinstance(row, dict) for row in rows):
+        return rows
+    print(f"warning: ignoring the cached continuations {cache} ({problem}); generating them again")
+    return None
+
+
+def regenerated_rows(
+    config: DistillConfig,
+    target: Any,
+    tokenizer: Any,
+    train: Any,
+    accelerator: Accelerator,
+) -> list[dict[str, Any]]:
+    """Training prompts continued by the target to a full block, an equal share at each
+    temperature.
+
+    Acceptance is measured on the target's own text, greedy and sampled (docs/theory.md §6):
+    greedy continuations teach the drafter the target's argmax (temperature-0 acceptance),
+    sampled ones its distribution. Prompts are the first tokens of training sequences
+    (``train_prompts: blocks``) or the code up to a ``def``/``class`` line in them, the form of
+    the prompts served and evaluated (``definitions``); either way spread over the whole
+    training split, and every process builds the same rows from the same seed.
+    """
+    data = config.data
+    if data.train_prompts == "definitions":
+        prompts = definition_prompts_of_rows(
+            train, tokenizer, data.train_sequences, data.train_prompt_chars, data.block_size - 1
+        )
+    else:
+        stride = max(1, len(train) // data.train_sequences)
+        spread = [train[i] for i in range(0, len(train), stride)]
+        prompts = block_prompts(spread, data.train_prompt_tokens, len(spread))
+    if len(prompts) < data.train_sequences and accelerator.is_main_process:
+        print(
+            f"warning: the training data gives {len(prompts)} {data.train_prompts} prompts of "
+            f"the {data.train_sequences} asked (--train_sequences); temperatures share them"
+        )
+    temperatures = data.train_temperatures
+    share = data.train_sequences // len(temperatures)
+    seed = config.optim.seed if data.train_samples_seed is None else data.train_samples_seed
+    cache = regenerated_rows_file(
+        target,
+        {
+            "prompts": prompts,
+            "temperatures": temperatures,
+            "share": share,
+            "seed": seed,
+            "block_size": data.block_size,
+            "train_prompt": data.train_prompt_loss,
+            "batch_size": REGENERATION_BATCH_SIZE,
+        },
+    )
+    cached = read_regenerated_cache(cache) if cache is not None else None
+    if cached is not None:
+        if accelerator.is_main_process:
+            print(f"reusing the target's continuations from {cache} (same target and prompts)")
+        return cached
+    rows: list[dict[str, Any]] = []
+    for index, temperature in enumerate(temperatures):
+        rows += continued_rows(
+            target,
+            prompts[index * share : (index + 1) * share] or prompts[:share],
+            length=data.block_size,
+            temperature=temperature,
+            seed=seed + 777 + index,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            device=accelerator.device,
+            batch_size=REGENERATION_BATCH_SIZE,
+            train_prompt=data.train_prompt_loss,
+            progress=f"regenerate at T={temperature:g}"
+            if accelerator.is_main_process and config.logging.progress_bar
+            else None,
+        )
+    if cache is not None and accelerator.is_main_process:
+        write_json_atomic(cache, rows, indent=None)
+    return rows
+
+
+def evaluation_rows(
+    config: DistillConfig,
+    target: Any,
+    tokenizer: Any,
+    held_out: Any,
+    accelerator: Accelerator,
+) -> list[dict[str, Any]]:
+    """The held-out rows the overlap is measured on: the held-out sequences as they are
+    (``eval_source: data``), or held-out prompts continued by the target."""
+    data = config.data
+    if data.eval_source == "data":
+        return held_out_rows(held_out, data.eval_sequences)
+    return continued_rows(
+        target,
+        block_prompts(held_out, data.eval_prompt_tokens, data.eval_sequences),
+        length=data.eval_prompt_tokens + data.eval_new_tokens,
+        temperature=config.loss.eval_temperature,
+        seed=config.optim.seed + 12345,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        device=accelerator.device,
+    )
+
+
+def evaluation_description(config: DistillConfig, count: int) -> str:
+    """The held-out rows in words, for the summary and the model card."""
+    data = config.data
+    if data.eval_source == "data":
+        return f"{count} held-out sequences of the training source"
+    return (
+        f"{count} held-out prompts of {data.eval_prompt_tokens} tokens continued by the target "
+        f"for up to {data.eval_new_tokens} tokens at temperature {config.loss.eval_temperature}"
+    )

@@ -14,11 +14,72 @@ at each temperature. The report (``report.json``), the plots (``acceptance.png``
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from data.atomic_io import write_json_atomic
 from decode.defaults import ADAPTIVE_DRAFT_TOKENS, NUM_DRAFT_TOKENS
 from decode.draft_length import adaptive_draft_bound
+
+if TYPE_CHECKING:
+    from train.config import DistillConfig
+
+
+def measure_recipe_speed(
+    config: DistillConfig, target_path: Any, output_dir: Path, held_out: dict[str, float]
+) -> dict[str, Any]:
+    """The speed step of a recipe (its ``speed_eval`` section): :func:`measure_and_report`
+    on the exported drafter in ``output_dir``, reduced to the figures ``summary.json`` keeps
+    per temperature, for the hybrid and on the ood prompts."""
+    speed = config.speed_eval
+    tree = None
+    if speed.speed_eval_tree_total_tokens > 0:
+        tree = {
+            "top_k": speed.speed_eval_tree_top_k,
+            "total_tokens": speed.speed_eval_tree_total_tokens,
+            "frontier": speed.speed_eval_tree_frontier,
+        }
+    report = measure_and_report(
+        target_path,
+        output_dir / "drafter",
+        output_dir,
+        held_out,
+        num_prompts=speed.speed_eval_prompts,
+        max_new_tokens=speed.speed_eval_new_tokens,
+        repeats=speed.speed_eval_repeats,
+        num_draft_tokens=speed.speed_eval_draft_tokens,
+        temperatures=tuple(speed.speed_eval_temperatures),
+        tree=tree,
+        prompts=speed.speed_eval_prompt_source,
+        ood_prompts=speed.speed_eval_ood_prompts or None,
+        adaptive=speed.speed_eval_adaptive,
+        adaptive_draft_tokens=speed.speed_eval_adaptive_draft_tokens,
+        dtype=config.target.dtype,  # decoding: choose_dtype's answer, not training's
+    )
+    keys = (
+        "tau",
+        "predicted_tau",
+        "speedup",
+        "speedup_over_draftsmith_plain",
+        "tokens_per_s_baseline",
+        "tokens_per_s_draftsmith_plain",
+        "tokens_per_s_speculative",
+        "draft_cost_ratio",
+        "verify_cost_ratio",
+        "speedup_over_fastest_plain",
+        "fastest_plain_dtype",
+        "distinct_4gram_share",
+        "repeats",
+        "adaptive",
+        "num_draft_tokens",
+    )
+    summary = {t: {k: r[k] for k in keys} for t, r in report["by_temperature"].items()}
+    for t, r in report.get("hybrid", {}).items():
+        summary[f"hybrid {t}"] = {k: r[k] for k in keys}
+    for t, results in report.get("ood", {}).items():
+        if t != "prompts":
+            for name, r in results.items():
+                summary[f"ood {name} {t}"] = {k: r[k] for k in keys}
+    return summary
 
 
 def measure_and_report(

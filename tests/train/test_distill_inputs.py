@@ -127,13 +127,13 @@ def test_fp16_on_the_cpu_names_the_fix(tmp_path: Path, tiny_argv: Argv) -> None:
 def test_a_corrupt_continuations_cache_is_named_and_regenerated(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, problem: str
 ) -> None:
-    from train.distill import _read_regenerated_cache
+    from train.distill_data import read_regenerated_cache
 
     cache = tmp_path / "rows.json"
-    assert _read_regenerated_cache(cache) is None  # absent: generate
+    assert read_regenerated_cache(cache) is None  # absent: generate
     cache.write_text(text)
-    assert _read_regenerated_cache(cache) is None
+    assert read_regenerated_cache(cache) is None
     warning = capsys.readouterr().out
     assert str(cache) in warning and problem in warning and "generating them again" in warning
     cache.write_text('[{"input_ids": [1, 2]}]')
-    assert _read_regenerated_cache(cache) == [{"input_ids": [1, 2]}]
+    assert read_regenerated_cache(cache) == [{"input_ids": [1, 2]}]
