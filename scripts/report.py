@@ -53,6 +53,7 @@ ABLATION_CACHE256_NO_AMX = RESULTS / "ablation_cache256_no_amx" / "ablation.json
 ABLATION_SCHEDULE_NO_AMX = RESULTS / "ablation_schedule_no_amx" / "ablation.json"
 ABLATION_STEPS_AMX = RESULTS / "ablation_steps_amx" / "ablation.json"
 ABLATION_PEAGLE_450_AMX = RESULTS / "ablation_peagle_450_amx" / "ablation.json"
+ABLATION_PEAGLE_LAYERS_450_AMX = RESULTS / "ablation_peagle_layers_450_amx" / "ablation.json"
 ABLATION_RETUNE = RESULTS / "ablation_retune" / "ablation.json"
 PARALLEL_CEILING = RESULTS / "parallel_ceiling_demo.json"
 FOLLOW_UPS = (  # the 150-step runs after the grid, each its own results file
@@ -633,6 +634,10 @@ SECTIONS: dict[str, Callable[[], str]] = {
     "ablation-steps-amx": lambda: depth_overlaps_table(ABLATION_STEPS_AMX),
     "ablation-peagle-450-amx": lambda: depth_overlaps_table(ABLATION_PEAGLE_450_AMX),
     "ablation-peagle-450-amx-decoding": lambda: decoding_table(ABLATION_PEAGLE_450_AMX),
+    "ablation-peagle-layers-450-amx": lambda: depth_overlaps_table(ABLATION_PEAGLE_LAYERS_450_AMX),
+    "ablation-peagle-layers-450-amx-decoding": lambda: decoding_table(
+        ABLATION_PEAGLE_LAYERS_450_AMX
+    ),
     "ablation-retune": lambda: ablation_tables(ABLATION_RETUNE),
     "parallel-ceiling": lambda: ceiling_table(_read(PARALLEL_CEILING)),
     "ablation-follow-ups": follow_ups_table,
