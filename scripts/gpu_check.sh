@@ -13,15 +13,16 @@
 # $OUT/steps.txt lists each step's exit status and seconds. Usage:
 #   bash scripts/gpu_check.sh --fetch-wheels   # here, once: the packages the GPU image lacks
 #   bash scripts/gpu_check.sh                  # there: the checks (python3 holds CUDA torch)
-#   bash scripts/gpu_check.sh --dry-run        # anywhere: the same steps on the CPU, tiny sizes
+#   bash scripts/gpu_check.sh --dry-run        # anywhere: the same steps on the CPU, tiny sizes,
+#                                              # in the running environment (no wheels)
 # Environment: OUT (default outputs/gpu-check), PYTHON (default python3), DEADLINE_S (default
-# 560: the whole run, under a 600-second command limit), WHEELS (default .whl).
+# 560: the whole run, under a 600-second command limit), WHEELS (default .whl; empty: none).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 PY="${PYTHON:-python3}"
 OUT="${OUT:-outputs/gpu-check}"
-WHEELS="${WHEELS:-.whl}"
+WHEELS="${WHEELS-.whl}"
 DEADLINE_S="${DEADLINE_S:-560}"
 # The packages draftsmith imports that the GPU image does not hold (datasets and what it needs).
 MISSING_PACKAGES=(datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19)
@@ -53,7 +54,7 @@ fi
 
 mkdir -p "$OUT"
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/draftsmith-gpu-check.XXXXXX")"
-if [ -d "$WHEELS" ] && compgen -G "$WHEELS/*.whl" > /dev/null; then
+if [ "$DRY_RUN" = 0 ] && [ -n "$WHEELS" ] && compgen -G "$WHEELS/*.whl" > /dev/null; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target "$WORK/site" "$WHEELS"/*.whl || exit 1
   export PYTHONPATH="$WORK/site"

@@ -18,7 +18,7 @@ STEPS = ("machine", "tests", "target", "distill", "benchmark")
 
 
 def _run(*args: str, out: Path, **env: str) -> subprocess.CompletedProcess[str]:
-    environ = {**os.environ, "PYTHON": sys.executable, "OUT": str(out), "WHEELS": "", **env}
+    environ = {**os.environ, "PYTHON": sys.executable, "OUT": str(out), **env}
     return subprocess.run(
         ["bash", str(SCRIPT), *args], capture_output=True, text=True, env=environ, timeout=600
     )
