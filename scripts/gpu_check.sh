@@ -2,7 +2,8 @@
 # The GPU checks as one prepared run, for a CUDA machine lent for a few minutes
 # (docs/guides/benchmarks-and-results.md, "On a GPU"). In order, each step under its own time
 # limit inside one overall deadline, each step's output in $OUT/<step>.log:
-#   machine    nvidia-smi, torch's CUDA build, the GPU's name and bfloat16 support
+#   machine    nvidia-smi, the machine line every record carries (GPU, CPU, torch build) and
+#              the transformers and datasets versions
 #   tests      the tests marked gpu (every drafter kind decoded on CUDA: greedy output equal
 #              to Hugging Face generate in float32, the target's exact law at T > 0)
 #   target     the demo target built on the GPU, the CPU build's step count (1240)
@@ -84,14 +85,13 @@ step() {
   return "$rc"
 }
 
+# The machine as every record names it (decode.machine), and the libraries the run imports.
 step machine 60 bash -c "
-  command -v nvidia-smi > /dev/null && nvidia-smi
-  '$PY' -c 'import torch, transformers, sys
-print(\"python\", sys.version.split()[0], \"torch\", torch.__version__, \"transformers\", transformers.__version__)
-print(\"cuda\", torch.cuda.is_available(), torch.version.cuda)
-if torch.cuda.is_available():
-    print(torch.cuda.get_device_name(0), \"bf16\", torch.cuda.is_bf16_supported())
-import datasets; print(\"datasets\", datasets.__version__)'"
+  if command -v nvidia-smi > /dev/null; then nvidia-smi; fi
+  '$PY' -c 'import datasets, transformers
+from decode.machine import describe_machine, machine_record
+print(describe_machine(machine_record(\"$DEVICE\")))
+print(\"transformers\", transformers.__version__, \"datasets\", datasets.__version__)'"
 
 step tests 150 "$PY" -m pytest -q -p no:cacheprovider -m "$TEST_MARK" "${TESTS[@]}"
 
