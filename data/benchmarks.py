@@ -10,7 +10,7 @@ JSON record per line (or a JSON list):
   prompt is the question;
 - HumanEval (``HumanEval.jsonl`` of openai/human-eval): ``{"task_id", "prompt",
   "canonical_solution", "test", "entry_point"}``; the prompt is the function to complete;
-- anything ``data.sources.load_prompts`` reads: ``{"prompt"}`` (text, continued as is) or
+- anything ``draftsmith.data.sources.load_prompts`` reads: ``{"prompt"}`` (text, continued as is) or
   ``{"messages"}`` / ShareGPT ``{"conversations"}`` (chat, minus a final assistant turn).
 
 Benchmark questions become one-turn chat prompts ``[{"role": "user", "content": ...}]``, which
@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from data.sources import json_records, load_prompts
+from draftsmith.data.sources import json_records, load_prompts
 
 Prompt = str | list[dict[str, str]]
 # name -> (fields that identify the shape, the field that holds the question)

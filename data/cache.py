@@ -18,9 +18,9 @@ write. Each shard concatenates its sequences along the token axis: ``input_ids``
 ``topk_ids`` [N, k] int32, ``topk_logprobs`` [N, k] float16, ``rest_logmass`` [N] float32,
 optionally ``hidden_states`` [L, N, H] float16, and ``offsets`` [S + 1] int64 (sequence s is
 tokens ``offsets[s]:offsets[s + 1]``). Shards and ``cache.json`` are written to a temporary
-sibling and renamed (``data.atomic_io``), so a shard on disk is always complete.
+sibling and renamed (``draftsmith.data.atomic_io``), so a shard on disk is always complete.
 
-Several processes can write one cache (``train.target_cache``): sequences fall into parts of
+Several processes can write one cache (``draftsmith.train.target.cache``): sequences fall into parts of
 a fixed size, part ``p`` is ``shard-p`` and is written by one process (:func:`save_shard`), a
 part already on disk is kept when a killed build is run again, and the main process writes
 ``cache.json`` (:func:`write_manifest`) once every part exists. ``dtype`` (float16 by default,
@@ -38,10 +38,9 @@ from types import TracebackType
 from typing import Any
 
 import torch
+from draftsmith.data.atomic_io import atomic_file, write_json_atomic
 from safetensors import safe_open
 from safetensors.torch import save_file
-
-from data.atomic_io import atomic_file, write_json_atomic
 
 CACHE_FILE = "cache.json"
 FORMAT_VERSION = 1

@@ -1,6 +1,6 @@
 """Turn datasets of text or conversations into fixed or padded blocks of token ids.
 
-Convention for ``loss_mask`` (shared with ``data.templates`` and the trainer): ``loss_mask[t]``
+Convention for ``loss_mask`` (shared with ``draftsmith.data.templates`` and the trainer): ``loss_mask[t]``
 is 1 when token ``t`` is a prediction target, i.e. the logits at position ``t - 1`` are scored
 against ``input_ids[t]``. A causal LM loss therefore uses ``loss_mask[:, 1:]`` against
 ``logits[:, :-1]``.
@@ -13,9 +13,8 @@ from typing import Any
 
 import datasets
 import torch
+from draftsmith.data.templates import render_conversation
 from transformers import PreTrainedTokenizerBase
-
-from data.templates import render_conversation
 
 _MAP_BATCH_SIZE = 1000
 
@@ -97,7 +96,7 @@ def render_and_pad(
 
     Rows are truncated to ``block_size`` tokens and keep their own length; ``collate`` pads a
     batch on the right to its longest row (less padding than padding every row to
-    ``block_size``). ``loss_mask`` is 1 on assistant tokens only (``data.templates``).
+    ``block_size``). ``loss_mask`` is 1 on assistant tokens only (``draftsmith.data.templates``).
     Conversations whose kept tokens contain no assistant token are dropped, since they would
     contribute nothing to the loss.
     """

@@ -6,7 +6,7 @@ conversations; response tokens of prompt/response pairs).
 
 Sources (``load_sequences``'s ``source``):
 
-- ``stdlib``: the embedded corpus (``data.corpus``), packed into blocks; its validation split
+- ``stdlib``: the embedded corpus (``draftsmith.data.corpus``), packed into blocks; its validation split
   is the held-out set;
 - a ``.jsonl``/``.json`` file: conversations (``messages_field``, or ShareGPT's
   ``conversations`` of ``from``/``value`` turns), prompt/response pairs
@@ -26,10 +26,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-
-from data.cache import collate_cached
-from data.packing import collate, map_to_rows, render_and_pad, tokenize_and_pack
-from data.sources import (
+from draftsmith.data.cache import collate_cached
+from draftsmith.data.packing import collate, map_to_rows, render_and_pad, tokenize_and_pack
+from draftsmith.data.sources import (
     conversation_field,
     load_conversations,
     load_jsonl,
@@ -107,7 +106,7 @@ def take(rows: Sequence[Row], count: int) -> Sequence[Row]:
 
 
 def collate_rows(rows: list[Row], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """``data.packing.collate``, plus the offline cache's fields when rows carry them."""
+    """``draftsmith.data.packing.collate``, plus the offline cache's fields when rows carry them."""
     batch = collate(rows, pad_token_id)
     if CACHE_FIELDS[0] in rows[0]:
         cached = collate_cached(rows, pad_token_id)
@@ -144,7 +143,7 @@ def render_prompt_response(
 def _stdlib(
     tokenizer: PreTrainedTokenizerBase, block_size: int, max_files: int | None
 ) -> SequenceSets:
-    from data.corpus import load_stdlib_corpus
+    from draftsmith.data.corpus import load_stdlib_corpus
 
     corpus = load_stdlib_corpus(max_files=max_files)
     train = tokenize_and_pack(corpus["train"], tokenizer, block_size)

@@ -114,7 +114,7 @@ def render_conversation(
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             "the tokenizer has no chat_template; set tokenizer.chat_template (for instance "
-            "data.tokenizer.CHATML_TEMPLATE) or use the tokenizer of a chat model"
+            "draftsmith.data.tokenizer.CHATML_TEMPLATE) or use the tokenizer of a chat model"
         )
     if max_length is not None and max_length < 1:
         raise ValueError(f"max_length must be >= 1 or None (no truncation), got {max_length}")

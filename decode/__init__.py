@@ -1,6 +1,6 @@
 """Speculative decoding: drafters, exact verification, the engine, evaluation and serving.
 
-The public names are imported lazily so that ``import decode.sampling`` stays light.
+The public names are imported lazily so that ``import draftsmith.decode.sampling`` stays light.
 """
 
 from __future__ import annotations
@@ -8,15 +8,15 @@ from __future__ import annotations
 from typing import Any
 
 _EXPORTS = {
-    "SpeculativeDecoder": "decode.engine",
-    "GenerateOutput": "decode.engine",
-    "DecodeStats": "decode.stats",
-    "SamplingConfig": "decode.sampling",
-    "DraftModelDrafter": "decode.drafters.draft_lm",
-    "NgramDrafter": "decode.drafters.ngram",
-    "NoDrafter": "decode.drafters.none",
-    "load_drafter": "decode.drafters.registry",
-    "detect_drafter_kind": "decode.drafters.registry",
+    "SpeculativeDecoder": "draftsmith.decode.engine",
+    "GenerateOutput": "draftsmith.decode.engine",
+    "DecodeStats": "draftsmith.decode.stats",
+    "SamplingConfig": "draftsmith.decode.sampling",
+    "DraftModelDrafter": "draftsmith.decode.drafters.draft_lm",
+    "NgramDrafter": "draftsmith.decode.drafters.ngram",
+    "NoDrafter": "draftsmith.decode.drafters.none",
+    "load_drafter": "draftsmith.decode.drafters.registry",
+    "detect_drafter_kind": "draftsmith.decode.drafters.registry",
 }
 
 __all__ = sorted(_EXPORTS)

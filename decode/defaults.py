@@ -6,7 +6,7 @@
 children expanded per node and nodes kept per tree. They are the values the benchmark and the
 post-training speed report measure with (docs/guides/benchmarks-and-results.md).
 ``DEMO_PROMPT_CHARS`` is the length, in characters, of the code before a ``def``/``class`` line
-that makes one evaluation prompt (``decode.prompts``), and of the training prompts cut in
+that makes one evaluation prompt (``draftsmith.decode.measure.prompts``), and of the training prompts cut in
 that form (``train_prompts: definitions``, ``scripts/regenerate_data.py --prompts stdlib-defs``).
 ``LOOKUP_DRAFT_TOKENS`` is how many tokens a prompt-lookup round copies (the hybrid drafter's
 rounds that copy without running its network, and the benchmark's prompt-lookup rows): a
@@ -21,7 +21,7 @@ drafts (fixed N = 6 1.09x N = 4 held-out, 1.03x ood), where the policy with room
 0.92-1.05x of N = 4 over four 12-prompt samples and behind it in the benchmark (its rounds
 settle shorter), so fixed rows and the main job keep N.
 ``MAX_SEED`` bounds a run seed (command lines and recipes): per-prompt seeds derived from it
-(``decode.side_by_side.prompt_seed``) still fit torch's 64-bit generator, and numpy takes it.
+(``draftsmith.decode.measure.side_by_side.prompt_seed``) still fit torch's 64-bit generator, and numpy takes it.
 """
 
 from __future__ import annotations

@@ -28,21 +28,20 @@ from numbers import Integral
 from types import EllipsisType
 
 import torch
-
-from decode.attention_layout import (
+from draftsmith.decode.defaults import NUM_DRAFT_TOKENS
+from draftsmith.decode.draft_length import AdaptiveDraftLength
+from draftsmith.decode.drafters.base import Drafter, TargetPass, TreeSpec, require_left_padded
+from draftsmith.decode.forward.attention_layout import (
     learned_position_limit,
     single_row_problem,
     tree_verification_problem,
 )
-from decode.cached_sequence import CachedSequence
-from decode.defaults import NUM_DRAFT_TOKENS
-from decode.draft_length import AdaptiveDraftLength
-from decode.drafters.base import Drafter, TargetPass, TreeSpec, require_left_padded
-from decode.lean_decoder import LeanDecoder
-from decode.output_head import OutputHead
-from decode.rejection import verify_chain
-from decode.sampling import SamplingConfig, logits_to_probs, select_tokens
-from decode.stats import DecodeStats
+from draftsmith.decode.forward.cached_sequence import CachedSequence
+from draftsmith.decode.forward.lean_decoder import LeanDecoder
+from draftsmith.decode.forward.output_head import OutputHead
+from draftsmith.decode.rejection import verify_chain
+from draftsmith.decode.sampling import SamplingConfig, logits_to_probs, select_tokens
+from draftsmith.decode.stats import DecodeStats
 
 
 @dataclass(frozen=True)
@@ -90,7 +89,7 @@ class SpeculativeDecoder:
         ``0 .. num_draft_tokens`` from the measured acceptance and round times
         (``AdaptiveDraftLength``; 0 is a plain target step), ``num_draft_tokens`` then a bound
         that a drafter with fewer positions (Medusa's heads) lowers to its own; with ``tree``
-        it picks each round's shape, a plain step, a chain or a tree (``decode.tree_policy``).
+        it picks each round's shape, a plain step, a chain or a tree (``draftsmith.decode.trees.policy``).
         Its estimates carry over from one ``generate`` call to the next."""
         if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int):
             raise TypeError(f"num_draft_tokens must be an int, got {num_draft_tokens!r}")
@@ -131,7 +130,7 @@ class SpeculativeDecoder:
         # draft-length hook's place, so the chain rounds it delegates report to it.
         self.tree_policy = None
         if adaptive and tree is not None:
-            from decode.tree_policy import TreeSizePolicy
+            from draftsmith.decode.trees.policy import TreeSizePolicy
 
             vary = tree.choices is None and drafter.kind == "eagle3"  # EAGLE-2 dynamic trees
             # Its chain rounds draft up to the menu's depth: no deeper than the drafter's chains.
@@ -262,7 +261,7 @@ class SpeculativeDecoder:
         (multi-draft speculative sampling, docs/theory.md §4); top-k trees serve T = 0 and
         drafters without sampled trees. Returns the new pending tokens.
         """
-        from decode.tree_verify import verify_tree_greedy, verify_tree_stochastic
+        from draftsmith.decode.trees.verify import verify_tree_greedy, verify_tree_stochastic
 
         drafter, target, sampling = session.drafter, session.target, session.sampling
         generator = session.generator

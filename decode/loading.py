@@ -18,8 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from decode.precision import choose_dtype
+from draftsmith.decode.precision import choose_dtype
 
 
 class LoadError(ValueError):
@@ -27,7 +26,7 @@ class LoadError(ValueError):
 
 
 def resolve_dtype(name: str | torch.dtype, device: torch.device | str | None = None) -> torch.dtype:
-    """A dtype name -> torch dtype; ``"auto"`` is ``decode.precision.choose_dtype``'s decision
+    """A dtype name -> torch dtype; ``"auto"`` is ``draftsmith.decode.precision.choose_dtype``'s decision
     for ``device`` (bfloat16 where it has bfloat16 kernels, float32 elsewhere)."""
     if isinstance(name, torch.dtype):
         return name

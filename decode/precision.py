@@ -17,7 +17,7 @@ the 8 x 512 demo target took 3.2 s against 4.2. On an AMD EPYC with AVX512-BF16 
 about 2x faster per step, and AMX CPUs are faster still, so ``auto`` times one such product
 in both dtypes (about a tenth of a second, once per process) and trains in bfloat16 unless it
 is clearly the slower (``BFLOAT16_TRAINING_SLOWDOWN``). Decoding keeps ``choose_dtype``'s
-answer: its products have a few rows, where the kernels rank differently (decode.projection).
+answer: its products have a few rows, where the kernels rank differently (draftsmith.decode.forward.projection).
 
 Every command that loads a model takes ``--dtype auto|float32|bfloat16|float16`` through
 ``add_dtype_argument`` and asks ``choose_dtype`` (or ``choose_training_dtype``); what was
@@ -35,8 +35,7 @@ from dataclasses import dataclass
 from typing import TextIO
 
 import torch
-
-from decode.machine import bfloat16_matrix_kernels
+from draftsmith.decode.measure.machine import bfloat16_matrix_kernels
 
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 """The ``--dtype`` values every command accepts."""

@@ -14,8 +14,7 @@ All functions are pure and batched; rows accept different numbers of tokens.
 from __future__ import annotations
 
 import torch
-
-from decode.sampling import SamplingConfig, greedy_tokens, logits_to_probs, sample
+from draftsmith.decode.sampling import SamplingConfig, greedy_tokens, logits_to_probs, sample
 
 
 def verify_greedy(

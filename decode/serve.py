@@ -9,7 +9,7 @@
 
 Requests are batched continuously: a new one joins the running batch at the next round and a
 finished one leaves it (decode/serving/scheduler.py). ``--tree`` serves EAGLE-3 and Medusa
-drafters with trees (the flags and defaults of ``decode.evaluate``), chains otherwise. Then any
+drafters with trees (the flags and defaults of ``draftsmith.decode.measure.evaluate``), chains otherwise. Then any
 OpenAI client works against ``http://127.0.0.1:8000/v1`` (completions, chat
 completions through the tokenizer's chat template, ``stream: true``); ``GET /metrics`` gives
 Prometheus totals (tau, acceptance per position) and ``GET /health`` liveness. Binds loopback
@@ -28,17 +28,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from decode.serving.app import OpenAIServer
-    from decode.serving.config import ServeConfig
+    from draftsmith.decode.serving.app import OpenAIServer
+    from draftsmith.decode.serving.config import ServeConfig
 
 logger = logging.getLogger("draftsmith.serve")
 
 
 def build_server(config: ServeConfig) -> OpenAIServer:
     """Load the models named by a ``ServeConfig`` and wrap them in an ``OpenAIServer``."""
-    from decode.drafters.base import TreeSpec
-    from decode.serving.app import OpenAIServer, ServingLimits
-    from decode.serving.loading import load_components
+    from draftsmith.decode.drafters.base import TreeSpec
+    from draftsmith.decode.serving.app import OpenAIServer, ServingLimits
+    from draftsmith.decode.serving.loading import load_components
 
     target, tokenizer, drafter = load_components(config)
     context = config.max_context_length or getattr(target.config, "max_position_embeddings", None)
@@ -77,8 +77,7 @@ def build_server(config: ServeConfig) -> OpenAIServer:
 
 def main(argv: list[str] | None = None) -> int:
     import uvicorn
-
-    from decode.serving.config import parse_serve_args
+    from draftsmith.decode.serving.config import parse_serve_args
 
     config = parse_serve_args(argv)
     logging.basicConfig(
@@ -116,6 +115,6 @@ def _is_loopback(host: str) -> bool:
 
 
 if __name__ == "__main__":
-    from decode.command_line import run_command
+    from draftsmith.decode.command_line import run_command
 
     raise SystemExit(run_command(main))

@@ -7,11 +7,11 @@
         --output outputs/ablation-tiny                 # a smoke run in about a minute
 
 Every cell of the grid (the product of the ``--grid`` axes) is trained once per seed through
-``train.distill.main`` (in this process; the grid logic is ``train.ablation``), on the recipe of its drafter kind (``--preset``:
+``draftsmith.train.distill.main`` (in this process; the grid logic is ``draftsmith.train.ablation.grid``), on the recipe of its drafter kind (``--preset``:
 ``configs/<preset>.yaml``, ``<preset>_eagle3.yaml``, ``<preset>_medusa.yaml``,
 ``<preset>_peagle.yaml``; ``--recipe KIND=PATH`` replaces one). Axes:
 
-- ``loss``: a loss spec of ``train.losses`` (``ce``, ``fkl``, ``rkl``, ``jsd:0.5``, ``tv``,
+- ``loss``: a loss spec of ``draftsmith.train.losses`` (``ce``, ``fkl``, ``rkl``, ``jsd:0.5``, ``tv``,
   ``lk``, ``nla``, mixes such as ``0.5*fkl+0.5*tv``), the recipe's ``--loss``;
 - ``kind``: the drafter kind (``draft_lm``, ``eagle3``, ``medusa``, ``peagle``), which picks
   the recipe (``kind=eagle3,peagle`` compares parallel drafting with EAGLE-3's chain at the
@@ -36,8 +36,8 @@ held-out corpus prompts, ``speed_eval_prompt_source``) across data sources too.
 
 ``--max-minutes`` is each run's time box (``--max_minutes``), ``--max-steps`` its step cap.
 Each run's own summary gives the held-out overlap per draft position (``overlap@j``, the
-expected acceptance of position j); its speed step (``train.speed_report`` over
-``decode.evaluate``) decodes ``--tau-prompts`` held-out prompts with the exported drafter
+expected acceptance of position j); its speed step (``draftsmith.train.speed_report`` over
+``draftsmith.decode.measure.evaluate``) decodes ``--tau-prompts`` held-out prompts with the exported drafter
 and measures tau (tokens per target pass) at each ``--temperatures`` (chains of
 ``--num-draft-tokens`` for every kind, so kinds compare alike).
 
@@ -70,9 +70,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from data.atomic_io import write_text_atomic
-from decode.command_line import check_output_folder
-from train.ablation import (
+from draftsmith.data.atomic_io import write_text_atomic
+from draftsmith.decode.command_line import check_output_folder
+from draftsmith.train.ablation.grid import (
     RECIPES,
     GridSettings,
     cells_of,
@@ -88,14 +88,14 @@ from train.ablation import (
     remeasure_tau,
     run_grid,
 )
-from train.ablation_report import MARKDOWN_FILE, format_markdown, format_table
-from train.ablation_results import RESULTS_FILE, merge_results
+from draftsmith.train.ablation.report import MARKDOWN_FILE, format_markdown, format_table
+from draftsmith.train.ablation.results import RESULTS_FILE, merge_results
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    from decode.side_by_side import seed_value, temperature_value
+    from draftsmith.decode.measure.side_by_side import seed_value, temperature_value
 
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -260,7 +260,7 @@ def plot_results(
     kinds. Where cells were measured again with more prompts (``tau_check``), ``tau.png`` draws
     that measurement as the bar and the grid's few-prompt tau as a hollow marker beside it.
     """
-    from decode.plots import _pyplot, _save
+    from draftsmith.decode.measure.plots import _pyplot, _save
 
     if not cells:
         return []
@@ -340,7 +340,7 @@ MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 def _cell_styles(cells: list[dict[str, Any]]) -> dict[str, tuple[Any, str]]:
     """A colour per value of the first varying axis besides ``kind``, a marker per value of
     the second; keyed by cell key."""
-    from decode.plots import _pyplot
+    from draftsmith.decode.measure.plots import _pyplot
 
     varying = [
         axis
@@ -372,7 +372,7 @@ def _label(cell: dict[str, str], drop: Sequence[str] = ()) -> str:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run (or continue) the grid, plot it and print the table; return the results."""
-    from train.config import read_recipe
+    from draftsmith.train.config import read_recipe
 
     args = parse_args(argv)
     grid = parse_grid(args.grid)
@@ -437,10 +437,10 @@ def report(results: dict[str, Any], output: Path) -> None:
 
 if __name__ == "__main__":
     # Before torch loads OpenMP: idle threads sleep at once only where ranks share the cores.
-    from decode.cpu_threads import default_openmp_wait_policy
+    from draftsmith.decode.cpu_threads import default_openmp_wait_policy
 
     default_openmp_wait_policy()
-    from decode.command_line import run_command
+    from draftsmith.decode.command_line import run_command
 
     outcome = run_command(main)
     sys.exit(1 if outcome.get("failed") else 0)

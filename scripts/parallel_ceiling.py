@@ -4,7 +4,7 @@
 
 The target continues held-out prompts at T = 1; at evenly spread points of each continuation
 the committed text is a context, and for each draft depth k >= 2 the script reports the best
-acceptance any proposal fixed from the context alone can reach (``decode.parallel_ceiling``:
+acceptance any proposal fixed from the context alone can reach (``draftsmith.decode.measure.parallel_ceiling``:
 the depth-k law averaged over the target's own paths to it), what the forward-KL optimum (the
 mixture of those laws) reaches, and the tokens per verify pass a chain of parallel drafts
 would reach at the caps, against ``N + 1`` for a chain drafter. Compare the caps with a
@@ -21,8 +21,8 @@ from typing import Any
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from decode.side_by_side import seed_value
-    from train.target_model import add_target_arguments
+    from draftsmith.decode.measure.side_by_side import seed_value
+    from draftsmith.train.target.model import add_target_arguments
 
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -56,10 +56,9 @@ def contexts_of(
 ) -> list[Any]:
     """Prompt plus the first i sampled tokens, at ``--contexts-per-prompt`` spread values of i."""
     import torch
-
-    from decode.sampling import SamplingConfig
-    from decode.side_by_side import check_context
-    from train.generation import left_pad, sample_continuations
+    from draftsmith.decode.measure.side_by_side import check_context
+    from draftsmith.decode.sampling import SamplingConfig
+    from draftsmith.train.generation import left_pad, sample_continuations
 
     generator = torch.Generator().manual_seed(args.seed)
     contexts = []
@@ -89,17 +88,16 @@ def contexts_of(
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     import torch
-
-    from decode.command_line import check_output_file
+    from draftsmith.decode.command_line import check_output_file
 
     if args.output is not None:  # before the measurement, which a bad path would waste
         check_output_file(args.output, "--output")
 
-    from data.atomic_io import write_json_atomic
-    from decode.parallel_ceiling import parallel_ceilings, tau_cap
-    from decode.precision import announce, choose_dtype
-    from decode.prompts import load_eval_prompts
-    from train.target_model import load_target, resolve_target
+    from draftsmith.data.atomic_io import write_json_atomic
+    from draftsmith.decode.measure.parallel_ceiling import parallel_ceilings, tau_cap
+    from draftsmith.decode.measure.prompts import load_eval_prompts
+    from draftsmith.decode.precision import announce, choose_dtype
+    from draftsmith.train.target.model import load_target, resolve_target
 
     # The target's name and the prompts are checked before the target loads.
     ref = resolve_target(args.target)
@@ -142,9 +140,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 if __name__ == "__main__":
     # Before torch loads OpenMP: idle threads sleep at once only where ranks share the cores.
-    from decode.cpu_threads import default_openmp_wait_policy
+    from draftsmith.decode.cpu_threads import default_openmp_wait_policy
 
     default_openmp_wait_policy()
-    from decode.command_line import run_command
+    from draftsmith.decode.command_line import run_command
 
     run_command(main)

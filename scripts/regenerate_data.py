@@ -16,7 +16,7 @@ With ``--endpoint`` the target is not loaded here: any OpenAI-compatible server 
 applies the chat template), text prompts through /v1/completions; ``--concurrency`` requests
 at a time, retried with exponential backoff on connection errors, 429 and 5xx. The output is
 appended record by record and a rerun answers only the prompts still missing
-(``train.regenerate_endpoint``); the exit status is 1 when any prompt failed::
+(``draftsmith.train.regeneration.endpoint``); the exit status is 1 when any prompt failed::
 
     vllm serve Qwen/Qwen2.5-7B-Instruct --port 8000 &
     python scripts/regenerate_data.py --endpoint http://127.0.0.1:8000/v1 \\
@@ -33,14 +33,14 @@ from typing import Any
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from decode.side_by_side import (
+    from draftsmith.decode.measure.side_by_side import (
         at_least_one,
         at_least_zero,
         seed_value,
         temperature_value,
         top_p_value,
     )
-    from train.target_model import add_target_arguments
+    from draftsmith.train.target.model import add_target_arguments
 
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -113,7 +113,7 @@ def flags_problem(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     """What is wrong with ``args`` before anything loads: an empty value, a stdlib prompt
     length that cannot be cut, a flag given where it does nothing (it would be ignored
     silently), a bad ``--output`` path; None when nothing is."""
-    from decode.command_line import check_output_file
+    from draftsmith.decode.command_line import check_output_file
 
     def given(flag: str) -> bool:
         dest = flag[2:].replace("-", "_")
@@ -162,12 +162,11 @@ def main(argv: list[str] | None = None) -> dict:
     if args.endpoint is not None:
         return _through_endpoint(args)
     import torch
-
-    from decode.precision import announce, choose_dtype
-    from decode.sampling import SamplingConfig
-    from decode.side_by_side import check_context
-    from train.regenerate import check_prompts, prompt_ids, regenerate
-    from train.target_model import load_target, resolve_target
+    from draftsmith.decode.measure.side_by_side import check_context
+    from draftsmith.decode.precision import announce, choose_dtype
+    from draftsmith.decode.sampling import SamplingConfig
+    from draftsmith.train.regeneration.in_process import check_prompts, prompt_ids, regenerate
+    from draftsmith.train.target.model import load_target, resolve_target
 
     ref = resolve_target(args.target)
     # A prompts file is read before the target loads: a bad file costs no loading time.
@@ -205,14 +204,14 @@ def main(argv: list[str] | None = None) -> dict:
 
 def _prompts(args: argparse.Namespace, tokenizer: Any) -> list:
     """The prompts ``--prompts`` names, at most ``--num-prompts`` (1000 from the corpus)."""
-    from train.regenerate import corpus_definition_prompts, corpus_prompts
+    from draftsmith.train.regeneration.in_process import corpus_definition_prompts, corpus_prompts
 
     count = args.num_prompts or 1000
     if args.prompts == "stdlib":
         return corpus_prompts(tokenizer, args.prompt_tokens, count, args.max_files)
     if args.prompts == "stdlib-defs":
         return corpus_definition_prompts(count, args.max_files, args.prompt_chars)
-    from data.sources import load_prompts
+    from draftsmith.data.sources import load_prompts
 
     prompts = load_prompts(args.prompts, args.prompt_field, args.messages_field)
     return prompts[: args.num_prompts] if args.num_prompts else prompts
@@ -222,7 +221,7 @@ def _through_endpoint(args: argparse.Namespace) -> dict:
     """Regenerate through a served engine; the summary (``failed`` > 0: exit status 1)."""
     from dataclasses import asdict
 
-    from train.regenerate_endpoint import (
+    from draftsmith.train.regeneration.endpoint import (
         EndpointConfig,
         GenerationSettings,
         regenerate_through_endpoint,
@@ -238,7 +237,7 @@ def _through_endpoint(args: argparse.Namespace) -> dict:
     )
     tokenizer = None
     if args.prompts == "stdlib":
-        from train.target_model import load_tokenizer, resolve_target, target_location
+        from draftsmith.train.target.model import load_tokenizer, resolve_target, target_location
 
         tokenizer = load_tokenizer(target_location(resolve_target(args.target))[0])
     prompts = _prompts(args, tokenizer)
@@ -272,10 +271,10 @@ def _through_endpoint(args: argparse.Namespace) -> dict:
 
 if __name__ == "__main__":
     # Before torch loads OpenMP: idle threads sleep at once only where ranks share the cores.
-    from decode.cpu_threads import default_openmp_wait_policy
+    from draftsmith.decode.cpu_threads import default_openmp_wait_policy
 
     default_openmp_wait_policy()
-    from decode.command_line import run_command
+    from draftsmith.decode.command_line import run_command
 
     result = run_command(main)
     sys.exit(1 if result.get("failed") else 0)

@@ -11,7 +11,7 @@ which file under docs/results/. The tables are written from what the tools saved
 job's ``summary.json`` (copied to ``docs/results/main_job.json``, or the record ``--into``
 names, by ``--main-job``), the
 benchmark's ``--json`` file and the ablation tool's ``ablation.json`` files (their Markdown is
-``train.ablation_report``'s own). ``--check`` also lists result figures (speedups, tau,
+``draftsmith.train.ablation.report``'s own). ``--check`` also lists result figures (speedups, tau,
 spreads, gains) typed outside the marked sections, so every figure has a source file; fenced
 blocks (commands, example output) and text between ``<!-- quoted -->`` and ``<!-- /quoted -->``
 (figures quoted from a published source the text names) are exempt.
@@ -28,8 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from decode.machine import describe_machine
-from decode.side_by_side import UNREPRODUCED_TIMING
+from draftsmith.decode.measure.machine import describe_machine
+from draftsmith.decode.measure.side_by_side import UNREPRODUCED_TIMING
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path("docs/results")
@@ -190,7 +190,7 @@ def main_job_run(summary: dict[str, Any]) -> str:
 
 
 def _trained_in(summary: dict[str, Any]) -> str:
-    """The run's training dtype and why (``decode.precision``), where the summary records it."""
+    """The run's training dtype and why (``draftsmith.decode.precision``), where the summary records it."""
     if "dtype" not in summary:
         return ""
     reason = summary.get("dtype_reason")
@@ -417,16 +417,16 @@ def _speed_tau(by_t: dict[str, dict[str, Any]], temperatures: list[str]) -> list
 
 def ablation_tables(path: Path) -> str:
     """The ablation tool's own Markdown of a results file."""
-    from train.ablation_report import format_markdown
-    from train.ablation_results import read_results
+    from draftsmith.train.ablation.report import format_markdown
+    from draftsmith.train.ablation.results import read_results
 
     return format_markdown(read_results(REPO / path)).rstrip("\n")
 
 
 def depth_overlaps_table(path: Path) -> str:
     """One row per cell: the held-out overlap at every draft depth and tau, mean ± std."""
-    from train.ablation_report import _mean_std, tau_source, temperatures_of
-    from train.ablation_results import read_results, summarize
+    from draftsmith.train.ablation.report import _mean_std, tau_source, temperatures_of
+    from draftsmith.train.ablation.results import read_results, summarize
 
     results = read_results(REPO / path)
     cells = summarize(results["runs"])  # from the runs: every figure today's summary keeps
@@ -492,8 +492,8 @@ def decoding_table(path: Path) -> str:
     """One row per cell: tau, drafting time per round and decoding tokens/s at each
     temperature, mean ± std over seeds; then every other cell against the first (ratios of the
     means: P-EAGLE against EAGLE-3 in a ``kind`` grid)."""
-    from train.ablation_report import _mean_std, temperatures_of
-    from train.ablation_results import read_results, summarize
+    from draftsmith.train.ablation.report import _mean_std, temperatures_of
+    from draftsmith.train.ablation.results import read_results, summarize
 
     cells = [
         entry
@@ -542,8 +542,8 @@ def _ratio(value: dict[str, float] | None, base: dict[str, float] | None) -> str
 
 def follow_ups_table(folder: Path = RESULTS / "ablation150") -> str:
     """One row per cell of each follow-up results file: overlap@1 and tau, mean ± std."""
-    from train.ablation_report import _mean_std, tau_source, temperatures_of
-    from train.ablation_results import read_results
+    from draftsmith.train.ablation.report import _mean_std, tau_source, temperatures_of
+    from draftsmith.train.ablation.results import read_results
 
     header = ["results file", "cell", "seeds", "overlap@1"]
     rows: list[list[str]] = []
@@ -694,7 +694,7 @@ NOT_A_NUMBER = re.compile(r"\b(nan|inf)\b")
 def take_main_job(run_dir: Path, destination: Path = REPO / MAIN_JOB) -> None:
     """Copy a main-job run's ``summary.json`` to ``docs/results/main_job.json``, once its
     sections render from it: a record that does not would break every later report."""
-    from decode.loading import read_json_object
+    from draftsmith.decode.loading import read_json_object
 
     if not run_dir.is_dir():
         raise FileNotFoundError(
@@ -765,6 +765,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from decode.command_line import run_command
+    from draftsmith.decode.command_line import run_command
 
     sys.exit(run_command(main))

@@ -15,7 +15,9 @@ from tiny_models import tiny_llama, tiny_qwen2
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("DRAFTSMITH_THREADS", "1")  # what commands run here use (decode.cpu_threads)
+os.environ.setdefault(
+    "DRAFTSMITH_THREADS", "1"
+)  # what commands run here use (draftsmith.decode.cpu_threads)
 # Tiny models are dominated by per-op overhead; one thread is faster and deterministic, and
 # on a shared 2-core machine more threads only fight each other.
 torch.set_num_threads(1)

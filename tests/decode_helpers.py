@@ -5,11 +5,10 @@ from __future__ import annotations
 import copy
 
 import torch
-
-from decode.drafters.base import Drafter, DraftProposal, TargetPass, TreeSpec
-from decode.drafters.hybrid import HybridDrafter
-from decode.drafters.ngram import NgramDrafter
-from decode.sampling import SamplingConfig, logits_to_probs
+from draftsmith.decode.drafters.base import Drafter, DraftProposal, TargetPass, TreeSpec
+from draftsmith.decode.drafters.hybrid import HybridDrafter
+from draftsmith.decode.drafters.ngram import NgramDrafter
+from draftsmith.decode.sampling import SamplingConfig, logits_to_probs
 
 
 def noisy_copy(model: torch.nn.Module, scale: float, seed: int = 7) -> torch.nn.Module:
@@ -92,8 +91,8 @@ def tiny_eagle_drafter(
 ):
     """A random EAGLE-3 head on the target's own LM head, so drafts are sometimes right; with
     ``draft_vocab_size`` a random head over that pruned vocabulary instead."""
-    from decode.drafters.eagle import Eagle3Config, Eagle3Head
-    from decode.drafters.eagle_drafter import Eagle3Drafter
+    from draftsmith.decode.drafters.eagle.drafter import Eagle3Drafter
+    from draftsmith.decode.drafters.eagle.head import Eagle3Config, Eagle3Head
 
     torch.manual_seed(0)
     config = Eagle3Config.for_target(
@@ -120,7 +119,7 @@ def randomize_later_layers(head: torch.nn.Module, scale: float = 0.2) -> None:
 
 def tiny_peagle_drafter(target: torch.nn.Module, num_depths: int = 3, num_layers: int = 1):
     """A random P-EAGLE head on the target's own LM head, so drafts are sometimes right."""
-    from decode.drafters.peagle import PEagleConfig, PEagleDrafter, PEagleHead
+    from draftsmith.decode.drafters.eagle.peagle import PEagleConfig, PEagleDrafter, PEagleHead
 
     torch.manual_seed(0)
     config = PEagleConfig.for_target(
@@ -135,7 +134,7 @@ def tiny_peagle_drafter(target: torch.nn.Module, num_depths: int = 3, num_layers
 
 def tiny_medusa_drafter(target: torch.nn.Module, num_heads: int = 3):
     """Medusa heads from the target's LM head with random residual blocks."""
-    from decode.drafters.medusa import MedusaDrafter, MedusaHeads
+    from draftsmith.decode.drafters.medusa import MedusaDrafter, MedusaHeads
 
     heads = MedusaHeads.from_target(target, num_heads=num_heads).double()
     generator = torch.Generator().manual_seed(0)

@@ -12,10 +12,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from draftsmith.decode.drafters.eagle.head import Eagle3Config, Eagle3Head, build_vocab_maps
+from draftsmith.decode.drafters.medusa import MedusaHeads
 from tiny_models import tiny_causal_lm
-
-from decode.drafters.eagle import Eagle3Config, Eagle3Head, build_vocab_maps
-from decode.drafters.medusa import MedusaHeads
 
 ENGINE_VOCAB = 256
 
@@ -109,11 +108,10 @@ def fit_peagle(
 ):
     """A P-EAGLE head trained on ``corpus`` through its own objective (forward KL, every
     anchor kept), its mask token the corpus's rarest."""
+    from draftsmith.decode.drafters.eagle.peagle import PEagleConfig, PEagleHead
+    from draftsmith.train.losses import build_loss
+    from draftsmith.train.objectives.peagle import PEagleObjective
     from objective_helpers import bind, train
-
-    from decode.drafters.peagle import PEagleConfig, PEagleHead
-    from train.losses import build_loss
-    from train.objectives.peagle import PEagleObjective
 
     torch.manual_seed(0)
     config = PEagleConfig.for_target(

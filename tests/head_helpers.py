@@ -13,12 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from decode.cached_sequence import CachedSequence
-from decode.drafters.base import TargetPass
-from decode.sampling import SamplingConfig
-from decode.tree import tree_attention_mask, tree_positions
-from decode.tree_verify import TreeVerification
+from draftsmith.decode.drafters.base import TargetPass
+from draftsmith.decode.forward.cached_sequence import CachedSequence
+from draftsmith.decode.sampling import SamplingConfig
+from draftsmith.decode.trees.layout import tree_attention_mask, tree_positions
+from draftsmith.decode.trees.verify import TreeVerification
 
 PROMPTS = [[5, 17, 9, 33, 2, 40], [7, 21, 8]]
 """A ragged batch of two prompts, left-padded with 0 by :func:`padded_prefill`."""

@@ -7,14 +7,13 @@ from pathlib import Path
 from typing import TypeVar
 
 import torch
-
-from decode.drafters.base import TreeSpec
-from decode.drafters.registry import load_drafter
-from decode.engine import SpeculativeDecoder
-from decode.sampling import SamplingConfig
-from train.generation import sample_continuations
-from train.loop import make_accelerator
-from train.objectives import Objective
+from draftsmith.decode.drafters.base import TreeSpec
+from draftsmith.decode.drafters.registry import load_drafter
+from draftsmith.decode.engine import SpeculativeDecoder
+from draftsmith.decode.sampling import SamplingConfig
+from draftsmith.train.generation import sample_continuations
+from draftsmith.train.loop import make_accelerator
+from draftsmith.train.objectives import Objective
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -109,7 +108,7 @@ def cached_batch(
 ) -> dict[str, torch.Tensor]:
     """``batch`` written to an offline target cache (top-``k``, hidden states ``layers``) and
     read back as a training batch."""
-    from data.cache import TargetCache, TargetCacheWriter, collate_cached
+    from draftsmith.data.cache import TargetCache, TargetCacheWriter, collate_cached
 
     rows = batch["input_ids"].shape[0]
     with torch.no_grad(), TargetCacheWriter(folder, k, hidden_layer_ids=layers) as writer:

@@ -5,18 +5,22 @@ from __future__ import annotations
 
 import inspect
 
+from draftsmith.decode.defaults import (
+    ADAPTIVE_DRAFT_TOKENS,
+    NUM_DRAFT_TOKENS,
+    TREE_TOP_K,
+    TREE_TOTAL_TOKENS,
+)
+from draftsmith.decode.drafters.base import TreeSpec
+from draftsmith.decode.engine import SpeculativeDecoder
+from draftsmith.decode.measure.evaluate import build_parser
+from draftsmith.decode.measure.side_by_side import EvalSettings
+from draftsmith.decode.serving.app import OpenAIServer
+from draftsmith.decode.serving.config import ServeConfig
+from draftsmith.train.ablation.grid import GridSettings
+from draftsmith.train.config import SpeedEvalConfig
+from draftsmith.train.speed_report import measure_and_report
 from script_helpers import load_script
-
-from decode.defaults import ADAPTIVE_DRAFT_TOKENS, NUM_DRAFT_TOKENS, TREE_TOP_K, TREE_TOTAL_TOKENS
-from decode.drafters.base import TreeSpec
-from decode.engine import SpeculativeDecoder
-from decode.evaluate import build_parser
-from decode.serving.app import OpenAIServer
-from decode.serving.config import ServeConfig
-from decode.side_by_side import EvalSettings
-from train.ablation import GridSettings
-from train.config import SpeedEvalConfig
-from train.speed_report import measure_and_report
 
 
 def _default(function, name: str):

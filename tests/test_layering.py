@@ -51,8 +51,8 @@ ARROWS: tuple[Arrow, ...] = (
         "decode",
         "data",
         "evaluation prompts (the demo set is cut from the corpus, prompt files are records) and "
-        "the atomic write of evaluate's JSON report (data.atomic_io, the one atomic writer)",
-        only=frozenset({"decode/prompts.py", "decode/evaluate.py"}),
+        "the atomic write of evaluate's JSON report (draftsmith.data.atomic_io, the one atomic writer)",
+        only=frozenset({"decode/measure/prompts.py", "decode/measure/evaluate.py"}),
     ),
 )
 
@@ -124,7 +124,8 @@ def _imports(path: Path, module: str, *, runtime_only: bool) -> list[str]:
             for alias in node.names:
                 submodule = f"{source}.{alias.name}"
                 names.append(submodule if submodule in GRAPH_FILES else source)
-    return names
+    # The layered packages install as draftsmith.<layer>; the graph names them by their folder.
+    return [name.removeprefix("draftsmith.") for name in names]
 
 
 def _project_module(name: str) -> str | None:
@@ -282,13 +283,13 @@ def test_no_module_shadows_an_installed_package(package: str) -> None:
 
 
 def test_the_decoder_loads_nothing_of_data() -> None:
-    """Only ``decode/prompts.py`` and ``decode/evaluate.py``'s report writer draw
+    """Only ``decode/measure/prompts.py`` and ``decode/measure/evaluate.py``'s report writer draw
     ``decode/ -> data/``, and nothing the decoder, the evaluation loop or the server need at
     import time imports ``data/``."""
     import subprocess
 
     code = (
-        "import sys, decode, decode.engine, decode.evaluate, decode.drafters.registry\n"
+        "import sys, decode, draftsmith.decode.engine, draftsmith.decode.measure.evaluate, draftsmith.decode.drafters.registry\n"
         "print(sorted(m for m in sys.modules if m == 'data' or m.startswith('data.')))"
     )
     out = subprocess.run(

@@ -96,7 +96,7 @@ TINY_TEXTS = [
 
 def tiny_tokenizer(vocab_size: int = 300):
     """A byte-level BPE with the demo target's special tokens, trained on a few snippets."""
-    from data.tokenizer import train_byte_level_bpe
+    from draftsmith.data.tokenizer import train_byte_level_bpe
 
     return train_byte_level_bpe(TINY_TEXTS, vocab_size=vocab_size, min_frequency=1)
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import torch
 from decode_helpers import chi_square_p_value
-
-from decode.sampling import SamplingConfig, logits_to_probs
+from draftsmith.decode.sampling import SamplingConfig, logits_to_probs
 
 PROMPT = [5, 9, 5, 9, 5, 9, 5]
 VOCAB = 64

@@ -9,7 +9,7 @@ A checkpoint is ``<root>/checkpoint-<step:07d>/``:
 - ``rng_state_<rank>.json`` per process: Python's, NumPy's and torch's generator states;
 - ``objective_state_<rank>.safetensors`` per process: the objective's own state (its sampling
   generators, say) as tensors, with any scalar leaves as JSON in the file's metadata;
-- ``provenance.json`` (``train.provenance``, as in the exported folder: the resolved config,
+- ``provenance.json`` (``draftsmith.train.provenance``, as in the exported folder: the resolved config,
   git revision, package versions, platform, time), when the manager was given the config;
 - ``trainer_state.json`` (step, data position, tokens seen, elapsed time), written last.
 
@@ -39,11 +39,10 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 from accelerate import Accelerator
+from draftsmith.data.atomic_io import replace_folder, write_json_atomic
+from draftsmith.train.provenance import PROVENANCE_FILE, build_provenance
 from safetensors import safe_open
 from safetensors.torch import save_file
-
-from data.atomic_io import replace_folder, write_json_atomic
-from train.provenance import PROVENANCE_FILE, build_provenance
 
 STATE_FILE = "trainer_state.json"
 _PATTERN = re.compile(r"^checkpoint-(\d+)$")

@@ -37,16 +37,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
-from decode.cpu_threads import check_thread_count
-from decode.defaults import (
+from draftsmith.decode.cpu_threads import check_thread_count
+from draftsmith.decode.defaults import (
     ADAPTIVE_DRAFT_TOKENS,
     DEMO_PROMPT_CHARS,
     MAX_SEED,
     NUM_DRAFT_TOKENS,
     TREE_TOP_K,
 )
-from decode.precision import DtypeChoice, choose_training_dtype
-from decode.yaml_values import describe_type, describe_value, load_plain_yaml, typed_value
+from draftsmith.decode.precision import DtypeChoice, choose_training_dtype
+from draftsmith.decode.yaml_values import (
+    describe_type,
+    describe_value,
+    load_plain_yaml,
+    typed_value,
+)
 
 DEMO_TARGET_PRESETS = ("demo", "bench", "tiny")
 TARGET_OUTPUTS = ("online", "cache", "cache_only")
@@ -59,7 +64,7 @@ DRAFTER_INITS = ("random", "embeddings", "target_layers")
 REPORTERS = ("wandb", "tensorboard", "none")
 MIXED_PRECISION = ("auto", "no", "bf16", "fp16")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-LR_SCHEDULERS = ("cosine", "linear", "constant")  # train.loop.SCHEDULES
+LR_SCHEDULERS = ("cosine", "linear", "constant")  # draftsmith.train.loop.SCHEDULES
 EXPORT_FORMATS_BY_KIND = {  # drafter kind -> the --export_format layouts it writes
     "eagle3": ("vllm", "sglang", "speculators"),
     "medusa": ("vllm",),
@@ -101,7 +106,7 @@ class TargetConfig:
     )
     dtype: str = _f(
         "auto",
-        "dtype of the run (decode.precision): the frozen target's weights and the drafter's "
+        "dtype of the run (draftsmith.decode.precision): the frozen target's weights and the drafter's "
         "autocast; auto: bfloat16 where the CPU has AVX512-BF16/AMX kernels or the GPU "
         f"supports it, float32 elsewhere; {', '.join(DTYPES)}",
     )
@@ -244,7 +249,7 @@ class DataConfig:
 
 @dataclass
 class LossConfig:
-    """The distillation objective (train.losses)."""
+    """The distillation objective (draftsmith.train.losses)."""
 
     loss: str = _f(
         "0.5*fkl+0.5*tv",
@@ -280,7 +285,7 @@ class LossConfig:
 
 @dataclass
 class OptimConfig:
-    """Optimisation (train.loop.LoopConfig)."""
+    """Optimisation (draftsmith.train.loop.LoopConfig)."""
 
     learning_rate: float = _f(2e-3, "peak AdamW learning rate")
     weight_decay: float = _f(0.0, "AdamW weight decay on matrices")
@@ -353,7 +358,7 @@ class SpeedEvalConfig:
     speed_eval_repeats: int = _f(
         1,
         "interleaved passes over the prompts, each prompt timed by its fastest pass of the same "
-        "tokens (decode.side_by_side): 2 on a shared machine",
+        "tokens (draftsmith.decode.measure.side_by_side): 2 on a shared machine",
     )
     speed_eval_temperatures: list[float] = field(
         default_factory=lambda: [0.0, 1.0],
@@ -594,7 +599,7 @@ class DistillConfig:
         self._validate_large_target()
 
     def _validate_schedule(self) -> None:
-        """The loop's settings (``train.loop.LoopConfig``), checked before any model loads."""
+        """The loop's settings (``draftsmith.train.loop.LoopConfig``), checked before any model loads."""
         if not 0.0 <= self.optim.min_lr_ratio <= 1.0:
             raise ValueError(
                 f"--min_lr_ratio must lie in [0, 1] (final learning rate / peak), got "

@@ -6,10 +6,10 @@
     ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 \\
         train/distill.py --config configs/tiny.yaml           # two CPU ranks over gloo
 
-Tests call ``train.distill.main(argv)``. The run folder (``--output_dir``) receives
+Tests call ``draftsmith.train.distill.main(argv)``. The run folder (``--output_dir``) receives
 ``checkpoints/`` (every ``--checkpoint_every`` steps and at the end, the last
 ``--keep_checkpoints`` kept), ``logs/metrics.jsonl``, the tracker runs, ``summary.json`` and the
-exported ``drafter/`` that ``decode.drafters.load_drafter`` reads. Everything that can be
+exported ``drafter/`` that ``draftsmith.decode.drafters.load_drafter`` reads. Everything that can be
 checked without training (target path, loss name, drafter kind, vocabularies, data) is checked
 before the first step.
 
@@ -29,14 +29,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
-
-    from train.config import DistillConfig
-    from train.loop import LoopConfig
+    from draftsmith.train.config import DistillConfig
+    from draftsmith.train.loop import LoopConfig
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Parse ``argv`` (default: ``sys.argv[1:]``), train, export; return the run summary."""
-    from train.config import parse_config
+    from draftsmith.train.config import parse_config
 
     config = parse_config(sys.argv[1:] if argv is None else argv)
     return distill(config)
@@ -46,11 +45,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 class _Plan:
     """What the checks that need no model settle: they fail before anything loads or trains."""
 
-    loss: Any  # train.losses.Loss
+    loss: Any  # draftsmith.train.losses.Loss
     objective_cls: type
-    target_ref: Any  # train.target_model.resolve_target's answer
+    target_ref: Any  # draftsmith.train.target.model.resolve_target's answer
     output_dir: Path
-    checkpoints: Any  # train.checkpoint.CheckpointManager
+    checkpoints: Any  # draftsmith.train.checkpoint.CheckpointManager
     resume: Path | None
 
 
@@ -63,12 +62,12 @@ class _Run:
     location: Any  # the target's folder
     target_name: str
     tokenizer: Any
-    objective: Any  # train.objectives.Objective
+    objective: Any  # draftsmith.train.objectives.Objective
     description: str  # the training data, for the model card
     train_rows: Any
     eval_rows: list[dict[str, Any]]
-    cache_stats: Any = None  # train.target_cache's statistics with target_outputs: cache
-    target_memory: Any = None  # train.target_sharding.target_memory_report's answer
+    cache_stats: Any = None  # draftsmith.train.target.cache's statistics with target_outputs: cache
+    target_memory: Any = None  # draftsmith.train.target.sharding.target_memory_report's answer
 
 
 def distill(config: DistillConfig) -> dict[str, Any]:
@@ -85,10 +84,10 @@ def distill(config: DistillConfig) -> dict[str, Any]:
 
 def _plan(config: DistillConfig) -> _Plan:
     """Check the loss, the kind, the target reference and the run folder; find the resume point."""
-    from train.checkpoint import CheckpointManager
-    from train.losses import build_loss
-    from train.objectives import get_objective_class
-    from train.target_model import resolve_target
+    from draftsmith.train.checkpoint import CheckpointManager
+    from draftsmith.train.losses import build_loss
+    from draftsmith.train.objectives import get_objective_class
+    from draftsmith.train.target.model import resolve_target
 
     loss = build_loss(config.loss.loss)
     objective_cls = get_objective_class(config.drafter.drafter_kind)
@@ -104,10 +103,10 @@ def _plan(config: DistillConfig) -> _Plan:
 
 def _start(config: DistillConfig, plan: _Plan) -> tuple[Accelerator, list[str], Any, str]:
     """The accelerator and the target's folder (a missing demo target built on one process)."""
-    from decode.cpu_threads import set_cpu_threads
-    from decode.precision import announce
-    from train.loop import make_accelerator
-    from train.target_model import target_location, target_on_main_first
+    from draftsmith.decode.cpu_threads import set_cpu_threads
+    from draftsmith.decode.precision import announce
+    from draftsmith.train.loop import make_accelerator
+    from draftsmith.train.target.model import target_location, target_on_main_first
 
     # Threads first: `accelerate launch` starts a single process with OMP_NUM_THREADS=1, and a
     # missing demo target built before this point would train on one core of many.
@@ -146,9 +145,9 @@ def _load(
     target_name: str,
 ) -> _Run:
     """Tokenizer, data (its errors before the model loads), target, objective and the rows."""
-    from train.distill_cache import cached_eval_rows, cached_training_rows
-    from train.distill_data import evaluation_rows, load_sequences, regenerated_rows
-    from train.target_model import load_tokenizer
+    from draftsmith.train.distill_cache import cached_eval_rows, cached_training_rows
+    from draftsmith.train.distill_data import evaluation_rows, load_sequences, regenerated_rows
+    from draftsmith.train.target.model import load_tokenizer
 
     remote = config.target.trust_remote_code
     tokenizer = load_tokenizer(location, remote)
@@ -222,7 +221,7 @@ def _device_type() -> str:
 def _load_target(config: DistillConfig, location: Any, accelerator: Accelerator) -> Any:
     """The frozen target: whole on the device, whole on the host until it is sharded, or
     (``cache_only``) without its decoder layers."""
-    from train.target_model import load_model, load_model_without_layers
+    from draftsmith.train.target.model import load_model, load_model_without_layers
 
     remote = config.target.trust_remote_code
     dtype = config.precision(accelerator.device.type).target_dtype
@@ -243,8 +242,8 @@ def _place_target(
 ) -> tuple[Any, dict[str, Any]]:
     """Shard the target when asked (the objective gets the sharded one), then report what each
     process holds (a collective)."""
-    from train.target_model import checkpoint_bytes, has_decoder_layers
-    from train.target_sharding import (
+    from draftsmith.train.target.model import checkpoint_bytes, has_decoder_layers
+    from draftsmith.train.target.sharding import (
         format_target_memory,
         load_sharded_target,
         shard_target,
@@ -271,7 +270,7 @@ def _place_target(
 
 def _tracker(config: DistillConfig, plan: _Plan, run: _Run) -> Any:
     """The run's trackers (metrics.jsonl plus the configured reporters), resumed in step."""
-    from train.tracking import RunTracker
+    from draftsmith.train.tracking import RunTracker
 
     tracker = RunTracker(
         run.accelerator,
@@ -289,10 +288,10 @@ def _tracker(config: DistillConfig, plan: _Plan, run: _Run) -> Any:
 
 def _train(config: DistillConfig, plan: _Plan, run: _Run, tracker: Any) -> Any:
     """Batch the rows (each process its shard) and run the training loop."""
-    from data.cache import collate_cached
-    from data.sequences import collate_rows
-    from train.batches import ShardedBatches, shard_list
-    from train.loop import run_training
+    from draftsmith.data.cache import collate_cached
+    from draftsmith.data.sequences import collate_rows
+    from draftsmith.train.batches import ShardedBatches, shard_list
+    from draftsmith.train.loop import run_training
 
     accelerator, pad_id = run.accelerator, run.tokenizer.pad_token_id
 
@@ -329,7 +328,7 @@ def _train(config: DistillConfig, plan: _Plan, run: _Run, tracker: Any) -> Any:
 
 def loop_config(config: DistillConfig) -> LoopConfig:
     """The training loop's settings from the recipe's optim and logging sections."""
-    from train.loop import LoopConfig
+    from draftsmith.train.loop import LoopConfig
 
     return LoopConfig(
         max_steps=config.optim.max_steps,
@@ -355,10 +354,10 @@ def _finish(
     config: DistillConfig, plan: _Plan, run: _Run, tracker: Any, result: Any
 ) -> dict[str, Any]:
     """Report the parallel layout, export the drafter, write the summary, measure, push."""
-    from data.atomic_io import write_json_atomic
-    from train.distributed import format_report, parallel_report
-    from train.export import export_drafter, push_to_hub
-    from train.speed_report import measure_recipe_speed
+    from draftsmith.data.atomic_io import write_json_atomic
+    from draftsmith.train.distributed import format_report, parallel_report
+    from draftsmith.train.export.folder import export_drafter, push_to_hub
+    from draftsmith.train.speed_report import measure_recipe_speed
 
     accelerator, output_dir = run.accelerator, plan.output_dir
     parallel = parallel_report(run.objective.module, accelerator)  # a collective
@@ -398,9 +397,9 @@ def _summary(
     wandb_mode: Any,
 ) -> dict[str, Any]:
     """What ``summary.json`` and the model card report about the run."""
-    from decode.machine import machine_record
-    from train.distill_cache import cache_summary
-    from train.distill_data import evaluation_description
+    from draftsmith.decode.measure.machine import machine_record
+    from draftsmith.train.distill_cache import cache_summary
+    from draftsmith.train.distill_data import evaluation_description
 
     return {
         "target": run.target_name,
@@ -461,8 +460,8 @@ def _resume_point(config: DistillConfig, checkpoints: Any) -> Path | None:
 
 def _cache_built(config: DistillConfig, plan: _Plan, run: _Run) -> dict[str, Any]:
     """``--cache_build_only``: the cache is written; report it and the target, train nothing."""
-    from data.atomic_io import write_json_atomic
-    from train.distill_cache import cache_summary
+    from draftsmith.data.atomic_io import write_json_atomic
+    from draftsmith.train.distill_cache import cache_summary
 
     summary = {
         "target": run.target_name,
@@ -510,18 +509,18 @@ def _print_summary(summary: dict[str, Any]) -> None:
 
 
 def _run_as_script() -> None:
-    """``main`` for the command line: a user's mistake (train.checkpoint.CheckpointError is a
+    """``main`` for the command line: a user's mistake (draftsmith.train.checkpoint.CheckpointError is a
     ValueError), a failed Hub upload or a diverged loss is one line and exit status 2."""
-    from decode.command_line import run_command
-    from train.export import HubUploadError
-    from train.loop import NonFiniteLossError
+    from draftsmith.decode.command_line import run_command
+    from draftsmith.train.export.folder import HubUploadError
+    from draftsmith.train.loop import NonFiniteLossError
 
     run_command(main, (HubUploadError, NonFiniteLossError))
 
 
 if __name__ == "__main__":
     # Before torch loads OpenMP: idle threads sleep at once only where ranks share the cores.
-    from decode.cpu_threads import default_openmp_wait_policy
+    from draftsmith.decode.cpu_threads import default_openmp_wait_policy
 
     default_openmp_wait_policy()
     _run_as_script()

@@ -1,6 +1,6 @@
 """The offline target cache (``target_outputs: cache`` or ``cache_only``) joined to a run's rows.
 
-``train.target_cache`` builds and reads a cache of the target's top-k log-probs (and the
+``draftsmith.train.target.cache`` builds and reads a cache of the target's top-k log-probs (and the
 hidden states a head reads) for a list of rows; this module applies the recipe to it: which
 training rows the run will read (no more than its steps take), where the cache lives
 (``cache_dir``, else ``<output_dir>/target_cache``), the held-out rows scored beside them so
@@ -14,8 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
-
-    from train.config import DistillConfig
+    from draftsmith.train.config import DistillConfig
 
 
 def cached_training_rows(
@@ -29,7 +28,7 @@ def cached_training_rows(
     output_dir: Path,
 ) -> tuple[Any, Any]:
     """Limit the rows to what the run will read, cache the target on them, join the two."""
-    from data.sequences import take
+    from draftsmith.data.sequences import take
 
     needed = (
         config.optim.max_steps
@@ -59,7 +58,12 @@ def _cache_rows(
 ) -> tuple[Any, Any]:
     """Build (every process its share) or reuse the cache of ``rows`` in ``folder``; with
     ``cache_only`` open it, refusing a missing cache or one of another key."""
-    from train.target_cache import build_or_reuse_cache, cache_key, cache_stats, open_cached_rows
+    from draftsmith.train.target.cache import (
+        build_or_reuse_cache,
+        cache_key,
+        cache_stats,
+        open_cached_rows,
+    )
 
     data = config.data
     key = {"target": target_name}  # the rows enter the key by their tokens (cache_key)

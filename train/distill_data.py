@@ -1,6 +1,6 @@
 """Training and held-out sequences for distillation: the recipe's data section applied.
 
-Reading, tokenising and splitting the source is ``data.sequences`` (which takes plain field
+Reading, tokenising and splitting the source is ``draftsmith.data.sequences`` (which takes plain field
 names); this module passes it the recipe's values and builds the held-out set the overlap
 metric is measured on. By default that is held-out prompts continued by the target itself
 (``eval_source: target_samples``): acceptance is measured on the target's own outputs
@@ -19,24 +19,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-
-from data.atomic_io import write_json_atomic
-from data.sequences import Row, SequenceSets
-from data.sequences import load_sequences as load_source_sequences
-from decode.sampling import SamplingConfig
-from train.generation import left_pad, sample_continuations
+from draftsmith.data.atomic_io import write_json_atomic
+from draftsmith.data.sequences import Row, SequenceSets
+from draftsmith.data.sequences import load_sequences as load_source_sequences
+from draftsmith.decode.sampling import SamplingConfig
+from draftsmith.train.generation import left_pad, sample_continuations
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
+    from draftsmith.train.config import DataConfig, DistillConfig
     from transformers import PreTrainedTokenizerBase
-
-    from train.config import DataConfig, DistillConfig
 
 
 def load_sequences(
     config: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int
 ) -> SequenceSets:
-    """``data.sequences.load_sequences`` with the recipe's data settings."""
+    """``draftsmith.data.sequences.load_sequences`` with the recipe's data settings."""
     return load_source_sequences(
         config.dataset,
         tokenizer,
@@ -77,11 +75,11 @@ def definition_prompts_of_rows(
 
     Each row is decoded to text and gives at most one prompt: the ``chars`` characters of code
     up to and including its first ``def``/``class`` line past ``chars`` characters
-    (``decode.prompts.definition_prompts``), re-encoded, kept when it has at most ``max_tokens``
+    (``draftsmith.decode.measure.prompts.definition_prompts``), re-encoded, kept when it has at most ``max_tokens``
     tokens. Rows are visited with a stride that spreads the ``count`` prompts over all of them
     (rows 0, s, 2s, ..., then 1, s + 1, ...), so every process builds the same list.
     """
-    from decode.prompts import definition_prompts
+    from draftsmith.decode.measure.prompts import definition_prompts
 
     stride = max(1, len(rows) // max(count, 1))
     visits = (i for offset in range(stride) for i in range(offset, len(rows), stride))
@@ -181,7 +179,7 @@ def regenerated_rows_file(target: torch.nn.Module, settings: dict[str, Any]) -> 
     weights = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
     if not weights:
         return None
-    from train.demo_target import user_cache_dir
+    from draftsmith.train.target.demo import user_cache_dir
 
     stamp = [(w.name, w.stat().st_size, w.stat().st_mtime_ns) for w in weights]
     dtype = str(next(target.parameters()).dtype)

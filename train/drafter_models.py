@@ -20,9 +20,8 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from draftsmith.train.config import DrafterConfig
     from transformers import PreTrainedModel
-
-    from train.config import DrafterConfig
 
 
 def vocab_size_of(model: torch.nn.Module) -> int:
@@ -52,12 +51,12 @@ def check_same_vocab(
 def build_draft_lm(config: DrafterConfig, target: PreTrainedModel, seed: int) -> torch.nn.Module:
     """The trainable draft LM described by ``config`` (a peft model when ``lora_rank > 0``).
 
-    ``drafter_path`` loads through ``decode.loading`` (safetensors only, no remote code, NaN or
+    ``drafter_path`` loads through ``draftsmith.decode.loading`` (safetensors only, no remote code, NaN or
     infinite weights refused).
     """
     if config.drafter_path is not None:
-        from decode.drafters.draft_lm import DRAFT_VOCAB_FILE
-        from decode.loading import check_model_finite, load_causal_lm
+        from draftsmith.decode.drafters.draft_lm import DRAFT_VOCAB_FILE
+        from draftsmith.decode.loading import check_model_finite, load_causal_lm
 
         if (Path(config.drafter_path) / DRAFT_VOCAB_FILE).is_file():
             raise ValueError(

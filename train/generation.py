@@ -3,10 +3,10 @@
 Used to build what a drafter must imitate where the target actually goes: held-out sequences
 continued by the target, regenerated responses (``scripts/regenerate_data.py``) and on-policy
 batches continued by the drafter itself (GKD, Agarwal et al. 2024). Tokens are drawn with
-``decode.sampling`` (temperature, then top-k, then top-p, the same transforms decoding uses)
+``draftsmith.decode.sampling`` (temperature, then top-k, then top-p, the same transforms decoding uses)
 from a seeded ``torch.Generator``, so a run replays exactly, resumed or not.
 
-Prompts may be left-padded (``attention_mask`` 0 on the left); ``decode.cached_sequence`` counts
+Prompts may be left-padded (``attention_mask`` 0 on the left); ``draftsmith.decode.forward.cached_sequence`` counts
 positions from each row's first real token, as Hugging Face ``generate`` does.
 """
 
@@ -16,11 +16,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-
-from decode.cached_sequence import CachedSequence
-from decode.lean_decoder import LeanDecoder
-from decode.output_head import OutputHead
-from decode.sampling import SamplingConfig, select_tokens
+from draftsmith.decode.forward.cached_sequence import CachedSequence
+from draftsmith.decode.forward.lean_decoder import LeanDecoder
+from draftsmith.decode.forward.output_head import OutputHead
+from draftsmith.decode.sampling import SamplingConfig, select_tokens
 
 
 @dataclass

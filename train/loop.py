@@ -2,7 +2,7 @@
 
 Every model this project trains (the demo target, every drafter kind) goes through
 ``run_training``; what differs between them lives in an ``Objective``
-(``train.objectives``). The loop owns the optimisation and the bookkeeping:
+(``draftsmith.train.objectives``). The loop owns the optimisation and the bookkeeping:
 
 - AdamW (Loshchilov & Hutter 2019) with weight decay on matrices only;
 - learning rate ``lr(s) = lr_max * s / warmup`` during warmup, then cosine
@@ -14,7 +14,7 @@ Every model this project trains (the demo target, every drafter kind) goes throu
 - a wall-clock budget that stops cleanly (and checkpoints) when it runs out;
 - evaluation every N steps and at the end, checkpoints every N steps and at the end;
 - exact resumption: model, optimizer, scheduler, RNG states, the objective's state and the
-  data position (``train.batches.ShardedBatches`` replays the same batches);
+  data position (``draftsmith.train.batches.ShardedBatches`` replays the same batches);
 - a non-finite loss or gradient norm stops the run with ``NonFiniteLossError`` (naming the
   step and the fix) before the optimizer applies it, and parameters are checked finite before
   every checkpoint and at the end, so a diverged run never checkpoints or exports NaN weights.
@@ -33,11 +33,15 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object
+from draftsmith.train.batches import ShardedBatches
+from draftsmith.train.checkpoint import (
+    STATE_FILE,
+    CheckpointError,
+    CheckpointManager,
+    broken_file_message,
+)
+from draftsmith.train.objectives import Batch, Objective
 from tqdm.auto import tqdm
-
-from train.batches import ShardedBatches
-from train.checkpoint import STATE_FILE, CheckpointError, CheckpointManager, broken_file_message
-from train.objectives import Batch, Objective
 
 LogFn = Callable[[dict[str, float], int], None]
 
@@ -210,7 +214,7 @@ def _check_loop_arguments(
     if accelerator.step_scheduler_with_optimizer:
         raise ValueError(
             "run_training needs Accelerator(step_scheduler_with_optimizer=False): accelerate "
-            "would otherwise step the schedule once per process; use train.loop.make_accelerator"
+            "would otherwise step the schedule once per process; use draftsmith.train.loop.make_accelerator"
         )
     if resume_from is not None and checkpoints is None:
         raise ValueError("resume_from needs a CheckpointManager to load it with")
@@ -413,8 +417,8 @@ def make_accelerator(
             f"{accelerator.num_processes}: they formed no process group. On CPU launch with "
             "ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes N ..."
         )
-    # accelerate drops an FSDP config on CPU ranks (DDP instead): restore it (train.distributed).
-    from train.distributed import enable_cpu_fsdp
+    # accelerate drops an FSDP config on CPU ranks (DDP instead): restore it (draftsmith.train.distributed).
+    from draftsmith.train.distributed import enable_cpu_fsdp
 
     enable_cpu_fsdp(accelerator)
     return accelerator

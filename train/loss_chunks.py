@@ -2,14 +2,14 @@
 
 With Llama-3's vocabulary (V = 128,256) a 2,048-token row has float32 logits of
 ``2048 * 128256 * 4`` bytes = 1.05 GB, for the draft and again for the target, and the losses
-of ``train.losses`` form several more [N, V] tensors (both log-softmaxes, ``exp``, the
+of ``draftsmith.train.losses`` form several more [N, V] tensors (both log-softmaxes, ``exp``, the
 differences) plus their gradients. :func:`chunked_loss_parts` never forms more than
 ``chunk`` rows of any of them: it takes the *hidden states* of both models at the trained
 positions and, ``chunk`` positions at a time, applies each model's output head, scores the
 chunk with the same per-position terms (``Loss.parts`` with ``reduction="sum"``) and adds the
 sums. Each chunk runs under activation checkpointing (``torch.utils.checkpoint``), so its
 [chunk, V] intermediates are dropped after the forward pass and recomputed, one chunk at a
-time, in the backward pass. Every term of ``train.losses`` is a sum over positions of a
+time, in the backward pass. Every term of ``draftsmith.train.losses`` is a sum over positions of a
 function of that position's two rows, so the chunked value is the unchunked one with the
 positions summed in another order, and so are the gradients (tested to 1e-6 at V = 128,256,
 T = 2,048). Peak memory of the loss goes from ``O(T V)`` to ``O(chunk V)``; the price is the
@@ -27,11 +27,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from draftsmith.train.losses import Loss, Target
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
-
-from train.losses import Loss, Target
 
 TargetRows = Callable[[torch.Tensor], Target]
 """Flat position indices [n] -> the target at those positions, logits/log-probs [n, V]."""
@@ -94,7 +93,7 @@ def chunked_loss_parts(
 
 def _batched(target: Target) -> Target:
     """A target of [n, V] rows as a batch of one, [1, n, V]."""
-    from train.losses import TargetProbs
+    from draftsmith.train.losses import TargetProbs
 
     if isinstance(target, TargetProbs):
         return TargetProbs(target.probs[None])

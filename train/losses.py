@@ -60,7 +60,7 @@ NLA_MIN_ALPHA = 1e-4
 class TargetProbs:
     """The target distribution given as probabilities instead of logits.
 
-    For targets read back from the offline cache: ``data.cache.topk_to_probs`` expands the
+    For targets read back from the offline cache: ``draftsmith.data.cache.topk_to_probs`` expands the
     top-k probabilities to the full vocabulary and spreads the remaining mass uniformly, and
     exact zeros still occur (k == V, an underflowing rest mass, a truncated target). Rows need
     not sum to 1: the losses renormalise over the vocabulary. Temperature applies as
@@ -78,7 +78,7 @@ class TargetProbs:
         if not bool(torch.isfinite(self.probs).all()) or bool((self.probs < 0).any()):
             raise ValueError(
                 "TargetProbs.probs must be finite and >= 0; pass probabilities (for example from "
-                "data.cache.topk_to_probs), or pass log-probabilities as target logits instead"
+                "draftsmith.data.cache.topk_to_probs), or pass log-probabilities as target logits instead"
             )
 
     def logprobs(self) -> torch.Tensor:  # [..., V], -inf where probs == 0

@@ -16,12 +16,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from data.atomic_io import write_json_atomic
-from decode.defaults import ADAPTIVE_DRAFT_TOKENS, NUM_DRAFT_TOKENS
-from decode.draft_length import adaptive_draft_bound
+from draftsmith.data.atomic_io import write_json_atomic
+from draftsmith.decode.defaults import ADAPTIVE_DRAFT_TOKENS, NUM_DRAFT_TOKENS
+from draftsmith.decode.draft_length import adaptive_draft_bound
 
 if TYPE_CHECKING:
-    from train.config import DistillConfig
+    from draftsmith.train.config import DistillConfig
 
 
 def measure_recipe_speed(
@@ -105,23 +105,22 @@ def measure_and_report(
 
     ``report["by_temperature"][t]`` is the drafter's evaluation on ``prompts``;
     ``report["hybrid"][t]`` the hybrid's; ``report["ood"][t]`` both on ``ood_prompts``.
-    ``repeats`` passes over the prompts time each prompt by its fastest (``decode.side_by_side``).
+    ``repeats`` passes over the prompts time each prompt by its fastest (``draftsmith.decode.measure.side_by_side``).
     Chains draft ``num_draft_tokens`` per round, or with ``adaptive`` a length the decoder picks
     per round in 0..``adaptive_draft_tokens`` (at least ``num_draft_tokens``); trees are
     ``num_draft_tokens`` deep.
-    The target decodes in ``dtype`` (``decode.precision``); draftsmith's plain decoding is
+    The target decodes in ``dtype`` (``draftsmith.decode.precision``); draftsmith's plain decoding is
     measured in ``plain_also`` too, so every speedup can be stated over the fastest plain
     decoding draftsmith has for the target (``speedup_over_fastest_plain``).
     """
+    from draftsmith.decode.drafters.registry import load_drafter
+    from draftsmith.decode.measure.evaluate import load_target
+    from draftsmith.decode.measure.machine import machine_record
+    from draftsmith.decode.measure.plots import plot_acceptance_by_position, plot_speedups
+    from draftsmith.decode.measure.prompts import load_eval_prompts
+    from draftsmith.decode.measure.side_by_side import encode_prompt
+    from draftsmith.decode.precision import choose_dtype
     from tqdm.auto import tqdm
-
-    from decode.drafters.registry import load_drafter
-    from decode.evaluate import load_target
-    from decode.machine import machine_record
-    from decode.plots import plot_acceptance_by_position, plot_speedups
-    from decode.precision import choose_dtype
-    from decode.prompts import load_eval_prompts
-    from decode.side_by_side import encode_prompt
 
     choice = choose_dtype(dtype)
     target, tokenizer = load_target(str(target_path), dtype=choice.name)
@@ -209,12 +208,15 @@ def _measure(
     from dataclasses import replace
 
     import torch
-
-    from decode.drafters.base import TreeSpec
-    from decode.drafters.hybrid import HybridDrafter
-    from decode.drafters.none import NoDrafter
-    from decode.evaluate import fastest_plain, plain_in_dtypes, speculative_report
-    from decode.side_by_side import (
+    from draftsmith.decode.drafters.base import TreeSpec
+    from draftsmith.decode.drafters.hybrid import HybridDrafter
+    from draftsmith.decode.drafters.none import NoDrafter
+    from draftsmith.decode.measure.evaluate import (
+        fastest_plain,
+        plain_in_dtypes,
+        speculative_report,
+    )
+    from draftsmith.decode.measure.side_by_side import (
         EvalSettings,
         hf_peer,
         measure_side_by_side,
@@ -278,7 +280,7 @@ def _measure(
 def format_summary(report: dict[str, Any]) -> str:
     """The end-of-run table: overlap per position, tau, speedups over draftsmith's own plain
     decoding (the figure that says whether drafting pays) and over HF ``generate``."""
-    from decode.machine import describe_machine
+    from draftsmith.decode.measure.machine import describe_machine
 
     overlap = " ".join(f"{v:.3f}" for v in report["held_out_overlap"]) or "-"
     plain = report["by_temperature"][next(iter(report["by_temperature"]))]

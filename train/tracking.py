@@ -21,8 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from accelerate import Accelerator
-
-from data.atomic_io import write_text_atomic
+from draftsmith.data.atomic_io import write_text_atomic
 
 logger = logging.getLogger(__name__)
 

@@ -23,14 +23,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
-
-from decode.defaults import TREE_TOP_K, TREE_TOTAL_TOKENS
-from decode.sampling import SamplingConfig
-from decode.tree import dynamic_tree_capacity
+from draftsmith.decode.defaults import TREE_TOP_K, TREE_TOTAL_TOKENS
+from draftsmith.decode.sampling import SamplingConfig
+from draftsmith.decode.trees.layout import dynamic_tree_capacity
 
 if TYPE_CHECKING:
-    from decode.tree import TreeProposal
-    from decode.tree_verify import TreeVerification
+    from draftsmith.decode.trees.layout import TreeProposal
+    from draftsmith.decode.trees.verify import TreeVerification
 
 
 @dataclass

@@ -11,7 +11,7 @@ labels) while its embedding still reads every target token. Its logits, sampling
 choice stay in the draft vocabulary (the output projection, which dominates a small model's step
 on CPU, shrinks by ``V / V_draft``); only the chosen ids are mapped to target ids, and the
 reported ``q`` is the draft-vocabulary distribution placed in the target vocabulary with zeros
-elsewhere (``decode.drafters.vocab_map``), the law the tokens were drawn from, so verification
+elsewhere (``draftsmith.decode.drafters.vocab_map``), the law the tokens were drawn from, so verification
 stays exact. The folder stores that head and the maps beside a normal Hugging Face model
 (:func:`load_draft_model`).
 """
@@ -23,14 +23,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-
-from decode.cached_sequence import CachedSequence, pad_front
-from decode.drafters.base import Drafter, DraftProposal, TargetPass
-from decode.drafters.vocab_map import VocabMap, to_target_ids, to_target_probs
-from decode.lean_decoder import LeanDecoder
-from decode.output_head import DRAFT_LOGITS_DTYPE, OutputHead
-from decode.projection import draft_layer_layout, draft_vocab_layout
-from decode.sampling import SamplingConfig, select_tokens
+from draftsmith.decode.drafters.base import Drafter, DraftProposal, TargetPass
+from draftsmith.decode.drafters.vocab_map import VocabMap, to_target_ids, to_target_probs
+from draftsmith.decode.forward.cached_sequence import CachedSequence, pad_front
+from draftsmith.decode.forward.lean_decoder import LeanDecoder
+from draftsmith.decode.forward.output_head import DRAFT_LOGITS_DTYPE, OutputHead
+from draftsmith.decode.forward.projection import draft_layer_layout, draft_vocab_layout
+from draftsmith.decode.sampling import SamplingConfig, select_tokens
 
 DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
 """A pruned draft LM's output layer and vocabulary maps: ``lm_head.weight`` [V_draft, H],
@@ -217,7 +216,7 @@ def load_draft_model(
     of ``V_draft`` rows and the maps are read from :data:`DRAFT_VOCAB_FILE` and replace the
     head that ``from_pretrained`` leaves freshly initialised. Shapes and maps are checked.
     """
-    from decode.loading import LoadError, load_causal_lm, load_safetensors
+    from draftsmith.decode.loading import LoadError, load_causal_lm, load_safetensors
 
     folder = Path(path)
     pruned = (folder / DRAFT_VOCAB_FILE).is_file()
@@ -259,7 +258,7 @@ def _check_marker(folder: Path, draft_vocab_size: int) -> None:
     marker = folder / "drafter.json"
     if not marker.is_file():
         return
-    from decode.loading import LoadError, read_json_object
+    from draftsmith.decode.loading import LoadError, read_json_object
 
     recorded = read_json_object(marker, "re-export the drafter").get("draft_vocab_size")
     if recorded is not None and recorded != draft_vocab_size:

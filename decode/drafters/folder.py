@@ -3,7 +3,7 @@
 Native folders hold ``drafter.json`` (the kind and ``format_version``), ``config.json`` and
 ``model.safetensors``; the loaders also accept an inference engine's export, recognised by
 ``architectures``. A drafter folder may come from someone else, so everything read from it is
-checked (``decode.loading``): malformed JSON, a missing ``kind``, a ``format_version`` newer
+checked (``draftsmith.decode.loading``): malformed JSON, a missing ``kind``, a ``format_version`` newer
 than this code reads, a corrupt safetensors file and NaN or infinite weights are errors naming
 the file and the fix. So are a config field of the wrong type (``"hidden_size": "32"``), a size
 that is not positive, a size larger than every dimension of the folder's own weights (a
@@ -20,10 +20,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+from draftsmith.decode.loading import LoadError, load_safetensors, read_json_object
+from draftsmith.decode.yaml_values import describe_type, describe_value, typed_value
 from safetensors.torch import save_file
-
-from decode.loading import LoadError, load_safetensors, read_json_object
-from decode.yaml_values import describe_type, describe_value, typed_value
 
 FORMAT_VERSION = 1
 """The newest ``drafter.json`` format this code reads (and the one it writes)."""

@@ -20,7 +20,7 @@ takes its drafts from one of the two, or drafts nothing:
 
 A round in which every drafting row copies runs no network, so it is not bound by the learned
 drafter's N, which prices that network's draft steps: lookup then copies up to
-``lookup_tokens`` (``decode.defaults.LOOKUP_DRAFT_TOKENS``; never past the request's room,
+``lookup_tokens`` (``draftsmith.decode.defaults.LOOKUP_DRAFT_TOKENS``; never past the request's room,
 ``Drafter.draft_room``), and only the verify pass widens.
 Where a verify pass over 5-17 tokens costs about one target step (bfloat16 on AVX512-BF16 or
 AMX, a GPU), greedy text that repeats itself turns the longer copies into longer accepted runs:
@@ -44,11 +44,10 @@ import time
 from dataclasses import dataclass
 
 import torch
-
-from decode.defaults import LOOKUP_DRAFT_TOKENS
-from decode.drafters.base import Drafter, DraftProposal, TargetPass
-from decode.drafters.ngram import NgramDrafter
-from decode.sampling import SamplingConfig
+from draftsmith.decode.defaults import LOOKUP_DRAFT_TOKENS
+from draftsmith.decode.drafters.base import Drafter, DraftProposal, TargetPass
+from draftsmith.decode.drafters.ngram import NgramDrafter
+from draftsmith.decode.sampling import SamplingConfig
 
 # Smoothing of the running yields: about the last 1 / (1 - DECAY) rounds count.
 DECAY = 0.9
@@ -70,7 +69,7 @@ class _Yield:
     """Decayed running means of tokens emitted per row-round and seconds per round.
 
     A source's first round is not counted: it pays one-time costs (a kernel built for a new row
-    count, a layout prepared on first use; ``decode.draft_length``), so the source is tried
+    count, a layout prepared on first use; ``draftsmith.decode.draft_length``), so the source is tried
     again before it is compared."""
 
     tokens: float = 0.0

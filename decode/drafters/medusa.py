@@ -22,13 +22,18 @@ from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
+from draftsmith.decode.drafters.base import (
+    Drafter,
+    DraftProposal,
+    TargetPass,
+    TreeSpec,
+    require_left_padded,
+)
+from draftsmith.decode.drafters.folder import config_from_fields, read_folder, save_native_folder
+from draftsmith.decode.sampling import SamplingConfig, greedy_tokens, logits_to_probs, sample
+from draftsmith.decode.trees.layout import StaticTree, TreeProposal
+from draftsmith.decode.trees.verify import TreeVerification
 from torch import nn
-
-from decode.drafters.base import Drafter, DraftProposal, TargetPass, TreeSpec, require_left_padded
-from decode.drafters.folder import config_from_fields, read_folder, save_native_folder
-from decode.sampling import SamplingConfig, greedy_tokens, logits_to_probs, sample
-from decode.tree import StaticTree, TreeProposal
-from decode.tree_verify import TreeVerification
 
 MEDUSA_ARCHITECTURE = "MedusaModel"
 
@@ -321,7 +326,7 @@ def _last_hidden(target_pass: TargetPass) -> torch.Tensor:  # [B, T, H]
 
 
 def load_runtime_drafter(path: str | Path | None, target: nn.Module) -> MedusaDrafter:
-    """Registry entry (``decode.drafters.registry``): a Medusa folder as a runtime drafter."""
+    """Registry entry (``draftsmith.decode.drafters.registry``): a Medusa folder as a runtime drafter."""
     if path is None:
         raise ValueError("the medusa drafter needs a folder: pass --drafter PATH")
     return MedusaDrafter.from_pretrained(path, target)

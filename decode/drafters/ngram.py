@@ -10,9 +10,8 @@ exact).
 from __future__ import annotations
 
 import torch
-
-from decode.drafters.base import Drafter, DraftProposal, TargetPass
-from decode.sampling import SamplingConfig
+from draftsmith.decode.drafters.base import Drafter, DraftProposal, TargetPass
+from draftsmith.decode.sampling import SamplingConfig
 
 
 class NgramIndex:

@@ -11,21 +11,20 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-
-from decode.drafters.base import Drafter
-from decode.drafters.folder import DRAFTER_FILE, read_drafter_marker
-from decode.loading import LoadError, check_model_finite, read_json_object
+from draftsmith.decode.drafters.base import Drafter
+from draftsmith.decode.drafters.folder import DRAFTER_FILE, read_drafter_marker
+from draftsmith.decode.loading import LoadError, check_model_finite, read_json_object
 
 # kind -> "module:function" building a runtime Drafter from (path, target); imported lazily so
 # that loading one kind never imports the others.
 DRAFTER_LOADERS: dict[str, str] = {
-    "draft_lm": "decode.drafters.registry:load_draft_lm",
-    "ngram": "decode.drafters.registry:load_ngram",
-    "none": "decode.drafters.registry:load_no_drafter",
-    "medusa": "decode.drafters.medusa:load_runtime_drafter",
-    "eagle3": "decode.drafters.eagle_drafter:load_runtime_drafter",
-    "peagle": "decode.drafters.peagle:load_runtime_drafter",
-    "hybrid": "decode.drafters.registry:load_hybrid",
+    "draft_lm": "draftsmith.decode.drafters.registry:load_draft_lm",
+    "ngram": "draftsmith.decode.drafters.registry:load_ngram",
+    "none": "draftsmith.decode.drafters.registry:load_no_drafter",
+    "medusa": "draftsmith.decode.drafters.medusa:load_runtime_drafter",
+    "eagle3": "draftsmith.decode.drafters.eagle.drafter:load_runtime_drafter",
+    "peagle": "draftsmith.decode.drafters.eagle.peagle:load_runtime_drafter",
+    "hybrid": "draftsmith.decode.drafters.registry:load_hybrid",
 }
 
 # Architectures written by other engines' export formats.
@@ -85,8 +84,8 @@ def load_drafter(
 
 def load_draft_lm(path: str | Path | None, target: torch.nn.Module) -> Drafter:
     """A draft causal LM from a Hugging Face folder, safetensors only, no remote code; with its
-    pruned draft vocabulary when the folder has one (``decode.drafters.draft_lm``)."""
-    from decode.drafters.draft_lm import DraftModelDrafter, load_draft_model
+    pruned draft vocabulary when the folder has one (``draftsmith.decode.drafters.draft_lm``)."""
+    from draftsmith.decode.drafters.draft_lm import DraftModelDrafter, load_draft_model
 
     if path is None:
         raise ValueError("the draft_lm drafter needs a folder: pass --drafter PATH")
@@ -97,21 +96,21 @@ def load_draft_lm(path: str | Path | None, target: torch.nn.Module) -> Drafter:
 
 def load_ngram(path: str | Path | None, target: torch.nn.Module) -> Drafter:
     """Prompt lookup needs no weights; ``path`` is ignored."""
-    from decode.drafters.ngram import NgramDrafter
+    from draftsmith.decode.drafters.ngram import NgramDrafter
 
     return NgramDrafter(vocab_size=target.get_output_embeddings().weight.shape[0])
 
 
 def load_no_drafter(path: str | Path | None, target: torch.nn.Module) -> Drafter:
     """Plain decoding through the speculative decoder (the benchmark's control); no weights."""
-    from decode.drafters.none import NoDrafter
+    from draftsmith.decode.drafters.none import NoDrafter
 
     return NoDrafter(vocab_size=target.get_output_embeddings().weight.shape[0])
 
 
 def load_hybrid(path: str | Path | None, target: torch.nn.Module) -> Drafter:
     """Prompt lookup plus the learned drafter (draft_lm, eagle3 or peagle) stored at ``path``."""
-    from decode.drafters.hybrid import HybridDrafter
+    from draftsmith.decode.drafters.hybrid import HybridDrafter
 
     if path is None:
         raise ValueError(

@@ -12,8 +12,8 @@ chosen ids are mapped (``target_id = draft_id + d2t[draft_id]``); the probabilit
 placed into the target vocabulary only when the verifier needs it (T > 0).
 
 ``draft_to_target`` is ``None`` for a drafter over the whole vocabulary: every function is then
-the identity. The EAGLE-3 runtime (``decode.drafters.eagle_lean``) and the draft LM
-(``decode.drafters.draft_lm``) share these functions.
+the identity. The EAGLE-3 runtime (``draftsmith.decode.drafters.eagle.lean``) and the draft LM
+(``draftsmith.decode.drafters.draft_lm``) share these functions.
 """
 
 from __future__ import annotations

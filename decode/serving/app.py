@@ -33,18 +33,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from starlette.background import BackgroundTask
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
-
-from decode.attention_layout import learned_position_limit, single_row_problem
-from decode.defaults import NUM_DRAFT_TOKENS
-from decode.drafters.base import Drafter, TreeSpec
-from decode.serving.config import MAX_BATCH_SIZE
-from decode.serving.metrics import CONTENT_TYPE, ServerMetrics
-from decode.serving.protocol import (
+from draftsmith.decode.defaults import NUM_DRAFT_TOKENS
+from draftsmith.decode.drafters.base import Drafter, TreeSpec
+from draftsmith.decode.forward.attention_layout import learned_position_limit, single_row_problem
+from draftsmith.decode.serving.config import MAX_BATCH_SIZE
+from draftsmith.decode.serving.metrics import CONTENT_TYPE, ServerMetrics
+from draftsmith.decode.serving.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -53,8 +47,8 @@ from decode.serving.protocol import (
     error_json,
     parse_body,
 )
-from decode.serving.responses import DONE, Answer, ChunkShape, sse
-from decode.serving.scheduler import (
+from draftsmith.decode.serving.responses import DONE, Answer, ChunkShape, sse
+from draftsmith.decode.serving.scheduler import (
     BatchWorker,
     DoneEvent,
     ErrorEvent,
@@ -66,7 +60,12 @@ from decode.serving.scheduler import (
     SamplingParams,
     TokensEvent,
 )
-from decode.serving.text import TextStream
+from draftsmith.decode.serving.text import TextStream
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 if TYPE_CHECKING:
     import uvicorn
@@ -243,8 +242,7 @@ class OpenAIServer:
         ``options`` go to ``uvicorn.Config`` as they are (``log_level``, ``log_config``).
         """
         import uvicorn
-
-        from decode.serving.connection import guarded_h11
+        from draftsmith.decode.serving.connection import guarded_h11
 
         def rejected(status: int) -> None:  # answered by the connection, before any route
             self.metrics.record_response("other", status)

@@ -16,10 +16,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from decode.cpu_threads import check_thread_count
-from decode.defaults import LOOKUP_DRAFT_TOKENS, NUM_DRAFT_TOKENS, TREE_TOP_K, TREE_TOTAL_TOKENS
-from decode.precision import DTYPE_NAMES
-from decode.yaml_values import describe_type, describe_value, load_plain_yaml, typed_value
+from draftsmith.decode.cpu_threads import check_thread_count
+from draftsmith.decode.defaults import (
+    LOOKUP_DRAFT_TOKENS,
+    NUM_DRAFT_TOKENS,
+    TREE_TOP_K,
+    TREE_TOTAL_TOKENS,
+)
+from draftsmith.decode.precision import DTYPE_NAMES
+from draftsmith.decode.yaml_values import (
+    describe_type,
+    describe_value,
+    load_plain_yaml,
+    typed_value,
+)
 
 DTYPES = (*DTYPE_NAMES, "float64")  # float64: exactness tests
 API_KEY_ENV = "DRAFTSMITH_API_KEY"
@@ -158,7 +168,7 @@ class ServeConfig:
             )
         if self.lookup_tokens is not None and self.lookup_tokens < 1:
             raise ValueError(f"--lookup-tokens must be >= 1, got {self.lookup_tokens}")
-        from decode.drafters.hybrid import lookup_tokens_problem
+        from draftsmith.decode.drafters.hybrid import lookup_tokens_problem
 
         problem = lookup_tokens_problem(self.lookup_tokens, self.drafter_kind)
         if problem:

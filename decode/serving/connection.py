@@ -12,7 +12,7 @@ trickles a byte now and then, holds a connection (and a file descriptor) for eve
   OpenAI's error schema and closes the connection;
 - a malformed request, which uvicorn answers with a plain-text 400, gets OpenAI's error schema.
 
-Bodies have their own deadline in the ASGI app (``decode.serving.app``), where the answer can
+Bodies have their own deadline in the ASGI app (``draftsmith.decode.serving.app``), where the answer can
 be counted against its endpoint. The protocol is always h11, even where httptools is installed,
 so these guarantees do not depend on which optional packages happen to be present.
 """
@@ -25,9 +25,8 @@ from http import HTTPStatus
 from typing import Any
 
 import h11
+from draftsmith.decode.serving.protocol import error_body, error_json
 from uvicorn.protocols.http.h11_impl import H11Protocol
-
-from decode.serving.protocol import error_body, error_json
 
 
 class GuardedH11Protocol(H11Protocol):

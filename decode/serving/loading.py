@@ -1,8 +1,8 @@
 """Target, tokenizer and drafter from local folders, with the server's security defaults.
 
-Loading goes through ``decode.loading``: weights from safetensors only (a folder holding only
+Loading goes through ``draftsmith.decode.loading``: weights from safetensors only (a folder holding only
 pickled ``.bin`` weights is refused rather than unpickled), custom modelling code only when
-``trust_remote_code`` is set, drafter folders checked (``decode.drafters.folder``). Nothing is
+``trust_remote_code`` is set, drafter folders checked (``draftsmith.decode.drafters.folder``). Nothing is
 fetched from a hub: paths must be local folders.
 """
 
@@ -12,12 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from decode import loading
-from decode.cpu_threads import set_cpu_threads
-from decode.drafters.base import Drafter
-from decode.precision import announce, choose_dtype
-from decode.serving.config import ServeConfig
+from draftsmith.decode import loading
+from draftsmith.decode.cpu_threads import set_cpu_threads
+from draftsmith.decode.drafters.base import Drafter
+from draftsmith.decode.precision import announce, choose_dtype
+from draftsmith.decode.serving.config import ServeConfig
 
 
 def resolve_device(name: str) -> torch.device:
@@ -43,8 +42,8 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool) -> Any:
 
 def load_components(config: ServeConfig) -> tuple[torch.nn.Module, Any, Drafter]:
     """(target, tokenizer, drafter) as ``config`` names them."""
-    from decode.drafters.hybrid import set_lookup_tokens
-    from decode.drafters.registry import load_drafter
+    from draftsmith.decode.drafters.hybrid import set_lookup_tokens
+    from draftsmith.decode.drafters.registry import load_drafter
 
     set_cpu_threads(config.num_threads)
     device = resolve_device(config.device)

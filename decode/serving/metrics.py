@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 
-from decode.stats import DecodeStats
+from draftsmith.decode.stats import DecodeStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Upper bounds of the per-request tau histogram's buckets (tau >= 1; +Inf is added).

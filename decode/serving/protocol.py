@@ -23,13 +23,12 @@ import re
 from functools import cached_property
 from typing import Any, Literal, TypeVar
 
+from draftsmith.decode.sampling import SamplingConfig
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
-from decode.sampling import SamplingConfig
 
 MAX_STOP_SEQUENCES = 4
 # Characters per stop sequence: the stream holds back any tail of the answer that begins a
-# stop, checking each possible length per token (decode.serving.text), so the bound keeps that
+# stop, checking each possible length per token (draftsmith.decode.serving.text), so the bound keeps that
 # check to microseconds; 16,000-character stops cost ~50 ms of the event loop per token.
 MAX_STOP_CHARS = 512
 _SURROGATE = re.compile(r"[\ud800-\udfff]")

@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from decode.stats import DecodeStats
+from draftsmith.decode.stats import DecodeStats
 
 DONE = "data: [DONE]\n\n"
 

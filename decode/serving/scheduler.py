@@ -37,11 +37,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-
-from decode.drafters.base import Drafter, TreeSpec
-from decode.engine import DecodeSession, RoundUpdate, SpeculativeDecoder
-from decode.sampling import SamplingConfig
-from decode.stats import DecodeStats
+from draftsmith.decode.drafters.base import Drafter, TreeSpec
+from draftsmith.decode.engine import DecodeSession, RoundUpdate, SpeculativeDecoder
+from draftsmith.decode.sampling import SamplingConfig
+from draftsmith.decode.stats import DecodeStats
 
 logger = logging.getLogger(__name__)
 
@@ -220,7 +219,7 @@ class BatchWorker:
         on_prefill: Callable[[int], None] | None = None,
     ) -> None:
         """``tree`` drafts trees for greedy requests, and for sampled ones too with
-        ``tree_when_sampling`` (else they draft chains), as ``decode.evaluate``'s flags do.
+        ``tree_when_sampling`` (else they draft chains), as ``draftsmith.decode.measure.evaluate``'s flags do.
         ``on_decode`` gets the totals of every round (folded ``DecodeStats``), ``on_prefill``
         the number of requests each prefill pass admitted."""
         if max_batch_size < 1:

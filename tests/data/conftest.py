@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from draftsmith.data.corpus import load_stdlib_corpus
+from draftsmith.data.tokenizer import train_byte_level_bpe
 from transformers import PreTrainedTokenizerFast
-
-from data.corpus import load_stdlib_corpus
-from data.tokenizer import train_byte_level_bpe
 
 
 @pytest.fixture(scope="session")

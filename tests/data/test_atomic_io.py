@@ -1,4 +1,4 @@
-"""data.atomic_io's file writer: the target appears whole or keeps its previous content."""
+"""draftsmith.data.atomic_io's file writer: the target appears whole or keeps its previous content."""
 
 from __future__ import annotations
 
@@ -6,8 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-
-from data.atomic_io import atomic_file, write_json_atomic
+from draftsmith.data.atomic_io import atomic_file, write_json_atomic
 
 
 def test_atomic_file_renames_the_finished_sibling_into_place(tmp_path: Path) -> None:

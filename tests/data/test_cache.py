@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from data.cache import (
+from draftsmith.data.cache import (
     CACHE_FILE,
     TargetCache,
     TargetCacheWriter,

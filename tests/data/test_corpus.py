@@ -5,8 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from data.corpus import is_included, load_stdlib_corpus, scan_corpus, split_of, stdlib_root
+from draftsmith.data.corpus import (
+    is_included,
+    load_stdlib_corpus,
+    scan_corpus,
+    split_of,
+    stdlib_root,
+)
 
 
 def _write(root: Path, relative: str, content: bytes) -> None:

@@ -5,9 +5,8 @@ from __future__ import annotations
 import datasets
 import pytest
 import torch
-
-from data.packing import collate, render_and_pad, tokenize_and_pack
-from data.templates import render_conversation
+from draftsmith.data.packing import collate, render_and_pad, tokenize_and_pack
+from draftsmith.data.templates import render_conversation
 
 
 def test_pack_shapes_and_content(chat_tokenizer) -> None:

@@ -8,8 +8,7 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
-
-from data.sequences import collate_rows, load_sequences, take
+from draftsmith.data.sequences import collate_rows, load_sequences, take
 
 SPLIT = {"block_size": 32, "validation_fraction": 0.25, "seed": 0}
 

@@ -6,9 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-
-from data import sources
-from data.sources import (
+from draftsmith.data import sources
+from draftsmith.data.sources import (
     load_conversations,
     load_jsonl,
     load_prompts,

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from data.templates import render_conversation
+from draftsmith.data.templates import render_conversation
 
 CONVERSATION = [
     {"role": "system", "content": "You write Python."},

@@ -5,9 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from draftsmith.data.tokenizer import IM_END, IM_START, train_byte_level_bpe
 from transformers import AutoTokenizer
-
-from data.tokenizer import IM_END, IM_START, train_byte_level_bpe
 
 TRICKY = "def f(x):\n    return x  # caf\u00e9 \u65e5\u672c\t\r\n\n  \x00end"
 

@@ -1,5 +1,5 @@
 """Benchmark prompt files in their published shapes (MT-Bench, GSM8K, HumanEval) and the
-acceptance length per benchmark that decode.evaluate prints, as SpecForge and speculators do."""
+acceptance length per benchmark that draftsmith.decode.measure.evaluate prints, as SpecForge and speculators do."""
 
 from __future__ import annotations
 
@@ -7,10 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
-
-from data.benchmarks import load_benchmark_prompts
-from decode import evaluate
-from decode.benchmarks import format_benchmarks, parse_benchmark_flags
+from draftsmith.data.benchmarks import load_benchmark_prompts
+from draftsmith.decode.measure import evaluate
+from draftsmith.decode.measure.benchmarks import format_benchmarks, parse_benchmark_flags
 
 MTBENCH = [
     {"question_id": 81, "category": "writing",
@@ -45,7 +44,7 @@ def test_each_shape_becomes_one_turn_chat_prompts(tmp_path: Path) -> None:
     he = load_benchmark_prompts(_write(tmp_path / "HumanEval.jsonl", HUMANEVAL))
     assert he[1] == [{"role": "user", "content": "def neg(x):\n"}]
     plain = load_benchmark_prompts(_write(tmp_path / "p.jsonl", [{"prompt": "def f():"}]))
-    assert plain == ["def f():"]  # other files: decode.prompts' usual records
+    assert plain == ["def f():"]  # other files: draftsmith.decode.measure.prompts' usual records
 
 
 def test_bad_benchmark_files_and_flags_are_refused(tmp_path: Path) -> None:

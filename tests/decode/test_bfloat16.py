@@ -7,11 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 from decode_helpers import chi_square_p_value, exact_two_token_law, noisy_copy, tiny_eagle_drafter
+from draftsmith.decode import DraftModelDrafter, SpeculativeDecoder
+from draftsmith.decode.drafters.base import TreeSpec
+from draftsmith.decode.sampling import SamplingConfig
 from tiny_models import TINY_VOCAB, tiny_llama
-
-from decode import DraftModelDrafter, SpeculativeDecoder
-from decode.drafters.base import TreeSpec
-from decode.sampling import SamplingConfig
 
 ROWS = 3000
 P_VALUE_FLOOR = 1e-4
@@ -95,7 +94,7 @@ def test_greedy_output_equals_hf_bfloat16_up_to_near_ties(
 
 def test_a_bfloat16_eagle_head_keeps_its_cache_in_float32_on_cpu(target: torch.nn.Module) -> None:
     """The head's keys and values stay float32 through prefill, drafting and commits
-    (``decode.llama_math.draft_cache_dtype``); its products stay bfloat16."""
+    (``draftsmith.decode.forward.llama_math.draft_cache_dtype``); its products stay bfloat16."""
     drafter = tiny_eagle_drafter(target)
     decoder = SpeculativeDecoder(target, drafter, 3)
     prompt = torch.randint(3, TINY_VOCAB, (1, 6), generator=torch.Generator().manual_seed(4))

@@ -5,8 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from decode.command_line import run_command
+from draftsmith.decode.command_line import run_command
 
 
 class _UploadFailed(RuntimeError):
@@ -51,7 +50,7 @@ def test_a_bug_keeps_its_traceback_and_a_result_passes_through() -> None:
 
 def test_output_paths_are_checked_before_any_work(tmp_path) -> None:
     """A folder where a file goes, a file where a folder goes, a parent that is a file."""
-    from decode.command_line import check_output_file, check_output_folder
+    from draftsmith.decode.command_line import check_output_file, check_output_folder
 
     afile = tmp_path / "a.txt"
     afile.write_text("x")
@@ -73,7 +72,7 @@ def test_an_output_folder_the_user_cannot_write_is_named(
     front (``os.access`` is patched: root may write anywhere, so no real folder denies it)."""
     import os
 
-    from decode.command_line import check_output_file, check_output_folder
+    from draftsmith.decode.command_line import check_output_file, check_output_folder
 
     locked = tmp_path / "locked"
     locked.mkdir()

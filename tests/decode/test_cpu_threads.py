@@ -7,8 +7,7 @@ import sys
 
 import pytest
 import torch
-
-from decode import cpu_threads
+from draftsmith.decode import cpu_threads
 
 
 @pytest.fixture(autouse=True)
@@ -71,7 +70,7 @@ def test_commands_leave_the_wait_policy_to_libgomp_in_a_single_process(
     command: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Each command's ``__main__`` block, run as its console script runs it."""
-    from scripts import console
+    from draftsmith.scripts import console
 
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)

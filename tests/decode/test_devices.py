@@ -3,7 +3,7 @@
 The same tests run on the CPU here and on a CUDA device where there is one (those cases are
 marked ``gpu`` and skip cleanly without CUDA; ``pytest -m gpu`` runs them alone). On CUDA the
 CPU-only paths stand aside: the target runs its own forward, drafters' products use
-``F.linear`` (``decode.projection``), attention keeps the input's dtype. In float32 greedy
+``F.linear`` (``draftsmith.decode.forward.projection``), attention keeps the input's dtype. In float32 greedy
 output must equal Hugging Face ``generate`` on the same device token for token, and sampled
 output must follow the target's exact law (chi-square); in bfloat16 and float16, where kernels for one row
 and for a verify block may round a near-tie apart, every kind must run, stay on the device,
@@ -22,11 +22,10 @@ from decode_helpers import (
     noisy_copy,
     tiny_eagle_drafter,
 )
+from draftsmith.decode import DraftModelDrafter, SpeculativeDecoder
+from draftsmith.decode.sampling import SamplingConfig
 from family_variants import ragged_prompts
 from tiny_models import tiny_llama
-
-from decode import DraftModelDrafter, SpeculativeDecoder
-from decode.sampling import SamplingConfig
 
 DEVICES = [
     "cpu",

@@ -13,10 +13,9 @@ from decode_helpers import (
     tiny_eagle_drafter,
     tiny_medusa_drafter,
 )
+from draftsmith.decode import DraftModelDrafter, NgramDrafter, SpeculativeDecoder
+from draftsmith.decode.draft_length import TIME_WINDOW, AdaptiveDraftLength
 from tiny_models import tiny_llama
-
-from decode import DraftModelDrafter, NgramDrafter, SpeculativeDecoder
-from decode.draft_length import TIME_WINDOW, AdaptiveDraftLength
 
 
 def _feed(policy: AdaptiveDraftLength, rounds: int, alpha: float, seconds) -> list[int]:
@@ -106,7 +105,7 @@ def test_policy_rejects_bad_settings() -> None:
 
 
 def _tree_spec():
-    from decode.drafters.base import TreeSpec
+    from draftsmith.decode.drafters.base import TreeSpec
 
     return TreeSpec(top_k=2, total_tokens=4)
 

@@ -9,11 +9,15 @@ import copy
 import pytest
 import torch
 from decode_helpers import chi_square_p_value, exact_two_token_law, noisy_copy
+from draftsmith.decode import DraftModelDrafter, SpeculativeDecoder
+from draftsmith.decode.drafters.vocab_map import (
+    VocabMap,
+    to_draft_ids,
+    to_target_ids,
+    to_target_probs,
+)
+from draftsmith.decode.sampling import SamplingConfig
 from tiny_models import TINY_VOCAB, tiny_llama, tiny_qwen2
-
-from decode import DraftModelDrafter, SpeculativeDecoder
-from decode.drafters.vocab_map import VocabMap, to_draft_ids, to_target_ids, to_target_probs
-from decode.sampling import SamplingConfig
 
 DRAFT_VOCAB = 40
 ROWS = 3000

@@ -5,6 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 from decode_helpers import randomize_later_layers, tiny_eagle_drafter, tiny_peagle_drafter
+from draftsmith.decode.drafters.base import TreeSpec
+from draftsmith.decode.drafters.eagle.drafter import Eagle3Drafter, load_runtime_drafter
+from draftsmith.decode.drafters.eagle.head import (
+    Eagle3Config,
+    Eagle3Head,
+    build_vocab_maps,
+    default_aux_layer_ids,
+)
+from draftsmith.decode.drafters.eagle.layers import append_kv, block_visibility, positions_from_mask
+from draftsmith.decode.sampling import SamplingConfig, logits_to_probs
+from draftsmith.decode.trees.verify import verify_tree_greedy
 from head_helpers import (
     PROMPTS,
     check_from_pretrained_names_the_problem,
@@ -18,18 +29,6 @@ from head_helpers import (
 )
 from tiny_models import tiny_llama
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
-
-from decode.drafters.base import TreeSpec
-from decode.drafters.eagle import (
-    Eagle3Config,
-    Eagle3Head,
-    build_vocab_maps,
-    default_aux_layer_ids,
-)
-from decode.drafters.eagle_drafter import Eagle3Drafter, load_runtime_drafter
-from decode.drafters.eagle_layers import append_kv, block_visibility, positions_from_mask
-from decode.sampling import SamplingConfig, logits_to_probs
-from decode.tree_verify import verify_tree_greedy
 
 
 def _head(target: torch.nn.Module, seed: int = 0, **overrides) -> Eagle3Head:
@@ -413,7 +412,7 @@ def test_rounds_without_drafts_are_read_in_one_later_pass_that_equals_reading_ea
 
 
 def test_unread_entries_are_read_once_they_reach_the_bound() -> None:
-    from decode.drafters.eagle_drafter import MAX_UNREAD_ENTRIES
+    from draftsmith.decode.drafters.eagle.drafter import MAX_UNREAD_ENTRIES
 
     target = tiny_llama(num_layers=4).double()
     drafter = tiny_eagle_drafter(target)

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from draftsmith.decode.drafters.eagle.head import Eagle3Config, Eagle3Head, build_vocab_maps
+from draftsmith.decode.drafters.eagle.layers import append_kv, block_visibility
+from draftsmith.decode.drafters.eagle.lean import LeanEagle3
+from draftsmith.decode.forward.kv_cache import PreallocatedStack
 from tiny_models import tiny_llama
-
-from decode.drafters.eagle import Eagle3Config, Eagle3Head, build_vocab_maps
-from decode.drafters.eagle_layers import append_kv, block_visibility
-from decode.drafters.eagle_lean import LeanEagle3
-from decode.kv_cache import PreallocatedStack
 
 
 def _head(draft_vocab: int, kv_heads: int, layers: int = 1) -> Eagle3Head:

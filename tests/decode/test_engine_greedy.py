@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from decode_helpers import AdversarialDrafter, noisy_copy
+from draftsmith.decode import DraftModelDrafter, NgramDrafter, NoDrafter, SpeculativeDecoder
 from tiny_models import tiny_llama, tiny_qwen2
-
-from decode import DraftModelDrafter, NgramDrafter, NoDrafter, SpeculativeDecoder
 
 
 def _ragged_prompts(batch: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

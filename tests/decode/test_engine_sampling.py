@@ -16,10 +16,9 @@ from decode_helpers import (
     noisy_copy,
     tiny_peagle_drafter,
 )
+from draftsmith.decode import DraftModelDrafter, NgramDrafter, SpeculativeDecoder
+from draftsmith.decode.sampling import SamplingConfig
 from tiny_models import tiny_llama
-
-from decode import DraftModelDrafter, NgramDrafter, SpeculativeDecoder
-from decode.sampling import SamplingConfig
 
 ROWS = 3000
 P_VALUE_FLOOR = 1e-4

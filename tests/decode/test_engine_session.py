@@ -18,15 +18,14 @@ from decode_helpers import (
     tiny_medusa_drafter,
     tiny_peagle_drafter,
 )
+from draftsmith.decode import DraftModelDrafter, SpeculativeDecoder
+from draftsmith.decode.drafters.base import Drafter, TreeSpec
+from draftsmith.decode.drafters.hybrid import HybridDrafter
+from draftsmith.decode.drafters.ngram import NgramDrafter
+from draftsmith.decode.drafters.none import NoDrafter
+from draftsmith.decode.engine import DecodeSession, RoundUpdate
+from draftsmith.decode.sampling import SamplingConfig
 from tiny_models import tiny_llama
-
-from decode import DraftModelDrafter, SpeculativeDecoder
-from decode.drafters.base import Drafter, TreeSpec
-from decode.drafters.hybrid import HybridDrafter
-from decode.drafters.ngram import NgramDrafter
-from decode.drafters.none import NoDrafter
-from decode.engine import DecodeSession, RoundUpdate
-from decode.sampling import SamplingConfig
 
 PROMPTS = [
     [5, 9, 12, 5, 9, 12, 5],  # repeats itself: prompt lookup drafts

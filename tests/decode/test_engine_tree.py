@@ -10,11 +10,10 @@ from decode_helpers import (
     tiny_eagle_drafter,
     tiny_medusa_drafter,
 )
+from draftsmith.decode import SpeculativeDecoder
+from draftsmith.decode.drafters.base import TreeSpec
+from draftsmith.decode.sampling import SamplingConfig
 from tiny_models import tiny_llama
-
-from decode import SpeculativeDecoder
-from decode.drafters.base import TreeSpec
-from decode.sampling import SamplingConfig
 
 CHAIN_OF_THREE = TreeSpec(choices=((0,), (0, 0), (0, 0, 0)))
 
@@ -97,7 +96,7 @@ def test_sampled_tree_output_follows_target_law(target, name) -> None:
 
 
 def test_chain_only_drafter_refuses_tree_settings(target) -> None:
-    from decode import DraftModelDrafter
+    from draftsmith.decode import DraftModelDrafter
 
     with pytest.raises(ValueError, match="drafts chains only"):
         SpeculativeDecoder(target, DraftModelDrafter(target), 3, tree=TreeSpec())

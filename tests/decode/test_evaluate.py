@@ -1,13 +1,12 @@
-"""``python -m decode.evaluate``: one run, three methods, the documented JSON."""
+"""``python -m draftsmith.decode.measure.evaluate``: one run, three methods, the documented JSON."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-
-from decode import evaluate
-from decode.machine import cpu_kernels
+from draftsmith.decode.measure import evaluate
+from draftsmith.decode.measure.machine import cpu_kernels
 
 REQUIRED_KEYS = {
     "tau",
@@ -136,7 +135,7 @@ def test_bad_prompt_files_and_counts_are_one_line_errors(tiny_pair_dirs, tmp_pat
         (["--repeats", "two"], "argument --repeats: must be an integer >= 1, got 'two'"),
     ):
         result = subprocess.run(
-            [sys.executable, "-m", "decode.evaluate", "--target", str(target_dir),
+            [sys.executable, "-m", "draftsmith.decode.measure.evaluate", "--target", str(target_dir),
              "--drafter-kind", "ngram", *argv],
             cwd=repo, capture_output=True, text=True, timeout=300,
         )  # fmt: skip

@@ -13,6 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 from decode_helpers import AdversarialDrafter, noisy_copy
+from draftsmith.decode import DraftModelDrafter, SpeculativeDecoder
+from draftsmith.decode.forward.cached_sequence import CachedSequence
+from draftsmith.decode.forward.lean_decoder import LeanDecoder
+from draftsmith.decode.forward.output_head import OutputHead
 from family_variants import (
     LEAN_FAMILIES,
     NEW_TOKENS,
@@ -22,11 +26,6 @@ from family_variants import (
     longrope,
     ragged_prompts,
 )
-
-from decode import DraftModelDrafter, SpeculativeDecoder
-from decode.cached_sequence import CachedSequence
-from decode.lean_decoder import LeanDecoder
-from decode.output_head import OutputHead
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))

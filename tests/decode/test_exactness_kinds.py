@@ -26,6 +26,11 @@ from decode_helpers import (
     tiny_eagle_drafter,
     tiny_medusa_drafter,
 )
+from draftsmith.decode import DraftModelDrafter, SpeculativeDecoder
+from draftsmith.decode.drafters.base import TreeSpec
+from draftsmith.decode.drafters.hybrid import HybridDrafter
+from draftsmith.decode.drafters.ngram import NgramDrafter
+from draftsmith.decode.sampling import SamplingConfig
 from family_variants import (
     LEAN_FAMILIES,
     NEW_TOKENS,
@@ -36,12 +41,6 @@ from family_variants import (
     ragged_prompts,
 )
 from tiny_models import tiny_llama
-
-from decode import DraftModelDrafter, SpeculativeDecoder
-from decode.drafters.base import TreeSpec
-from decode.drafters.hybrid import HybridDrafter
-from decode.drafters.ngram import NgramDrafter
-from decode.sampling import SamplingConfig
 
 # A sample of family_variants.VARIANTS: rope types, windows, non-lean Gemma, biases and ties.
 SAMPLED_VARIANTS = [

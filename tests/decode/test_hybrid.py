@@ -12,12 +12,11 @@ from decode_helpers import (
     tiny_medusa_drafter,
     tiny_peagle_drafter,
 )
+from draftsmith.decode import DraftModelDrafter, SpeculativeDecoder
+from draftsmith.decode.defaults import LOOKUP_DRAFT_TOKENS
+from draftsmith.decode.drafters.hybrid import DECAY, PROBE_EVERY, HybridDrafter, _Yield
+from draftsmith.decode.sampling import SamplingConfig
 from tiny_models import tiny_llama
-
-from decode import DraftModelDrafter, SpeculativeDecoder
-from decode.defaults import LOOKUP_DRAFT_TOKENS
-from decode.drafters.hybrid import DECAY, PROBE_EVERY, HybridDrafter, _Yield
-from decode.sampling import SamplingConfig
 
 # Row 0 repeats itself (lookup matches), row 1 does not at first (the learned drafter drafts).
 REPEATING = [5, 9, 12, 5, 9, 12, 5, 9, 12, 5]
@@ -224,7 +223,7 @@ def test_copies_stop_at_the_requests_last_position(
     position beyond the prompt plus max_new_tokens (a rope that switches frequencies past the
     model's context, or an absolute position table, would otherwise see positions a plain
     decoding of the same request never reaches)."""
-    from decode.cached_sequence import CachedSequence
+    from draftsmith.decode.forward.cached_sequence import CachedSequence
 
     ids = torch.tensor([REPEATING])
     reach = []
@@ -278,7 +277,7 @@ def test_wide_lookup_rounds_follow_target_law(target: torch.nn.Module) -> None:
 
 
 def test_lookup_tokens_applies_to_a_hybrid_only(target: torch.nn.Module) -> None:
-    from decode.drafters.hybrid import set_lookup_tokens
+    from draftsmith.decode.drafters.hybrid import set_lookup_tokens
 
     hybrid = HybridDrafter(tiny_eagle_drafter(target))
     set_lookup_tokens(hybrid, None, "--lookup-tokens")  # None keeps the default

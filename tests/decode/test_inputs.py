@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from draftsmith.decode import DraftModelDrafter, SpeculativeDecoder
+from draftsmith.decode.sampling import GREEDY_TEMPERATURE_FLOOR, SamplingConfig, logits_to_probs
 from tiny_models import tiny_llama
-
-from decode import DraftModelDrafter, SpeculativeDecoder
-from decode.sampling import GREEDY_TEMPERATURE_FLOOR, SamplingConfig, logits_to_probs
 
 
 @pytest.fixture(scope="module")

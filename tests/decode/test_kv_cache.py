@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from draftsmith.decode.forward.cached_sequence import CachedSequence
+from draftsmith.decode.forward.kv_cache import PreallocatedLayer
+from draftsmith.decode.forward.output_head import OutputHead
 from tiny_models import tiny_llama, tiny_qwen2
-
-from decode.cached_sequence import CachedSequence
-from decode.kv_cache import PreallocatedLayer
-from decode.output_head import OutputHead
 
 
 def test_rollback_then_step_equals_fresh_prefill() -> None:
@@ -137,7 +136,7 @@ def test_sliding_windows_count_tokens_not_slots_and_roll_back_at_any_length(
     """Holes must not eat a row's window, and rollbacks work long after the window filled up
     (Hugging Face's own sliding layer cannot be cropped once full). ``lean`` runs the lean
     forward (Mistral and Qwen2 have one)."""
-    from decode.lean_decoder import LeanDecoder
+    from draftsmith.decode.forward.lean_decoder import LeanDecoder
 
     model = _windowed(model_type, **overrides)
     head = OutputHead.for_model(model)
@@ -187,7 +186,7 @@ def test_rows_merged_in_and_selected_out_keep_their_own_sequences(
 ) -> None:
     """A batch with holes merged with a fresh prefill of other lengths, then rows selected in a
     new order: every row's next step equals a fresh forward over its own committed tokens."""
-    from decode.lean_decoder import LeanDecoder
+    from draftsmith.decode.forward.lean_decoder import LeanDecoder
 
     model = tiny_llama(seed=3) if overrides is None else _windowed(model_type, **overrides)
     head = OutputHead.for_model(model) if lean else None

@@ -5,12 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from draftsmith.decode.forward.cached_sequence import CachedSequence
+from draftsmith.decode.forward.lean_decoder import LeanDecoder
+from draftsmith.decode.forward.llama_math import attention, draft_cache_dtype
+from draftsmith.decode.forward.output_head import OutputHead
 from tiny_models import tiny_causal_lm, tiny_llama
-
-from decode.cached_sequence import CachedSequence
-from decode.lean_decoder import LeanDecoder
-from decode.llama_math import attention, draft_cache_dtype
-from decode.output_head import OutputHead
 
 # Mistral with full attention; Qwen2 has q/k/v biases, Qwen3 per-head q/k norms.
 ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3"]

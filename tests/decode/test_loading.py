@@ -7,13 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from draftsmith.decode import loading
+from draftsmith.decode.drafters.medusa import MedusaHeads
+from draftsmith.decode.drafters.registry import detect_drafter_kind, load_drafter
+from draftsmith.decode.loading import LoadError
 from safetensors.torch import load_file, save_file
 from tiny_models import save_tiny_pair, tiny_llama
-
-from decode import loading
-from decode.drafters.medusa import MedusaHeads
-from decode.drafters.registry import detect_drafter_kind, load_drafter
-from decode.loading import LoadError
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +120,7 @@ def test_pickled_weights_are_never_loaded(pair: tuple[Path, Path], tmp_path: Pat
 
 
 def test_dtype_names_come_from_one_table() -> None:
-    from decode.precision import choose_dtype
+    from draftsmith.decode.precision import choose_dtype
 
     assert loading.resolve_dtype("bfloat16") is torch.bfloat16
     assert loading.resolve_dtype("auto") is choose_dtype("auto").dtype
@@ -159,7 +158,7 @@ def test_a_bad_medusa_config_value_is_named(
 
 @pytest.fixture
 def eagle_folder(tmp_path: Path) -> Path:
-    from decode.drafters.eagle import Eagle3Config, Eagle3Head
+    from draftsmith.decode.drafters.eagle.head import Eagle3Config, Eagle3Head
 
     folder = tmp_path / "eagle3"
     Eagle3Head(Eagle3Config.for_target(tiny_llama().config)).save_pretrained(folder)
@@ -184,7 +183,7 @@ def test_a_bad_eagle3_config_value_is_named(
 ) -> None:
     """These used to raise TypeError/RuntimeError/ZeroDivisionError from inside torch, or be
     accepted (a string rms_norm_eps, a negative rope_theta)."""
-    from decode.drafters.eagle import Eagle3Head
+    from draftsmith.decode.drafters.eagle.head import Eagle3Head
 
     config = json.loads((eagle_folder / "config.json").read_text())
     config[field] = value
@@ -202,7 +201,7 @@ def test_integer_weights_are_refused(medusa_folder: Path) -> None:
 
 
 def test_a_valid_head_folder_still_round_trips(eagle_folder: Path) -> None:
-    from decode.drafters.eagle import Eagle3Head
+    from draftsmith.decode.drafters.eagle.head import Eagle3Head
 
     head = Eagle3Head.from_pretrained(eagle_folder)
     assert head.config.aux_hidden_state_layer_ids == (0, 1)
@@ -231,7 +230,7 @@ ENGINE_EAGLE3 = {
 )
 def test_engine_eagle3_config_values_are_checked(change: dict, expected: str) -> None:
     """A vLLM/SGLang EAGLE-3 export's config.json gets the checks of our own folders."""
-    from decode.drafters.eagle_config import config_from_engine_dict
+    from draftsmith.decode.drafters.eagle.config import config_from_engine_dict
 
     config_from_engine_dict(ENGINE_EAGLE3, 4)  # the unchanged export reads
     with pytest.raises(loading.LoadError, match=expected):
@@ -239,7 +238,7 @@ def test_engine_eagle3_config_values_are_checked(change: dict, expected: str) ->
 
 
 def test_engine_eagle3_config_missing_keys_are_named() -> None:
-    from decode.drafters.eagle_config import config_from_engine_dict
+    from draftsmith.decode.drafters.eagle.config import config_from_engine_dict
 
     raw = {k: v for k, v in ENGINE_EAGLE3.items() if k != "intermediate_size"}
     with pytest.raises(loading.LoadError, match=r"lacks intermediate_size"):

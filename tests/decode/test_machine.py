@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from decode.machine import (
+from draftsmith.decode.measure.machine import (
     bfloat16_matrix_kernels,
     cpu_kernels,
     cpu_model_name,
     describe_machine,
     machine_record,
 )
-from decode.precision import bfloat16_kernels
+from draftsmith.decode.precision import bfloat16_kernels
 
 
 @pytest.mark.parametrize(

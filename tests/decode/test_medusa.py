@@ -4,6 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from draftsmith.decode.drafters.base import TargetPass, TreeSpec
+from draftsmith.decode.drafters.medusa import (
+    MedusaConfig,
+    MedusaDrafter,
+    MedusaHeads,
+    load_runtime_drafter,
+)
+from draftsmith.decode.sampling import SamplingConfig, logits_to_probs
 from head_helpers import (
     PROMPTS,
     check_from_pretrained_names_the_problem,
@@ -16,15 +24,6 @@ from head_helpers import (
     tree_pass,
 )
 from tiny_models import tiny_llama
-
-from decode.drafters.base import TargetPass, TreeSpec
-from decode.drafters.medusa import (
-    MedusaConfig,
-    MedusaDrafter,
-    MedusaHeads,
-    load_runtime_drafter,
-)
-from decode.sampling import SamplingConfig, logits_to_probs
 
 
 def _trained_like(heads: MedusaHeads, seed: int = 0) -> MedusaHeads:

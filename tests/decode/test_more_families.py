@@ -16,11 +16,10 @@ import pytest
 import torch
 import transformers
 from decode_helpers import hf_greedy, noisy_copy, tiny_eagle_drafter, tiny_medusa_drafter
-
-from decode import DraftModelDrafter, SpeculativeDecoder
-from decode.attention_layout import learned_position_limit
-from decode.drafters.base import TreeSpec
-from decode.drafters.ngram import NgramDrafter
+from draftsmith.decode import DraftModelDrafter, SpeculativeDecoder
+from draftsmith.decode.drafters.base import TreeSpec
+from draftsmith.decode.drafters.ngram import NgramDrafter
+from draftsmith.decode.forward.attention_layout import learned_position_limit
 
 VOCAB = 96
 NEW_TOKENS = 16

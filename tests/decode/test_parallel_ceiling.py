@@ -1,4 +1,4 @@
-"""decode/parallel_ceiling.py: the water-filling optimum against a search over the simplex,
+"""decode/measure/parallel_ceiling.py: the water-filling optimum against a search over the simplex,
 and the beam walk against a target whose laws are known in closed form (a Markov chain)."""
 
 from __future__ import annotations
@@ -8,8 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
-from decode.parallel_ceiling import (
+from draftsmith.decode.measure.parallel_ceiling import (
     DepthCeiling,
     best_shared_overlap,
     mixture_overlap,

@@ -9,6 +9,18 @@ from __future__ import annotations
 import pytest
 import torch
 from decode_helpers import hf_greedy, randomize_later_layers, tiny_peagle_drafter
+from draftsmith.decode import SpeculativeDecoder
+from draftsmith.decode.drafters.base import TreeSpec
+from draftsmith.decode.drafters.eagle.head import build_vocab_maps
+from draftsmith.decode.drafters.eagle.peagle import (
+    PEagleConfig,
+    PEagleDrafter,
+    PEagleHead,
+    load_runtime_drafter,
+    parallel_visibility,
+)
+from draftsmith.decode.drafters.registry import load_drafter
+from draftsmith.decode.sampling import SamplingConfig, logits_to_probs
 from head_helpers import (
     check_needs_prefill_and_hidden_states,
     extend_committed,
@@ -17,19 +29,6 @@ from head_helpers import (
     scratch_pass,
 )
 from tiny_models import tiny_llama
-
-from decode import SpeculativeDecoder
-from decode.drafters.base import TreeSpec
-from decode.drafters.eagle import build_vocab_maps
-from decode.drafters.peagle import (
-    PEagleConfig,
-    PEagleDrafter,
-    PEagleHead,
-    load_runtime_drafter,
-    parallel_visibility,
-)
-from decode.drafters.registry import load_drafter
-from decode.sampling import SamplingConfig, logits_to_probs
 
 DEPTHS = 4
 

@@ -7,8 +7,7 @@ import io
 
 import pytest
 import torch
-
-from decode import precision
+from draftsmith.decode import precision
 
 
 def _force_cpu_kernels(monkeypatch: pytest.MonkeyPatch, amx: bool, avx512_bf16: bool) -> None:

@@ -1,13 +1,12 @@
-"""Every layout of ``decode.projection`` computes ``x W^T + b``; the choice follows the dtype."""
+"""Every layout of ``draftsmith.decode.forward.projection`` computes ``x W^T + b``; the choice follows the dtype."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
-
-from decode import projection
-from decode.projection import Projection
+from draftsmith.decode.forward import projection
+from draftsmith.decode.forward.projection import Projection
 
 LAYOUTS = [projection.TRANSPOSED, projection.WEIGHT_FIRST, projection.PACKED, projection.LINEAR]
 # bfloat16 products round their output to 8 bits of mantissa; float32 to 24.

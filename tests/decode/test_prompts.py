@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
-
-from data.corpus import load_stdlib_corpus
-from decode.prompts import DEMO_PROMPT_CHARS, definition_prompts, demo_prompts
-from train.regenerate import corpus_definition_prompts
+from draftsmith.data.corpus import load_stdlib_corpus
+from draftsmith.decode.measure.prompts import DEMO_PROMPT_CHARS, definition_prompts, demo_prompts
+from draftsmith.train.regeneration.in_process import corpus_definition_prompts
 
 CODE = (
     "import os\n"
@@ -84,7 +83,7 @@ def test_corpus_definition_prompts_refuse_a_bad_length(chars: object) -> None:
 
 def test_hostile_prompt_files_are_clear_errors(tmp_path) -> None:
     """A folder, JSON nested past the parser's depth, counts below 1, a byte-order mark."""
-    from decode.prompts import file_prompts, load_eval_prompts
+    from draftsmith.decode.measure.prompts import file_prompts, load_eval_prompts
 
     with pytest.raises(ValueError, match="is a folder; pass a file in it"):
         load_eval_prompts(str(tmp_path), 2)
@@ -108,7 +107,7 @@ def test_unreadable_prompt_file_is_a_clear_error(tmp_path, monkeypatch) -> None:
     """An OSError while reading (permissions, a device) names the file, no traceback."""
     from pathlib import Path
 
-    from decode.prompts import file_prompts
+    from draftsmith.decode.measure.prompts import file_prompts
 
     text = tmp_path / "p.txt"
     text.write_text("a\n")

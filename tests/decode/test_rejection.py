@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import torch
-
-from decode.rejection import verify_greedy, verify_stochastic
+from draftsmith.decode.rejection import verify_greedy, verify_stochastic
 
 
 def test_greedy_accepts_matching_prefix_then_emits_argmax() -> None:
@@ -65,7 +64,7 @@ def test_bonus_token_only_when_every_draft_is_accepted() -> None:
 
 
 def test_ngram_lookup_copies_a_full_continuation_on_repeats() -> None:
-    from decode import NgramDrafter
+    from draftsmith.decode import NgramDrafter
 
     drafter = NgramDrafter(vocab_size=10, max_ngram=2)
     assert drafter.lookup([5, 5, 5, 5, 5, 5], 3) == ([5, 5, 5], 2)
@@ -77,7 +76,7 @@ def test_ngram_index_lookup_equals_a_direct_scan() -> None:
     """The indexed lookup finds what scanning the whole history from the right finds."""
     import random
 
-    from decode.drafters.ngram import NgramDrafter, NgramIndex
+    from draftsmith.decode.drafters.ngram import NgramDrafter, NgramIndex
 
     def scan(history: list[int], num_tokens: int) -> tuple[list[int], int]:
         for n in range(min(3, len(history) - 1), 0, -1):

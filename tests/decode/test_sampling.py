@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from decode_helpers import chi_square_p_value
-
-from decode.sampling import (
+from draftsmith.decode.sampling import (
     GREEDY_TEMPERATURE_FLOOR,
     SamplingConfig,
     greedy_tokens,

@@ -24,6 +24,8 @@ import httpx
 import pytest
 import torch
 from decode_helpers import noisy_copy
+from draftsmith.data.tokenizer import train_byte_level_bpe
+from draftsmith.decode import SpeculativeDecoder, load_drafter
 from openai import OpenAI
 from openai.types import Completion
 from serve_helpers import (
@@ -38,9 +40,6 @@ from serve_helpers import (
     wait_for_health,
 )
 from tiny_models import tiny_llama
-
-from data.tokenizer import train_byte_level_bpe
-from decode import SpeculativeDecoder, load_drafter
 
 REPO = Path(__file__).resolve().parents[2]
 API_KEY = "test-key-123"

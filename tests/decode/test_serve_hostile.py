@@ -22,12 +22,11 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 import uvicorn
+from draftsmith.decode.drafters.none import NoDrafter
+from draftsmith.decode.serving.app import OpenAIServer, ServingLimits
+from draftsmith.decode.serving.scheduler import GenerationJob
 from serve_helpers import free_port, openai_error, parse_prometheus
 from tiny_models import tiny_llama, tiny_tokenizer
-
-from decode.drafters.none import NoDrafter
-from decode.serving.app import OpenAIServer, ServingLimits
-from decode.serving.scheduler import GenerationJob
 
 MODEL = "tiny"
 API_KEY = "hostile-key"

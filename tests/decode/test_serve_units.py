@@ -17,27 +17,23 @@ from decode_helpers import (
     tiny_medusa_drafter,
     tiny_peagle_drafter,
 )
-from serve_helpers import metric, parse_prometheus
-from tiny_models import tiny_llama
-from transformers import PreTrainedTokenizerFast
-
-from data.tokenizer import train_byte_level_bpe
-from decode import SpeculativeDecoder
-from decode.drafters.base import Drafter, TreeSpec
-from decode.drafters.draft_lm import DraftModelDrafter
-from decode.sampling import SamplingConfig
-from decode.serve import _is_loopback
-from decode.serving.config import ServeConfig, parse_serve_args
-from decode.serving.loading import load_target
-from decode.serving.metrics import ServerMetrics
-from decode.serving.protocol import (
+from draftsmith.data.tokenizer import train_byte_level_bpe
+from draftsmith.decode import SpeculativeDecoder
+from draftsmith.decode.drafters.base import Drafter, TreeSpec
+from draftsmith.decode.drafters.draft_lm import DraftModelDrafter
+from draftsmith.decode.sampling import SamplingConfig
+from draftsmith.decode.serve import _is_loopback
+from draftsmith.decode.serving.config import ServeConfig, parse_serve_args
+from draftsmith.decode.serving.loading import load_target
+from draftsmith.decode.serving.metrics import ServerMetrics
+from draftsmith.decode.serving.protocol import (
     MAX_STOP_CHARS,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     parse_body,
 )
-from decode.serving.scheduler import (
+from draftsmith.decode.serving.scheduler import (
     BatchWorker,
     DoneEvent,
     ErrorEvent,
@@ -49,8 +45,11 @@ from decode.serving.scheduler import (
     SamplingParams,
     TokensEvent,
 )
-from decode.serving.text import TextStream
-from decode.stats import DecodeStats
+from draftsmith.decode.serving.text import TextStream
+from draftsmith.decode.stats import DecodeStats
+from serve_helpers import metric, parse_prometheus
+from tiny_models import tiny_llama
+from transformers import PreTrainedTokenizerFast
 
 TEXTS = ["def add(a, b):\n    return a + b\n", "hello world, stop here", "import os\n"] * 10
 
@@ -705,10 +704,9 @@ def test_a_request_after_the_decoder_stopped_is_a_503_not_a_429(
     tokenizer: PreTrainedTokenizerFast,
 ) -> None:
     """A stopped server is the server's state, not the client's load: 503, not 'retry, busy'."""
+    from draftsmith.decode.drafters.none import NoDrafter
+    from draftsmith.decode.serving.app import OpenAIServer
     from starlette.testclient import TestClient
-
-    from decode.drafters.none import NoDrafter
-    from decode.serving.app import OpenAIServer
 
     target = tiny_llama(vocab_size=len(tokenizer), dtype=torch.float32)
     server = OpenAIServer(target, tokenizer, NoDrafter(len(tokenizer)), model_name="m")
@@ -723,12 +721,11 @@ def test_a_request_after_the_decoder_stopped_is_a_503_not_a_429(
 def test_a_target_that_decodes_one_row_at_a_time_is_served_unbatched(
     tokenizer: PreTrainedTokenizerFast,
 ) -> None:
-    """MPT biases attention by cache slot (``decode.attention_layout.single_row_problem``): a batch
+    """MPT biases attention by cache slot (``draftsmith.decode.forward.attention_layout.single_row_problem``): a batch
     would shift it, so the server refuses to batch it at start, not on the second request."""
     import transformers
-
-    from decode.drafters.none import NoDrafter
-    from decode.serving.app import OpenAIServer
+    from draftsmith.decode.drafters.none import NoDrafter
+    from draftsmith.decode.serving.app import OpenAIServer
 
     config = transformers.MptConfig(
         vocab_size=len(tokenizer), d_model=32, n_layers=1, n_heads=4, max_seq_len=64
@@ -746,9 +743,8 @@ def test_a_context_past_a_learned_position_table_is_refused_at_start(
     """GPT-2 embeds positions from a table: a --max-context-length past it would let requests
     in that the forward cannot run (a 500), so the server refuses the setting at start."""
     import transformers
-
-    from decode.drafters.none import NoDrafter
-    from decode.serving.app import OpenAIServer, ServingLimits
+    from draftsmith.decode.drafters.none import NoDrafter
+    from draftsmith.decode.serving.app import OpenAIServer, ServingLimits
 
     config = transformers.GPT2Config(
         vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=4, n_positions=64

@@ -1,4 +1,4 @@
-"""``decode.side_by_side``: repeated interleaved passes time each prompt by its fastest
+"""``draftsmith.decode.measure.side_by_side``: repeated interleaved passes time each prompt by its fastest
 reproduction, and every method re-seeds per prompt so that a repeat decodes the same tokens."""
 
 from __future__ import annotations
@@ -7,18 +7,17 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
-from decode import side_by_side
-from decode.drafters.draft_lm import DraftModelDrafter
-from decode.drafters.registry import load_drafter
-from decode.side_by_side import (
+from draftsmith.decode.drafters.draft_lm import DraftModelDrafter
+from draftsmith.decode.drafters.registry import load_drafter
+from draftsmith.decode.measure import side_by_side
+from draftsmith.decode.measure.side_by_side import (
     EvalSettings,
     measure_side_by_side,
     plain_method,
     prompt_seed,
     speculative_method,
 )
-from decode.stats import DecodeStats
+from draftsmith.decode.stats import DecodeStats
 
 PROMPTS = [torch.tensor([[5, 17, 9, 33, 2, 40]]), torch.tensor([[7, 21, 8]])]
 
@@ -137,7 +136,12 @@ def test_flag_types_refuse_bad_values() -> None:
     """Temperatures, top-p, top-k and seeds out of range are argparse errors, not traces."""
     import argparse
 
-    from decode.side_by_side import at_least_zero, seed_value, temperature_value, top_p_value
+    from draftsmith.decode.measure.side_by_side import (
+        at_least_zero,
+        seed_value,
+        temperature_value,
+        top_p_value,
+    )
 
     assert temperature_value("0.7") == 0.7 and top_p_value("1") == 1.0
     assert at_least_zero("0") == 0 and seed_value("4294967295") == 2**32 - 1
@@ -153,10 +157,9 @@ def test_flag_types_refuse_bad_values() -> None:
 
 
 def test_device_context_and_chat_template_checks(tiny_pair_dirs) -> None:
+    from draftsmith.decode.loading import check_device
+    from draftsmith.decode.measure.side_by_side import check_context, encode_prompt
     from transformers import AutoTokenizer
-
-    from decode.loading import check_device
-    from decode.side_by_side import check_context, encode_prompt
 
     assert check_device("cpu") == "cpu"
     with pytest.raises(ValueError, match="not a device torch knows"):
@@ -177,13 +180,13 @@ def test_device_context_and_chat_template_checks(tiny_pair_dirs) -> None:
 
 
 def test_tree_flags_without_tree_are_refused() -> None:
-    from decode.side_by_side import tree_flags_problem
+    from draftsmith.decode.measure.side_by_side import tree_flags_problem
 
     def args(**kw):
         base = dict(tree=False, tree_when_sampling=False, tree_top_k=4, tree_total_tokens=12)
         return SimpleNamespace(**(base | {"tree_frontier": 0} | kw))
 
-    from decode.defaults import TREE_TOP_K, TREE_TOTAL_TOKENS
+    from draftsmith.decode.defaults import TREE_TOP_K, TREE_TOTAL_TOKENS
 
     plain = args(tree_top_k=TREE_TOP_K, tree_total_tokens=TREE_TOTAL_TOKENS)
     assert tree_flags_problem(plain) is None

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from decode.stats import DecodeStats, predicted_speedup, predicted_tau
+from draftsmith.decode.stats import DecodeStats, predicted_speedup, predicted_tau
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.4, 0.8, 0.95])

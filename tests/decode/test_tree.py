@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import tiny_llama
-
-from decode.cached_sequence import CachedSequence
-from decode.drafters.base import TreeSpec
-from decode.tree import (
+from draftsmith.decode.drafters.base import TreeSpec
+from draftsmith.decode.forward.cached_sequence import CachedSequence
+from draftsmith.decode.trees.layout import (
     Frontier,
     StaticTree,
     TreeProposal,
@@ -17,7 +15,8 @@ from decode.tree import (
     tree_depths,
     tree_positions,
 )
-from decode.tree_verify import verify_tree_greedy, verify_tree_stochastic
+from draftsmith.decode.trees.verify import verify_tree_greedy, verify_tree_stochastic
+from tiny_models import tiny_llama
 
 # A known tree:      root
 #                   /    \

@@ -6,14 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 from decode_helpers import ragged_greedy_batch, tiny_eagle_drafter, tiny_medusa_drafter
-from tiny_models import tiny_llama
-from tree_helpers import PROMPT, SETTINGS, assert_follows, three_token_law
-
-from decode import SpeculativeDecoder
-from decode.drafters.base import TreeSpec
-from decode.sampling import SamplingConfig
-from decode.tree import sampled_tree_layout
-from decode.tree_policy import (
+from draftsmith.decode import SpeculativeDecoder
+from draftsmith.decode.drafters.base import TreeSpec
+from draftsmith.decode.sampling import SamplingConfig
+from draftsmith.decode.trees.layout import sampled_tree_layout
+from draftsmith.decode.trees.policy import (
     CHAIN,
     SAMPLED,
     TOP_K,
@@ -23,6 +20,8 @@ from decode.tree_policy import (
     _features,
     shape_menu,
 )
+from tiny_models import tiny_llama
+from tree_helpers import PROMPT, SETTINGS, assert_follows, three_token_law
 
 SPEC = TreeSpec(top_k=3, total_tokens=8)
 
@@ -361,7 +360,7 @@ def test_adaptive_tree_keeps_greedy_output_exact(target, name: str) -> None:
 
 
 def test_adaptive_tree_is_refused_only_for_chain_drafters(target) -> None:
-    from decode import DraftModelDrafter
+    from draftsmith.decode import DraftModelDrafter
 
     with pytest.raises(ValueError, match="drafts chains only"):
         SpeculativeDecoder(target, DraftModelDrafter(target), 3, tree=SPEC, adaptive=True)

@@ -14,6 +14,15 @@ import functools
 import pytest
 import torch
 from decode_helpers import chi_square_p_value, tiny_eagle_drafter
+from draftsmith.decode import SpeculativeDecoder
+from draftsmith.decode.drafters.base import TreeSpec
+from draftsmith.decode.sampling import SamplingConfig
+from draftsmith.decode.trees.layout import (
+    TreeProposal,
+    sampled_tree_chain_lengths,
+    sampled_tree_layout,
+)
+from draftsmith.decode.trees.verify import verify_tree_stochastic
 from tiny_models import tiny_llama
 from tree_helpers import (
     P_VALUE_FLOOR,
@@ -23,16 +32,6 @@ from tree_helpers import (
     assert_follows,
     three_token_law,
 )
-
-from decode import SpeculativeDecoder
-from decode.drafters.base import TreeSpec
-from decode.sampling import SamplingConfig
-from decode.tree import (
-    TreeProposal,
-    sampled_tree_chain_lengths,
-    sampled_tree_layout,
-)
-from decode.tree_verify import verify_tree_stochastic
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +111,7 @@ def test_sampled_tree_shape_ignores_sampled_values(target: torch.nn.Module) -> N
     prompt = torch.tensor([PROMPT, PROMPT[::-1]])
     with torch.no_grad():
         prefill = target(prompt, output_hidden_states=True)
-    from decode.drafters.base import TargetPass
+    from draftsmith.decode.drafters.base import TargetPass
 
     drafter.prefill(
         prompt,
@@ -224,7 +223,7 @@ def test_greedy_top_k_tree_still_equals_generate(target: torch.nn.Module, batch:
 
 def test_one_child_sampled_tree_is_the_sampled_chain(target: torch.nn.Module) -> None:
     """With one child the tree is the chain: same draws, same q, on a ragged (padded) batch."""
-    from decode.drafters.base import TargetPass
+    from draftsmith.decode.drafters.base import TargetPass
 
     drafter = tiny_eagle_drafter(target)
     ids = torch.tensor([[*PROMPT, 3, 4], [0, 0, *PROMPT]])
@@ -246,7 +245,7 @@ def test_one_child_sampled_tree_is_the_sampled_chain(target: torch.nn.Module) ->
 
 def test_second_chain_sees_its_own_entries(target: torch.nn.Module) -> None:
     """Where i.i.d. root children coincide, both chains must continue from the same q."""
-    from decode.drafters.base import TargetPass
+    from draftsmith.decode.drafters.base import TargetPass
 
     drafter = tiny_eagle_drafter(target)
     ids = torch.tensor([PROMPT] * 16)

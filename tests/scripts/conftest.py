@@ -5,8 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from train.demo_target import build_demo_target
+from draftsmith.train.target.demo import build_demo_target
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""scripts/ablate.py over train/ablation.py: grid parsing and the recipe flags of each cell,
+"""scripts/ablate.py over train/ablation/grid.py: grid parsing and the recipe flags of each cell,
 regenerated data prepared once, and a 2 cells x 2 seeds grid on the tiny recipes that is
 interrupted and resumed."""
 
@@ -12,10 +12,10 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from draftsmith.train.ablation import grid as ablation
+from draftsmith.train.ablation import results as ablation_results
+from draftsmith.train.config import parse_config
 from script_helpers import load_script
-
-from train import ablation, ablation_results
-from train.config import parse_config
 
 
 def _script() -> ModuleType:
@@ -184,7 +184,7 @@ def test_run_grid_resumes_retries_failures_and_summarizes(
 def test_a_runs_measurement_is_its_summarys_held_out_and_temperature_rows(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import train.distill
+    import draftsmith.train.distill
 
     row = {"tau": 2.0, "predicted_tau": 2.1, "speedup": 1.3}
     summary = {
@@ -193,7 +193,7 @@ def test_a_runs_measurement_is_its_summarys_held_out_and_temperature_rows(
         "steps": 3, "stop_reason": "max_steps", "minutes": 0.1, "tokens_seen": 10,
         "data": "stdlib", "eval_description": "held-out",
     }  # fmt: skip
-    monkeypatch.setattr(train.distill, "main", lambda argv: summary)
+    monkeypatch.setattr(draftsmith.train.distill, "main", lambda argv: summary)
     measured = ablation.train_and_measure(["--loss", "tv"])
     assert measured["overlap"] == [0.7, 0.5] and measured["greedy_match"] == [0.8]
     assert measured["tau"] == {"0": 2.0, "1": 1.5}  # other prompt sets are not the grid's
@@ -202,7 +202,7 @@ def test_a_runs_measurement_is_its_summarys_held_out_and_temperature_rows(
 def test_kind_axis_runs_peagle_beside_eagle3_with_per_position_acceptance_and_costs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import train.distill
+    import draftsmith.train.distill
 
     for recipes in ablation.RECIPES.values():  # every preset has a recipe for every kind
         assert all((ablation.REPO / path).is_file() for path in recipes.values())
@@ -215,7 +215,7 @@ def test_kind_axis_runs_peagle_beside_eagle3_with_per_position_acceptance_and_co
     summary = {"held_out": {"overlap@1": 0.7}, "steps": 3, "stop_reason": "max_steps",
                "target_path": "t", "minutes": 0.1, "tokens_seen": 10, "data": "stdlib",
                "eval_description": "x"}  # fmt: skip
-    monkeypatch.setattr(train.distill, "main", lambda argv: summary)
+    monkeypatch.setattr(draftsmith.train.distill, "main", lambda argv: summary)
     monkeypatch.setattr(ablation, "measure_tau", lambda *args: {"0": row})
     measured = ablation.train_and_measure(argv, settings, tmp_path / "drafter")
     assert measured["alpha"] == {"0": [0.8, 0.5]} and measured["tau"] == {"0": 2.0}

@@ -5,10 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from draftsmith.decode.defaults import TREE_TOP_K, TREE_TOTAL_TOKENS
+from draftsmith.decode.measure.machine import machine_record
 from script_helpers import load_script
-
-from decode.defaults import TREE_TOP_K, TREE_TOTAL_TOKENS
-from decode.machine import machine_record
 
 
 def _load_script():
@@ -16,9 +15,8 @@ def _load_script():
 
 
 def test_benchmark_writes_report_and_plots(tiny_pair_dirs, tmp_path) -> None:
+    from draftsmith.decode.drafters.eagle.peagle import PEagleConfig, PEagleHead
     from transformers import AutoConfig
-
-    from decode.drafters.peagle import PEagleConfig, PEagleHead
 
     target_dir, draft_dir = tiny_pair_dirs
     peagle = PEagleHead(PEagleConfig.for_target(AutoConfig.from_pretrained(target_dir)))

@@ -83,7 +83,7 @@ def test_hostile_flags_are_refused_by_name_before_training(
 
 
 def test_a_damaged_build_is_named_with_the_fix(tmp_path: Path) -> None:
-    from train.demo_target import MARKER, METRICS_FILE
+    from draftsmith.train.target.demo import MARKER, METRICS_FILE
 
     folder = tmp_path / "t"
     folder.mkdir()

@@ -10,16 +10,15 @@ from pathlib import Path
 
 import httpx
 import pytest
-from real_targets import LLAMA31, QWEN3, family_tokenizer
-from script_helpers import load_script
-from serve_helpers import serving
-
-from data.sequences import load_sequences
-from train.regenerate_endpoint import (
+from draftsmith.data.sequences import load_sequences
+from draftsmith.train.regeneration.endpoint import (
     EndpointConfig,
     GenerationSettings,
     regenerate_through_endpoint,
 )
+from real_targets import LLAMA31, QWEN3, family_tokenizer
+from script_helpers import load_script
+from serve_helpers import serving
 
 SHAREGPT = [
     {"id": "a", "conversations": [
@@ -58,7 +57,7 @@ def _find(ids: list[int], pattern: list[int], start: int = 0) -> Iterator[int]:
 def _expected_mask(ids: list[int], header: list[int], end_id: int, newlines: set[int]) -> list[int]:
     """1 from after each assistant header (its role tokens and the newlines after them) through
     the turn's end token, 0 elsewhere: the template's own markers, found without
-    data.templates."""
+    draftsmith.data.templates."""
     mask = [0] * len(ids)
     for at in _find(ids, header):
         position = at + len(header)

@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from draftsmith.decode.drafters.eagle.head import Eagle3Config, Eagle3Head
+from draftsmith.decode.drafters.eagle.peagle import PEagleConfig, PEagleHead
+from draftsmith.train.export.formats import export_eagle3, export_medusa, export_peagle
 from engine_models import (
     engine_llama,
     fit_eagle3,
@@ -20,10 +23,6 @@ from engine_models import (
     greedy_corpus,
     save_target,
 )
-
-from decode.drafters.eagle import Eagle3Config, Eagle3Head
-from decode.drafters.peagle import PEagleConfig, PEagleHead
-from train.export_formats import export_eagle3, export_medusa, export_peagle
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import check_engine

@@ -68,12 +68,12 @@ def test_bad_output_and_seed_are_refused_before_measuring(tmp_path: Path, capsys
 def test_bad_targets_and_prompts_are_refused_before_the_target_loads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import train.target_model
+    import draftsmith.train.target.model
 
     def refuse(*_: object, **__: object) -> None:
         raise AssertionError("the target loaded before the bad input was refused")
 
-    monkeypatch.setattr(train.target_model, "load_target", refuse)
+    monkeypatch.setattr(draftsmith.train.target.model, "load_target", refuse)
     script = load_script("parallel_ceiling")
     (tmp_path / "empty.jsonl").write_text("")
     for argv, error, message in (

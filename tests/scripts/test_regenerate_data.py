@@ -45,7 +45,7 @@ def test_plain_prompts_become_prompt_response_records(tmp_path: Path, target: Pa
     assert out.read_text() == first  # seeded: the same responses again
     assert not list(tmp_path.glob(".regen.jsonl.tmp-*"))
 
-    from train.distill import main
+    from draftsmith.train.distill import main
 
     summary = main(["--config", str(REPO / "configs" / "tiny.yaml"), "--target", str(target),
                     "--output_dir", str(tmp_path / "run"), "--dataset", str(out),
@@ -210,7 +210,7 @@ def _answer(text: str) -> httpx.Response:
 def test_transient_errors_are_retried_with_backoff_and_client_errors_are_not(
     tmp_path: Path,
 ) -> None:
-    from train.regenerate_endpoint import (
+    from draftsmith.train.regeneration.endpoint import (
         EndpointConfig,
         GenerationSettings,
         regenerate_through_endpoint,
@@ -254,12 +254,12 @@ def test_transient_errors_are_retried_with_backoff_and_client_errors_are_not(
 
 def _no_loading(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make loading the target fail the test: what is checked here must be checked before."""
-    import train.target_model
+    import draftsmith.train.target.model
 
     def refuse(*_: object, **__: object) -> None:
         raise AssertionError("the target loaded before the bad input was refused")
 
-    monkeypatch.setattr(train.target_model, "load_target", refuse)
+    monkeypatch.setattr(draftsmith.train.target.model, "load_target", refuse)
 
 
 def test_hostile_flags_are_refused_by_name_before_anything_loads(
@@ -362,7 +362,7 @@ def test_an_output_this_script_did_not_write_is_refused_and_left_as_it_was(
 ) -> None:
     """Resuming cut everything after the last newline before reading the file: an unrelated
     --output (a JSON document on one line, say) lost its content. Now it is read first."""
-    from train.regenerate_endpoint import completed_indices
+    from draftsmith.train.regeneration.endpoint import completed_indices
 
     prompts = ["def f(x):\n"]
     for content, message in (

@@ -192,7 +192,7 @@ def test_a_prompt_set_other_than_the_headline_reads_as_the_headline() -> None:
 
 
 def test_the_depth_table_names_the_draftable_mass_where_a_cell_has_one(tmp_path: Path) -> None:
-    from train import ablation_results
+    from draftsmith.train.ablation import results as ablation_results
 
     runs = {}
     for vocab, mass in (("2048", 0.87), ("8192", None)):
@@ -217,7 +217,7 @@ def test_the_depth_table_names_the_draftable_mass_where_a_cell_has_one(tmp_path:
 
 
 def test_the_depth_table_says_how_far_a_time_boxed_run_got(tmp_path: Path) -> None:
-    from train import ablation_results
+    from draftsmith.train.ablation import results as ablation_results
 
     runs = {}
     for vocab, steps in (("2048", 141), ("8192", 71)):
@@ -247,7 +247,7 @@ def test_the_depth_table_says_how_far_a_time_boxed_run_got(tmp_path: Path) -> No
 
 def test_the_decoding_table_compares_each_cell_with_the_first(tmp_path: Path) -> None:
     """Tau, drafting time and speed per temperature over seeds, then ratios of the means."""
-    from train import ablation_results
+    from draftsmith.train.ablation import results as ablation_results
 
     runs = {}
     for kind, tau, draft_ms, speed in (("eagle3", 4.0, 4.0, 200.0), ("peagle", 3.0, 2.0, 220.0)):

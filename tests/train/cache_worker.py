@@ -18,9 +18,8 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from cache_helpers import cache_rows
-
-from train.target_cache import build_or_reuse_cache
-from train.target_sharding import load_sharded_target
+from draftsmith.train.target.cache import build_or_reuse_cache
+from draftsmith.train.target.sharding import load_sharded_target
 
 
 def main(folder: Path, delay: float, target_folder: str) -> None:

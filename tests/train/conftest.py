@@ -14,7 +14,7 @@ TINY_RECIPE = REPO / "configs" / "tiny.yaml"
 @pytest.fixture(scope="session")
 def tiny_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The "tiny" demo target (2 x 64, vocab 512), 60 steps: peaked enough to imitate."""
-    from train.demo_target import build_demo_target
+    from draftsmith.train.target.demo import build_demo_target
 
     folder = tmp_path_factory.mktemp("targets") / "tiny"
     return build_demo_target(

@@ -1,11 +1,11 @@
-"""train/ablation_report.py: the Markdown tables of a grid, from a results file's summary."""
+"""train/ablation/report.py: the Markdown tables of a grid, from a results file's summary."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from train import ablation_results
-from train.ablation_report import format_markdown, format_table, tau_source
+from draftsmith.train.ablation import results as ablation_results
+from draftsmith.train.ablation.report import format_markdown, format_table, tau_source
 
 
 def _results(check: bool = True) -> dict[str, Any]:

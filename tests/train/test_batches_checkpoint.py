@@ -7,10 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from train.batches import ShardedBatches, shard_list
-from train.checkpoint import STATE_FILE, CheckpointManager
-from train.loop import make_accelerator
+from draftsmith.train.batches import ShardedBatches, shard_list
+from draftsmith.train.checkpoint import STATE_FILE, CheckpointManager
+from draftsmith.train.loop import make_accelerator
 
 
 def _rows(n: int) -> list[dict[str, int]]:

@@ -11,9 +11,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-
-from train.checkpoint import CheckpointError, CheckpointManager, objective_file, rng_file
-from train.loop import make_accelerator
+from draftsmith.train.checkpoint import CheckpointError, CheckpointManager, objective_file, rng_file
+from draftsmith.train.loop import make_accelerator
 
 
 class _Payload:
@@ -148,8 +147,8 @@ def test_killed_writes_leave_no_temporary_folder(saved: Any) -> None:
 
 
 def test_a_checkpoint_records_the_exports_provenance(tmp_path: Path) -> None:
-    from train.config import DistillConfig
-    from train.provenance import PACKAGES, PROVENANCE_FILE, build_provenance
+    from draftsmith.train.config import DistillConfig
+    from draftsmith.train.provenance import PACKAGES, PROVENANCE_FILE, build_provenance
 
     accelerator = make_accelerator(cpu=True)
     accelerator.prepare(torch.nn.Linear(3, 2))
@@ -187,7 +186,7 @@ def test_a_tampered_trainer_state_field_is_an_error(
 ) -> None:
     """These fields used to be restored unchecked and fail later inside the loop (a string
     tokens_seen: a TypeError at the first step) or silently (a NaN elapsed time)."""
-    from train.loop import _restored_state
+    from draftsmith.train.loop import _restored_state
 
     accelerator, manager, path = saved
     state = json.loads((path / "trainer_state.json").read_text())
@@ -199,7 +198,7 @@ def test_a_tampered_trainer_state_field_is_an_error(
 
 
 def test_a_sound_trainer_state_restores(saved: Any) -> None:
-    from train.loop import _restored_state
+    from draftsmith.train.loop import _restored_state
 
     accelerator, manager, path = saved
     assert _restored_state(manager.load(accelerator, path), path).step == 4

@@ -5,8 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from train.config import DistillConfig, parse_config, read_recipe
+from draftsmith.train.config import DistillConfig, parse_config, read_recipe
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -181,7 +180,7 @@ def test_counts_and_rates_out_of_range_are_refused_by_name(flags: list[str], exp
 
 
 def test_a_time_box_drives_the_decay_when_asked() -> None:
-    from train.distill import loop_config
+    from draftsmith.train.distill import loop_config
 
     assert not loop_config(parse_config([])).schedule_by_time  # steps alone by default
     assert loop_config(parse_config(["--schedule_by_time"])).schedule_by_time  # 8 minutes

@@ -6,18 +6,17 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+import draftsmith.train.target.demo as demo
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
-import train.demo_target as demo
-from train.demo_target import (
+from draftsmith.train.target.demo import (
     MARKER,
     build_demo_target,
     default_target_path,
     is_complete,
     load_metrics,
 )
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
 def test_folder_is_a_normal_hf_model_that_reloads_and_generates(tiny_target: Path) -> None:

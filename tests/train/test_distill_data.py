@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from draftsmith.decode.sampling import SamplingConfig
+from draftsmith.train.distill_data import block_prompts, continued_rows, definition_prompts_of_rows
+from draftsmith.train.generation import sample_continuations
 from tiny_models import tiny_llama, tiny_tokenizer
-
-from decode.sampling import SamplingConfig
-from train.distill_data import block_prompts, continued_rows, definition_prompts_of_rows
-from train.generation import sample_continuations
 
 CODE = (
     "import os\n\nVALUE = 3\n\n\n"
@@ -90,7 +89,7 @@ def test_definition_prompts_end_on_a_def_line_and_spread_over_the_rows() -> None
 def test_a_run_trains_on_definition_prompts_continued_by_the_target(
     tmp_path: Path, tiny_argv: Callable[..., list[str]], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from train.distill import main
+    from draftsmith.train.distill import main
 
     flags = ["--train_source", "target_samples", "--train_prompts", "definitions"]
     flags += ["--train_prompt_chars", "120", "--block_size", "96", "--train_sequences", "8"]
@@ -112,7 +111,7 @@ def test_a_fixed_samples_seed_shares_one_regeneration_between_training_seeds(
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from train.distill import main
+    from draftsmith.train.distill import main
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     flags = ["--train_source", "target_samples", "--train_prompts", "blocks"]
@@ -131,9 +130,8 @@ def test_regenerated_rows_are_keyed_by_target_weights_dtype_and_settings(
 ) -> None:
     import shutil
 
+    from draftsmith.train.distill_data import regenerated_rows_file
     from transformers import AutoModelForCausalLM
-
-    from train.distill_data import regenerated_rows_file
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     copy = tmp_path / "target"

@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from train.distill import main
-from train.tracking import read_metrics_log, resolve_wandb_mode
+from draftsmith.train.distill import main
+from draftsmith.train.tracking import read_metrics_log, resolve_wandb_mode
 
 Argv = Callable[..., list[str]]
 
@@ -39,7 +38,7 @@ def test_on_policy_batches_are_sampled_by_the_drafter(tmp_path: Path, tiny_argv:
 def test_push_to_hub_offline_saves_first_then_fails_fast(
     tmp_path: Path, tiny_argv: Argv, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from train.export import HubUploadError
+    from draftsmith.train.export.folder import HubUploadError
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(HubUploadError, match=r"HF_HUB_OFFLINE is set.*saved at"):

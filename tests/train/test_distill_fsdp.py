@@ -1,6 +1,6 @@
 """FSDP2 on two CPU ranks over gloo: parameters sharded, resume exact, export = one process's.
 
-accelerate 1.15 maps every CPU launch to DDP and drops the FSDP config; ``train.distributed``
+accelerate 1.15 maps every CPU launch to DDP and drops the FSDP config; ``draftsmith.train.distributed``
 restores it, so these launches run accelerate's own FSDP2 path (``fully_shard``) on CPU. Each
 launch takes about a minute on 2 cores (two ranks importing torch), hence ``slow``; the
 in-process tests at the end cover the pieces that need no second process.
@@ -18,21 +18,20 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
-from train.config import parse_config
-from train.demo_target import default_target_path
-from train.distributed import enable_cpu_fsdp, format_report, parallel_report
-from train.losses import build_loss
-from train.objectives import get_objective_class
-from train.target_model import (
+from draftsmith.train.config import parse_config
+from draftsmith.train.distributed import enable_cpu_fsdp, format_report, parallel_report
+from draftsmith.train.losses import build_loss
+from draftsmith.train.objectives import get_objective_class
+from draftsmith.train.target.demo import default_target_path
+from draftsmith.train.target.model import (
     load_model,
     load_tokenizer,
     resolve_target,
     target_location,
     target_on_main_first,
 )
-from train.tracking import read_metrics_log
+from draftsmith.train.tracking import read_metrics_log
+from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[2]
 FSDP_CONFIG = REPO / "configs" / "accelerate" / "fsdp.yaml"

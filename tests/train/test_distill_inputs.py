@@ -7,11 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from draftsmith.train.distill import main
+from draftsmith.train.loop import NonFiniteLossError
 from safetensors.torch import load_file
 from tiny_models import tiny_llama
-
-from train.distill import main
-from train.loop import NonFiniteLossError
 
 Argv = Callable[..., list[str]]
 
@@ -127,7 +126,7 @@ def test_fp16_on_the_cpu_names_the_fix(tmp_path: Path, tiny_argv: Argv) -> None:
 def test_a_corrupt_continuations_cache_is_named_and_regenerated(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, problem: str
 ) -> None:
-    from train.distill_data import read_regenerated_cache
+    from draftsmith.train.distill_data import read_regenerated_cache
 
     cache = tmp_path / "rows.json"
     assert read_regenerated_cache(cache) is None  # absent: generate

@@ -11,9 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-
-from train.distill import main
-from train.tracking import read_metrics_log
+from draftsmith.train.distill import main
+from draftsmith.train.tracking import read_metrics_log
 
 REPO = Path(__file__).resolve().parents[2]
 # On-policy batches make the objective's generators part of the state that must be restored.

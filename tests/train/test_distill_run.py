@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from draftsmith.train.distill import main
+from draftsmith.train.tracking import read_metrics_log
 from transformers import AutoModelForCausalLM
-
-from train.distill import main
-from train.tracking import read_metrics_log
 
 Argv = Callable[..., list[str]]
 
@@ -59,7 +58,7 @@ def test_tiny_run_exports_the_drafter_folder(
 def test_decode_loads_the_exported_drafter(
     tmp_path: Path, tiny_argv: Argv, tiny_target: Path
 ) -> None:
-    from decode.drafters.registry import detect_drafter_kind, load_drafter
+    from draftsmith.decode.drafters.registry import detect_drafter_kind, load_drafter
 
     main(tiny_argv(tmp_path, "--max_steps", "2"))
     target = AutoModelForCausalLM.from_pretrained(tiny_target).eval()
@@ -136,8 +135,8 @@ def test_a_missing_demo_target_is_built_on_every_core_under_accelerate(
 ) -> None:
     """`accelerate launch` starts one process with OMP_NUM_THREADS=1: the build must not
     inherit it (it did, and trained the demo target on one core of two)."""
-    from decode import cpu_threads
-    from train import target_model
+    from draftsmith.decode import cpu_threads
+    from draftsmith.train.target import model as target_model
 
     class Built(Exception):
         pass

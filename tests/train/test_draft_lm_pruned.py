@@ -11,17 +11,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from draftsmith.decode.drafters.draft_lm import DRAFT_VOCAB_FILE, DraftModelDrafter
+from draftsmith.decode.drafters.registry import load_drafter
+from draftsmith.decode.drafters.vocab_map import VocabMap
+from draftsmith.decode.sampling import SamplingConfig
+from draftsmith.train.config import DrafterConfig
+from draftsmith.train.drafter_models import build_draft_lm
+from draftsmith.train.losses import build_loss
+from draftsmith.train.objectives.draft_lm import DraftLMObjective
 from objective_helpers import bind, sampled_batch, train
 from tiny_models import TINY_VOCAB, tiny_llama
-
-from decode.drafters.draft_lm import DRAFT_VOCAB_FILE, DraftModelDrafter
-from decode.drafters.registry import load_drafter
-from decode.drafters.vocab_map import VocabMap
-from decode.sampling import SamplingConfig
-from train.config import DrafterConfig
-from train.drafter_models import build_draft_lm
-from train.losses import build_loss
-from train.objectives.draft_lm import DraftLMObjective
 
 DRAFT_VOCAB = 20
 
@@ -133,9 +132,8 @@ def test_save_load_round_trip_gives_identical_proposals(
 def test_corrupt_maps_are_refused(
     target: torch.nn.Module, batch: dict[str, torch.Tensor], tmp_path: Path
 ) -> None:
+    from draftsmith.decode.loading import LoadError
     from safetensors.torch import load_file, save_file
-
-    from decode.loading import LoadError
 
     objective = _objective(target)
     objective.save_drafter(tmp_path)
@@ -160,8 +158,8 @@ def test_out_of_range_size_is_refused(target: torch.nn.Module) -> None:
 def test_tiny_distill_exports_a_loadable_pruned_folder(
     tmp_path: Path, tiny_argv: Callable[..., list[str]]
 ) -> None:
-    from decode.loading import load_causal_lm
-    from train.distill import main
+    from draftsmith.decode.loading import load_causal_lm
+    from draftsmith.train.distill import main
 
     argv = tiny_argv(tmp_path / "out", "--draft_vocab_size", "32", "--max_steps", "3")
     summary = main([*argv, "--eval_sequences", "4", "--checkpoint_every", "0"])

@@ -7,18 +7,17 @@ import json
 
 import pytest
 import torch
-from safetensors import safe_open
-from tiny_models import tiny_llama
-from transformers import LlamaConfig
-
-from decode.drafters.eagle import Eagle3Config, Eagle3Head, build_vocab_maps
-from decode.drafters.medusa import MedusaHeads
-from train.export_formats import (
+from draftsmith.decode.drafters.eagle.head import Eagle3Config, Eagle3Head, build_vocab_maps
+from draftsmith.decode.drafters.medusa import MedusaHeads
+from draftsmith.train.export.formats import (
     export_eagle3,
     export_medusa,
     read_speculators_eagle3,
     write_folder_atomically,
 )
+from safetensors import safe_open
+from tiny_models import tiny_llama
+from transformers import LlamaConfig
 
 HIDDEN, VOCAB, DRAFT_VOCAB, LAYERS = 32, 64, 24, 8
 
@@ -396,7 +395,7 @@ def test_a_layer_count_the_weights_do_not_hold_is_refused_before_building(tmp_pa
     for layers in (1, 3, 10**9):  # 10**9 would allocate a billion layers if built first
         config["num_hidden_layers"] = layers
         (out / "config.json").write_text(json.dumps(config))
-        # 10**9 exceeds every weight dimension: refused by decode.drafters.folder first
+        # 10**9 exceeds every weight dimension: refused by draftsmith.decode.drafters.folder first
         with pytest.raises(ValueError, match=r"do not belong together|does not describe them"):
             Eagle3Head.from_pretrained(out)
     config["num_hidden_layers"] = "2"
@@ -423,7 +422,7 @@ def test_a_layer_count_the_weights_do_not_hold_is_refused_before_building(tmp_pa
 def test_a_damaged_speculators_folder_is_named(tmp_path, damage, expected) -> None:
     """read_speculators_* (scripts/check_engine.py reads a user's folder with them) used to
     raise a bare KeyError, TypeError or torch allocation error."""
-    from decode.loading import LoadError
+    from draftsmith.decode.loading import LoadError
 
     out = export_eagle3(_eagle_head(), tmp_path / "s", "speculators", verifier="t")
     config = json.loads((out / "config.json").read_text())
@@ -437,9 +436,8 @@ def test_a_damaged_speculators_folder_is_named(tmp_path, damage, expected) -> No
 
 
 def test_non_finite_speculators_weights_are_refused(tmp_path) -> None:
+    from draftsmith.decode.loading import LoadError
     from safetensors.torch import load_file, save_file
-
-    from decode.loading import LoadError
 
     out = export_eagle3(_eagle_head(), tmp_path / "s", "speculators", verifier="t")
     weights = load_file(str(out / "model.safetensors"))

@@ -16,14 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from draftsmith.decode.drafters.base import TargetPass
+from draftsmith.decode.drafters.eagle.head import build_vocab_maps
+from draftsmith.decode.drafters.eagle.peagle import PEagleConfig, PEagleDrafter, PEagleHead
+from draftsmith.decode.sampling import SamplingConfig
+from draftsmith.train.export.formats import export_peagle, read_speculators_peagle
 from safetensors import safe_open
 from tiny_models import tiny_llama
-
-from decode.drafters.base import TargetPass
-from decode.drafters.eagle import build_vocab_maps
-from decode.drafters.peagle import PEagleConfig, PEagleDrafter, PEagleHead
-from decode.sampling import SamplingConfig
-from train.export_formats import export_peagle, read_speculators_peagle
 
 HIDDEN, VOCAB, DRAFT_VOCAB, LAYERS = 32, 64, 24, 8
 

@@ -10,9 +10,8 @@ from typing import Any
 
 import pytest
 import torch
-
-from data.atomic_io import atomic_folder, remove_stale_siblings, write_json_atomic
-from train.export import NonFiniteWeightsError, export_drafter
+from draftsmith.data.atomic_io import atomic_folder, remove_stale_siblings, write_json_atomic
+from draftsmith.train.export.folder import NonFiniteWeightsError, export_drafter
 
 
 class _Objective:

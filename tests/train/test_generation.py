@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from draftsmith.decode.sampling import SamplingConfig
+from draftsmith.train.generation import sample_continuations
 from tiny_models import tiny_llama, tiny_qwen2
-
-from decode.sampling import SamplingConfig
-from train.generation import sample_continuations
 
 GREEDY = SamplingConfig(temperature=0.0)
 

@@ -7,11 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import tiny_llama
-
-from train.batches import ShardedBatches
-from train.checkpoint import CheckpointManager
-from train.loop import (
+from draftsmith.train.batches import ShardedBatches
+from draftsmith.train.checkpoint import CheckpointManager
+from draftsmith.train.loop import (
     LoopConfig,
     LoopResult,
     build_scheduler,
@@ -19,8 +17,9 @@ from train.loop import (
     make_accelerator,
     run_training,
 )
-from train.objectives import Objective, get_objective_class, register_objective
-from train.objectives.causal_lm import CausalLMObjective, next_token_targets
+from draftsmith.train.objectives import Objective, get_objective_class, register_objective
+from draftsmith.train.objectives.causal_lm import CausalLMObjective, next_token_targets
+from tiny_models import tiny_llama
 
 VOCAB = 64
 
@@ -191,14 +190,14 @@ def test_next_token_targets_shift_and_mask() -> None:
 def test_objective_registry_resolves_and_explains_unknown_kinds(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from train import objectives
+    from draftsmith.train import objectives
 
     assert get_objective_class("causal_lm") is CausalLMObjective
     with pytest.raises(ValueError, match="unknown objective/drafter kind 'nope'"):
         get_objective_class("nope")
     # A registration the other tests must not see (they walk the registry).
     monkeypatch.setattr(objectives, "OBJECTIVES", dict(objectives.OBJECTIVES))
-    register_objective("ghost_for_test", "train.objectives.ghost_for_test:Ghost")
+    register_objective("ghost_for_test", "draftsmith.train.objectives.ghost_for_test:Ghost")
     with pytest.raises(ValueError, match="does not exist in this installation"):
         get_objective_class("ghost_for_test")
     with pytest.raises(ValueError, match=r"package\.module:ClassName"):

@@ -6,14 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from draftsmith.train.batches import ShardedBatches
+from draftsmith.train.checkpoint import CheckpointManager
+from draftsmith.train.loop import LoopConfig, NonFiniteLossError, make_accelerator, run_training
+from draftsmith.train.objectives import Batch
+from draftsmith.train.objectives.causal_lm import CausalLMObjective
 from safetensors.torch import load_file
 from tiny_models import tiny_llama
-
-from train.batches import ShardedBatches
-from train.checkpoint import CheckpointManager
-from train.loop import LoopConfig, NonFiniteLossError, make_accelerator, run_training
-from train.objectives import Batch
-from train.objectives.causal_lm import CausalLMObjective
 
 VOCAB = 32
 

@@ -1,6 +1,6 @@
 """Losses in chunks of positions: the same values and gradients, a fraction of the memory.
 
-``train.loss_chunks`` applies both output heads ``chunk`` positions at a time under activation
+``draftsmith.train.loss_chunks`` applies both output heads ``chunk`` positions at a time under activation
 checkpointing. The fast tests check it at a small vocabulary, in the loss alone and through
 the draft LM objective; the slow one at Llama-3's 128,256-token vocabulary and 2,048 positions
 (about 3 minutes, and 10.9 GB for the unchunked reference, on one CPU thread).
@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from draftsmith.train.loss_chunks import TensorBytes, chunked_loss_parts
+from draftsmith.train.losses import build_loss
+from draftsmith.train.objectives.draft_lm import DraftLMObjective
 from objective_helpers import bind, sampled_batch
 from tiny_models import tiny_llama
-
-from train.loss_chunks import TensorBytes, chunked_loss_parts
-from train.losses import build_loss
-from train.objectives.draft_lm import DraftLMObjective
 
 
 def _step(vocab: int, length: int, width: int, chunk: int, spec: str = "lk") -> dict:

@@ -8,8 +8,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
-
-from train.losses import (
+from draftsmith.train.losses import (
     LK_ETA,
     LOSS_NAMES,
     NLA_MIN_ALPHA,

@@ -8,6 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from draftsmith.decode.drafters.base import TreeSpec
+from draftsmith.decode.drafters.eagle.head import Eagle3Config, Eagle3Head
+from draftsmith.train.losses import build_loss
+from draftsmith.train.objectives.eagle3 import Eagle3Objective, count_tokens
+from draftsmith.train.objectives.heads import future_mask
 from objective_helpers import (
     CONFIGS,
     assert_aligned_with_greedy_labels,
@@ -20,12 +25,6 @@ from objective_helpers import (
     train_on_own_text,
 )
 from tiny_models import tiny_llama
-
-from decode.drafters.base import TreeSpec
-from decode.drafters.eagle import Eagle3Config, Eagle3Head
-from train.losses import build_loss
-from train.objectives.eagle3 import Eagle3Objective, count_tokens
-from train.objectives.heads import future_mask
 
 
 def make_objective(target: torch.nn.Module, loss: str = "fkl", **kwargs) -> Eagle3Objective:
@@ -149,7 +148,7 @@ def test_exported_heads_decode_exactly_the_targets_greedy_output(tmp_path: Path)
 
 
 def test_distill_main_trains_and_exports_an_eagle3_head(tiny_argv, tmp_path: Path) -> None:
-    from train.distill import main
+    from draftsmith.train.distill import main
 
     argv = tiny_argv(tmp_path / "run", "--max_steps", "6", "--export_format", "vllm")
     summary = main(["--config", str(CONFIGS / "tiny_eagle3.yaml"), *argv[2:]])

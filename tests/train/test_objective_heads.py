@@ -9,21 +9,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from objective_helpers import CONFIGS, bind, sampled_batch
-from tiny_models import tiny_llama
-
-from decode.drafters.medusa import MedusaHeads
-from decode.drafters.registry import DRAFTER_LOADERS, load_drafter
-from train.config import parse_config, read_recipe
-from train.losses import build_loss
-from train.objectives import OBJECTIVES, Objective, get_objective_class
-from train.objectives.heads import (
+from draftsmith.decode.drafters.medusa import MedusaHeads
+from draftsmith.decode.drafters.registry import DRAFTER_LOADERS, load_drafter
+from draftsmith.train.config import parse_config, read_recipe
+from draftsmith.train.losses import build_loss
+from draftsmith.train.objectives import OBJECTIVES, Objective, get_objective_class
+from draftsmith.train.objectives.heads import (
     cached_target_logprobs,
     future_mask,
     in_top_k,
     parse_export_formats,
     position_weights,
 )
+from objective_helpers import CONFIGS, bind, sampled_batch
+from tiny_models import tiny_llama
 
 TINY_RECIPES = {
     read_recipe(path)["drafter_kind"]: path for path in sorted(CONFIGS.glob("tiny*.yaml"))
@@ -195,7 +194,7 @@ def test_future_mask_needs_both_ends_real_and_the_label_counted() -> None:
 
 
 def test_cached_logprobs_are_the_caches_distribution_in_log_space() -> None:
-    from data.cache import compress_logits, topk_to_probs
+    from draftsmith.data.cache import compress_logits, topk_to_probs
 
     logits = torch.randn(2, 3, 50, generator=torch.Generator().manual_seed(0)) * 3
     for k in (5, 50):

@@ -8,6 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from draftsmith.decode.drafters.base import TreeSpec
+from draftsmith.decode.drafters.medusa import MedusaHeads
+from draftsmith.train.losses import build_loss
+from draftsmith.train.objectives.medusa import MedusaObjective
 from objective_helpers import (
     CONFIGS,
     assert_aligned_with_greedy_labels,
@@ -19,11 +23,6 @@ from objective_helpers import (
     train_on_own_text,
 )
 from tiny_models import tiny_llama
-
-from decode.drafters.base import TreeSpec
-from decode.drafters.medusa import MedusaHeads
-from train.losses import build_loss
-from train.objectives.medusa import MedusaObjective
 
 
 def make_objective(
@@ -101,7 +100,7 @@ def test_exported_heads_decode_exactly_the_targets_greedy_output(tmp_path: Path)
 
 
 def test_distill_main_trains_and_exports_medusa_heads(tiny_argv, tmp_path: Path) -> None:
-    from train.distill import main
+    from draftsmith.train.distill import main
 
     argv = tiny_argv(tmp_path / "run", "--max_steps", "6", "--export_format", "vllm")
     summary = main(["--config", str(CONFIGS / "tiny_medusa.yaml"), *argv[2:]])

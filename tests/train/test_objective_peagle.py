@@ -9,6 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from draftsmith.decode.drafters.eagle.peagle import PEagleConfig, PEagleHead
+from draftsmith.train.losses import build_loss
+from draftsmith.train.objectives.heads import SampledRows
+from draftsmith.train.objectives.peagle import PEagleObjective, cod_anchors, rows_per_position
 from objective_helpers import (
     assert_decodes_greedy_output,
     bind,
@@ -17,11 +21,6 @@ from objective_helpers import (
     train_on_own_text,
 )
 from tiny_models import tiny_llama
-
-from decode.drafters.peagle import PEagleConfig, PEagleHead
-from train.losses import build_loss
-from train.objectives.heads import SampledRows
-from train.objectives.peagle import PEagleObjective, cod_anchors, rows_per_position
 
 DEPTHS = 3
 
@@ -146,8 +145,8 @@ def test_trained_head_decodes_the_targets_greedy_output(tmp_path: Path) -> None:
 
 
 def test_a_recipe_widens_the_heads_mlp_and_the_head_still_decodes_exactly(tmp_path: Path) -> None:
-    from train.config import parse_config
-    from train.objectives.eagle3 import recipe_head
+    from draftsmith.train.config import parse_config
+    from draftsmith.train.objectives.eagle3 import recipe_head
 
     target = tiny_llama(num_layers=2, dtype=torch.float32)
     config = parse_config(["--drafter_kind", "peagle", "--drafter_intermediate_size", "96"])
@@ -164,8 +163,8 @@ def test_a_recipe_widens_the_heads_mlp_and_the_head_still_decodes_exactly(tmp_pa
 def test_a_recipe_gives_the_head_two_layers_that_train_save_and_decode_exactly(
     tmp_path: Path,
 ) -> None:
-    from train.config import parse_config
-    from train.objectives.eagle3 import recipe_head
+    from draftsmith.train.config import parse_config
+    from draftsmith.train.objectives.eagle3 import recipe_head
 
     target = tiny_llama(num_layers=2, dtype=torch.float32)
     config = parse_config(["--drafter_kind", "peagle", "--drafter_num_layers", "2"])

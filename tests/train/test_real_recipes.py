@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from draftsmith.decode.drafters.registry import load_drafter
 from real_targets import LLAMA32_1B, save_scaled_target
-
-from decode.drafters.registry import load_drafter
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 # recipe -> (target fixture, exports it writes)
@@ -68,7 +67,7 @@ def draft_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_recipe_runs_exports_and_reloads(
     recipe: str, request: pytest.FixtureRequest, draft_folder: Path, tmp_path: Path
 ) -> None:
-    from train.distill import main
+    from draftsmith.train.distill import main
 
     fixture, exports = RECIPES[recipe]
     target_folder: Path = request.getfixturevalue(fixture)
@@ -106,22 +105,22 @@ def test_recipe_runs_exports_and_reloads(
         layer = config.get("transformer_layer_config", config)
         assert config.get("vocab_size", layer.get("vocab_size")) == target.config.vocab_size
         if "medusa" in recipe:
-            from decode.drafters.medusa import MedusaHeads
+            from draftsmith.decode.drafters.medusa import MedusaHeads
 
             assert MedusaHeads.from_pretrained(exported).config.num_heads == 4
             continue
         assert layer["max_position_embeddings"] >= context and layer["rope_scaling"] is None
         assert config["draft_vocab_size"] == 32000
         if fmt != "speculators":
-            from decode.drafters.eagle import Eagle3Head
+            from draftsmith.decode.drafters.eagle.head import Eagle3Head
 
             assert Eagle3Head.from_pretrained(exported).config.draft_vocab_size == 32000
         elif "peagle" in recipe:
-            from train.export_formats import read_speculators_peagle
+            from draftsmith.train.export.formats import read_speculators_peagle
 
             assert read_speculators_peagle(exported).config.max_position_embeddings >= context
         else:
-            from train.export_formats import read_speculators_eagle3
+            from draftsmith.train.export.formats import read_speculators_eagle3
 
             assert read_speculators_eagle3(exported).config.max_position_embeddings >= context
     if "draft.yaml" in recipe:
@@ -140,9 +139,8 @@ def test_the_70b_recipe_shards_its_target_over_two_ranks_exports_and_reloads(
     import subprocess
     import sys
 
+    from draftsmith.decode.drafters.eagle.head import Eagle3Head
     from real_targets import LLAMA33_70B
-
-    from decode.drafters.eagle import Eagle3Head
 
     target_folder = save_scaled_target(LLAMA33_70B, tmp_path / "target")
     data = chat_file(tmp_path / "chat.jsonl", reasoning=False)
@@ -168,6 +166,6 @@ def test_the_70b_recipe_shards_its_target_over_two_ranks_exports_and_reloads(
         head = Eagle3Head.from_pretrained(folder / fmt)
         assert head.config.draft_vocab_size == 32000
         assert head.config.max_position_embeddings == context == 131072
-    from train.export_formats import read_speculators_eagle3
+    from draftsmith.train.export.formats import read_speculators_eagle3
 
     assert read_speculators_eagle3(folder / "speculators").config.rope_theta == 500000.0

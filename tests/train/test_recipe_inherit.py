@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from train.config import parse_config, read_recipe
+from draftsmith.train.config import parse_config, read_recipe
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 BEFORE = json.loads((Path(__file__).with_name("recipes_before_inherit.json")).read_text())

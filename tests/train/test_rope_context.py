@@ -23,15 +23,14 @@ import json
 import math
 from pathlib import Path
 
+import draftsmith.decode.drafters.eagle.layers as eagle_layers
 import pytest
 import torch
+from draftsmith.decode.drafters.eagle.head import Eagle3Config, Eagle3Head
+from draftsmith.decode.drafters.eagle.lean import LeanEagle3
+from draftsmith.train.export.formats import export_eagle3
 from real_targets import LLAMA31, LLAMA33_70B, QWEN3, real_config
 from transformers import AutoConfig
-
-import decode.drafters.eagle_layers as eagle_layers
-from decode.drafters.eagle import Eagle3Config, Eagle3Head
-from decode.drafters.eagle_lean import LeanEagle3
-from train.export_formats import export_eagle3
 
 TOLERANCE = 1e-6
 ENGINES = ("vllm", "sglang", "speculators")
@@ -111,7 +110,7 @@ def _meta_head(target: dict, **overrides: object) -> Eagle3Head:
 
 
 def _engine_configs(head: Eagle3Head, tmp_path: Path) -> dict[str, dict]:
-    from train.export_formats import eagle3_engine_config, eagle3_speculators_config
+    from draftsmith.train.export.formats import eagle3_engine_config, eagle3_speculators_config
 
     return {
         "vllm": eagle3_engine_config(head, "vllm", torch.bfloat16),

@@ -19,12 +19,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from draftsmith.train.config import parse_config
+from draftsmith.train.target.sharding import format_target_memory, shard_target
+from draftsmith.train.tracking import read_metrics_log
 from safetensors.torch import load_file
 from tiny_models import tiny_llama
-
-from train.config import parse_config
-from train.target_sharding import format_target_memory, shard_target
-from train.tracking import read_metrics_log
 
 REPO = Path(__file__).resolve().parents[2]
 FSDP_CONFIG = REPO / "configs" / "accelerate" / "fsdp.yaml"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from decode.machine import describe_machine
-from train.distill import main
+from draftsmith.decode.measure.machine import describe_machine
+from draftsmith.train.distill import main
 
 
 def test_distill_measures_the_exported_drafter(tiny_argv, tmp_path: Path, capsys) -> None:

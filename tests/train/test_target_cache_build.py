@@ -22,13 +22,12 @@ from pathlib import Path
 import pytest
 import torch
 from cache_helpers import CACHE_SEQUENCES, cache_rows, cache_target
+from draftsmith.data.cache import CACHE_FILE, TargetCache
+from draftsmith.train.distill import main
+from draftsmith.train.target.cache import BUILD_FILE, CacheKeyError, build_or_reuse_cache
+from draftsmith.train.target.model import checkpoint_bytes, load_model_without_layers
+from draftsmith.train.tracking import read_metrics_log
 from safetensors import safe_open
-
-from data.cache import CACHE_FILE, TargetCache
-from train.distill import main
-from train.target_cache import BUILD_FILE, CacheKeyError, build_or_reuse_cache
-from train.target_model import checkpoint_bytes, load_model_without_layers
-from train.tracking import read_metrics_log
 
 REPO = Path(__file__).resolve().parents[2]
 PARTS = CACHE_SEQUENCES // 2  # part_sequences = 2

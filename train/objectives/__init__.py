@@ -1,6 +1,6 @@
 """Training objectives: what a drafter kind is fed, what it predicts and how it is scored.
 
-The one training loop (``train.loop``) knows nothing about drafter kinds. It asks an
+The one training loop (``draftsmith.train.loop``) knows nothing about drafter kinds. It asks an
 ``Objective`` for the module whose parameters it optimises, calls ``compute_loss`` on each
 micro-batch and ``evaluate`` on held-out batches, and checkpoints the objective's own state
 (its sampling generator, for example) alongside the model.
@@ -9,10 +9,10 @@ Kinds are chosen through an explicit registry (``OBJECTIVES``) of import paths, 
 so that importing this package imports no model code:
 
 - ``causal_lm``: next-token cross-entropy on packed text (the demo target's pretraining);
-- ``draft_lm``: a small causal LM distilled from a frozen target (``train.objectives.draft_lm``);
-- ``eagle3`` and ``medusa``: heads on the target's hidden states (``train.objectives.eagle3``,
-  ``train.objectives.medusa``), added by their own modules;
-- ``peagle``: EAGLE-3's head drafting all depths in one pass (``train.objectives.peagle``).
+- ``draft_lm``: a small causal LM distilled from a frozen target (``draftsmith.train.objectives.draft_lm``);
+- ``eagle3`` and ``medusa``: heads on the target's hidden states (``draftsmith.train.objectives.eagle3``,
+  ``draftsmith.train.objectives.medusa``), added by their own modules;
+- ``peagle``: EAGLE-3's head drafting all depths in one pass (``draftsmith.train.objectives.peagle``).
 """
 
 from __future__ import annotations
@@ -28,9 +28,8 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from accelerate import Accelerator
-
-    from train.config import DistillConfig
-    from train.losses import Loss
+    from draftsmith.train.config import DistillConfig
+    from draftsmith.train.losses import Loss
 
 Batch = dict[str, torch.Tensor]
 """A collated micro-batch: at least ``input_ids`` [B, T]; objectives document the rest."""
@@ -52,13 +51,13 @@ class Objective(ABC):
     (the prepared one, so gradient synchronisation hooks fire) and use
     ``self.unwrapped_module`` for anything that is not differentiated (sampling, export).
 
-    The distillation protocol (``train.distill``) is declared here too, with defaults for
+    The distillation protocol (``draftsmith.train.distill``) is declared here too, with defaults for
     objectives that train no drafter: :meth:`from_config` builds the objective from a resolved
     recipe and the already parsed loss, :meth:`target_cache_hidden_layers` names the hidden
     states the offline cache must keep, :meth:`save_drafter` writes the drafter folder and
     :meth:`describe` gives the model card's architecture facts. A kind with
     ``trains_drafter = True`` implements all four, and its key in :data:`OBJECTIVES` is a
-    drafter kind that ``decode.drafters.registry`` loads.
+    drafter kind that ``draftsmith.decode.drafters.registry`` loads.
     """
 
     kind: ClassVar[str]
@@ -91,7 +90,7 @@ class Objective(ABC):
         if self._module is None:
             raise RuntimeError(
                 f"{type(self).__name__} is not bound to a prepared module yet: call bind() "
-                "(train.loop.run_training does) before compute_loss or evaluate"
+                "(draftsmith.train.loop.run_training does) before compute_loss or evaluate"
             )
         return self._module
 
@@ -111,7 +110,7 @@ class Objective(ABC):
     def prepare(self, train_rows: Sequence[dict[str, Any]]) -> None:
         """Look at the training rows once before the first step; does nothing by default.
 
-        ``train.distill`` calls it after building the objective (EAGLE-3 chooses its pruned
+        ``draftsmith.train.distill`` calls it after building the objective (EAGLE-3 chooses its pruned
         draft vocabulary from the label frequencies here).
         """
         del train_rows  # nothing to learn from the data before training by default
@@ -138,7 +137,7 @@ class Objective(ABC):
     ) -> Objective:
         """Build the objective for a distillation recipe, on a loaded frozen target.
 
-        ``loss`` is the recipe's loss spec as ``train.distill`` parsed it (``build_loss``),
+        ``loss`` is the recipe's loss spec as ``draftsmith.train.distill`` parsed it (``build_loss``),
         never re-parsed here.
         """
         raise ValueError(
@@ -166,17 +165,17 @@ class Objective(ABC):
         ``state_dict`` is the full trainable state gathered on every process with
         ``accelerator.get_state_dict`` (a collective under FSDP/DeepSpeed); ``save_drafter``
         itself runs on the main process only. Drafter objectives override this; the export step
-        (``train.export``) adds the model card and provenance.
+        (``draftsmith.train.export.folder``) adds the model card and provenance.
         """
         raise NotImplementedError(f"objective kind {self.kind!r} does not export a drafter")
 
 
 OBJECTIVES: dict[str, str] = {
-    "causal_lm": "train.objectives.causal_lm:CausalLMObjective",
-    "draft_lm": "train.objectives.draft_lm:DraftLMObjective",
-    "eagle3": "train.objectives.eagle3:Eagle3Objective",
-    "medusa": "train.objectives.medusa:MedusaObjective",
-    "peagle": "train.objectives.peagle:PEagleObjective",
+    "causal_lm": "draftsmith.train.objectives.causal_lm:CausalLMObjective",
+    "draft_lm": "draftsmith.train.objectives.draft_lm:DraftLMObjective",
+    "eagle3": "draftsmith.train.objectives.eagle3:Eagle3Objective",
+    "medusa": "draftsmith.train.objectives.medusa:MedusaObjective",
+    "peagle": "draftsmith.train.objectives.peagle:PEagleObjective",
 }
 """Objective kind -> ``"module:Class"``; the key is the drafter kind written to drafter.json."""
 

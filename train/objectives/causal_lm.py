@@ -15,8 +15,7 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
-
-from train.objectives import Batch, MetricSums, Objective
+from draftsmith.train.objectives import Batch, MetricSums, Objective
 
 
 def next_token_targets(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -24,7 +23,7 @@ def next_token_targets(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
 
     Returns ``labels`` [B, T-1] (``input_ids`` shifted left) and ``weights`` [B, T-1] (1.0 where
     the label is a real token that counts: ``loss_mask`` and ``attention_mask`` of position t+1
-    when present; the batch keys follow ``data.packing.collate``).
+    when present; the batch keys follow ``draftsmith.data.packing.collate``).
     """
     input_ids = batch["input_ids"]  # [B, T]
     labels = input_ids[:, 1:]

@@ -2,7 +2,7 @@
 
 At every position t of a training sequence the drafter's next-token distribution
 ``q(. | x_<=t)`` is pulled towards the target's ``p(. | x_<=t)`` with the configured divergence
-(``train.losses``: TV maximises the acceptance ``alpha = sum_x min(p, q)`` directly, KLs and
+(``draftsmith.train.losses``: TV maximises the acceptance ``alpha = sum_x min(p, q)`` directly, KLs and
 JSD are smoother surrogates; Zhou et al. 2024, DistillSpec). Only positions whose next token
 counts (``loss_mask``; the generated part of regenerated or on-policy sequences) enter the loss.
 
@@ -10,7 +10,7 @@ Where the target's ``p`` comes from:
 
 - online: the frozen target scores the batch in the same step;
 - the offline cache: the batch carries the target's top-k log-probs and the rest mass
-  (``data.cache``), expanded by ``data.cache.topk_to_probs``;
+  (``draftsmith.data.cache``), expanded by ``draftsmith.data.cache.topk_to_probs``;
 - on-policy (GKD, Agarwal et al. 2024): with probability ``on_policy_fraction`` a batch keeps
   only its first ``on_policy_prompt_tokens`` tokens, the drafter continues it by sampling, and
   the target scores the result online, so the drafter learns on the prefixes it produces.
@@ -22,12 +22,12 @@ the decoding temperature, which is the expected acceptance rate of draft positio
 Pruned draft vocabulary (``--draft_vocab_size``, as EAGLE-3's; Li et al. 2025): the drafter's
 output layer keeps ``V_draft`` rows, one per draft token, so its step on CPU reads a
 ``V_draft / V`` share of the output matrix. :meth:`DraftLMObjective.prepare` picks the most
-frequent training labels (``train.objectives.eagle3.count_tokens`` and
-``decode.drafters.eagle.build_vocab_maps``, as EAGLE-3 does) and takes the rows of those tokens
+frequent training labels (``draftsmith.train.objectives.eagle3.count_tokens`` and
+``draftsmith.decode.drafters.eagle.head.build_vocab_maps``, as EAGLE-3 does) and takes the rows of those tokens
 from the drafter's initial full head (the target's rows when ``drafter_init`` copies its head).
 The loss compares ``q`` [V_draft] with the target's distribution restricted to the draft
 vocabulary and renormalised (the target's logits, or the cache's log-probs expanded in log
-space by ``train.objectives.heads.cached_target_logprobs``, indexed at the draft tokens; the
+space by ``draftsmith.train.objectives.heads.cached_target_logprobs``, indexed at the draft tokens; the
 losses' ``log_softmax`` renormalises); a ``ce`` term drops labels outside the draft vocabulary.
 Held-out overlap is measured in the *target* vocabulary with ``q`` placed there (zero
 elsewhere), which is what speculative sampling accepts; ``label_in_draft_vocab`` is the share
@@ -45,28 +45,31 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-
-from decode.drafters.draft_lm import DRAFT_VOCAB_FILE
-from decode.drafters.eagle import build_vocab_maps
-from decode.drafters.vocab_map import VocabMap, to_draft_ids, to_target_ids, to_target_logits
-from decode.sampling import SamplingConfig
-from train.drafter_models import (
+from draftsmith.decode.drafters.draft_lm import DRAFT_VOCAB_FILE
+from draftsmith.decode.drafters.eagle.head import build_vocab_maps
+from draftsmith.decode.drafters.vocab_map import (
+    VocabMap,
+    to_draft_ids,
+    to_target_ids,
+    to_target_logits,
+)
+from draftsmith.decode.sampling import SamplingConfig
+from draftsmith.train.drafter_models import (
     build_draft_lm,
     check_same_vocab,
     prune_output_head,
     vocab_size_of,
 )
-from train.generation import sample_continuations
-from train.losses import Loss, TargetProbs, cross_entropy, draftable_mass, overlap
-from train.objectives import Batch, MetricSums, Objective
-from train.objectives.causal_lm import next_token_logits, next_token_targets
-from train.objectives.eagle3 import count_tokens
-from train.objectives.heads import cached_target_logprobs
+from draftsmith.train.generation import sample_continuations
+from draftsmith.train.losses import Loss, TargetProbs, cross_entropy, draftable_mass, overlap
+from draftsmith.train.objectives import Batch, MetricSums, Objective
+from draftsmith.train.objectives.causal_lm import next_token_logits, next_token_targets
+from draftsmith.train.objectives.eagle3 import count_tokens
+from draftsmith.train.objectives.heads import cached_target_logprobs
 
 if TYPE_CHECKING:
+    from draftsmith.train.config import DistillConfig
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
-    from train.config import DistillConfig
 
 DRAFTER_FORMAT_VERSION = 1
 
@@ -282,7 +285,7 @@ class DraftLMObjective(Objective):
         ``config.json`` keeps the target's ``vocab_size`` (the input embedding reads every
         token) and whose ``model.safetensors`` holds every weight but ``lm_head.weight``; that
         layer ([V_draft, H]) and EAGLE-3's maps ``d2t`` [V_draft] and ``t2d`` [V] go to
-        ``draft_vocab.safetensors``, which ``decode.drafters.draft_lm.load_draft_model`` reads.
+        ``draft_vocab.safetensors``, which ``draftsmith.decode.drafters.draft_lm.load_draft_model`` reads.
         """
         model = self.unwrapped_module
         folder = Path(folder)
@@ -290,7 +293,7 @@ class DraftLMObjective(Objective):
         if hasattr(model, "merge_and_unload"):  # peft: fold the LoRA deltas into the weights
             import copy
 
-            from train.distributed import whole_peft_copy
+            from draftsmith.train.distributed import whole_peft_copy
 
             # The gathered state when given: under FSDP the local model holds shards only.
             whole = (
@@ -298,7 +301,7 @@ class DraftLMObjective(Objective):
             )
             model, state_dict = whole.merge_and_unload(), None
         elif state_dict is not None:
-            from train.distributed import without_tied_copies
+            from draftsmith.train.distributed import without_tied_copies
 
             state_dict = without_tied_copies(model, state_dict)
         if self.draft_to_target is None:
@@ -412,8 +415,8 @@ class DraftLMObjective(Objective):
         self, batch: Batch, metrics: dict[str, float]
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """The loss with both output heads applied ``loss_chunk_size`` positions at a time
-        (``train.loss_chunks``): no [B, T, V] logits of either model exist; same gradients."""
-        from train.loss_chunks import chunked_loss_parts
+        (``draftsmith.train.loss_chunks``): no [B, T, V] logits of either model exist; same gradients."""
+        from draftsmith.train.loss_chunks import chunked_loss_parts
 
         labels, weights = next_token_targets(batch)  # [B, T-1]
         labels, mask = self._loss_labels(labels, weights > 0)
@@ -481,7 +484,7 @@ class DraftLMObjective(Objective):
                 self.vocab_size,
             )
         if "topk_ids" in batch:
-            from data.cache import topk_to_probs
+            from draftsmith.data.cache import topk_to_probs
 
             probs = topk_to_probs(
                 batch["topk_ids"][:, :-1],

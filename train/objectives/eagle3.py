@@ -3,12 +3,12 @@
 EAGLE-3 (Li et al., 2025) drafts from the target's own features: at position t the head fuses
 three of the target's hidden states ``g_t = fc(cat(h^low_t, h^mid_t, h^high_t))`` with the
 target's embedding of the next token ``x_{t+1}`` and predicts ``x_{t+2}``
-(``decode.drafters.eagle``). At inference the head then feeds on its own outputs for the
+(``draftsmith.decode.drafters.eagle.head``). At inference the head then feeds on its own outputs for the
 following draft positions, so training unrolls it the same way ("training-time test",
 :meth:`Eagle3Head.unroll`): step k (0-based) at position t reads its own step-(k-1) output and
 the token ``x_{t+1+k}``, and its distribution ``q_k(. | t)`` guesses ``x_{t+2+k}``. The target's
 distribution for that token is its next-token law at position ``t+1+k``, ``p(. | x_<=t+1+k)``.
-With the configured divergence D (``train.losses``: TV maximises acceptance directly, KLs and
+With the configured divergence D (``draftsmith.train.losses``: TV maximises acceptance directly, KLs and
 JSD are smoother surrogates) and per-step weights ``w_k`` (EAGLE-3 uses ``0.8^k``) the loss is
 
     L = sum_k w_k * D_k / sum_k w_k,   D_k = mean over kept t of D(p(. | x_<=t+1+k), q_k(. | t))
@@ -27,10 +27,10 @@ Where the target's features and distributions come from:
 
 - online: the frozen target runs on the batch under ``no_grad`` with
   ``output_hidden_states=True``;
-- the offline cache (``data.cache``): the batch carries the cached hidden states of the head's
+- the offline cache (``draftsmith.data.cache``): the batch carries the cached hidden states of the head's
   aux layers (``hidden_states`` [B, L_cache, T, H], layer ids from
   :meth:`Eagle3Objective.target_cache_hidden_layers`) and the top-k log-probabilities, expanded
-  in log space by :func:`train.objectives.heads.cached_target_logprobs`.
+  in log space by :func:`draftsmith.train.objectives.heads.cached_target_logprobs`.
 
 Held-out metrics per draft position j = k + 1: ``overlap@j``, the mean of
 ``sum_x min(p(x), q_k(x))`` at the decoding temperature, the expected acceptance rate of draft
@@ -39,7 +39,7 @@ docs/theory.md §5); ``greedy_match@j``, the same at temperature 0; ``loss@j`` a
 
 The loss and evaluation loops, the target's outputs (online or cached), the alignment of step
 k with the target at ``t+1+k``, saving and export are shared with the ``medusa`` objective
-(:class:`train.objectives.heads.HeadObjective`); this module holds what is EAGLE-3's own: the
+(:class:`draftsmith.train.objectives.heads.HeadObjective`); this module holds what is EAGLE-3's own: the
 fusion of three hidden states, the unrolling, and the pruned draft vocabulary.
 """
 
@@ -50,11 +50,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-
-from decode.drafters.eagle import Eagle3Config, Eagle3Head, build_vocab_maps
-from train.losses import Loss
-from train.objectives import Batch
-from train.objectives.heads import (
+from draftsmith.decode.drafters.eagle.head import Eagle3Config, Eagle3Head, build_vocab_maps
+from draftsmith.train.losses import Loss
+from draftsmith.train.objectives import Batch
+from draftsmith.train.objectives.heads import (
     HeadObjective,
     position_weights,
     recipe_head_settings,
@@ -62,9 +61,8 @@ from train.objectives.heads import (
 )
 
 if TYPE_CHECKING:
+    from draftsmith.train.config import DistillConfig
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
-    from train.config import DistillConfig
 
 
 def count_tokens(rows: Iterable[dict[str, Any]], vocab_size: int) -> torch.Tensor:  # [V] int64
@@ -175,7 +173,7 @@ class Eagle3Objective(HeadObjective):
             export_formats=export_formats,
         )
         if "sglang" in self.export_formats:  # refused now, not after training at export
-            from train.export_formats import engine_aux_ids
+            from draftsmith.train.export.formats import engine_aux_ids
 
             engine_aux_ids(head, "sglang")
         self.head = head
@@ -315,9 +313,9 @@ class Eagle3Objective(HeadObjective):
         }
 
     def _export(self, drafter: torch.nn.Module, folder: Path, fmt: str) -> None:
-        """vLLM, SGLang and speculators layouts (``train.export_formats.export_eagle3``); the
+        """vLLM, SGLang and speculators layouts (``draftsmith.train.export.formats.export_eagle3``); the
         speculators format names the target (its path or hub id) as the verifier."""
-        from train.export_formats import export_eagle3
+        from draftsmith.train.export.formats import export_eagle3
 
         export_eagle3(drafter, folder, fmt, overwrite=True, **self._verifier())
 

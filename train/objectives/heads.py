@@ -1,10 +1,10 @@
 """The shared base of head objectives: drafters that read a frozen target's hidden states.
 
-EAGLE-3 (``train.objectives.eagle3``) and Medusa (``train.objectives.medusa``) both put a small
+EAGLE-3 (``draftsmith.train.objectives.eagle3``) and Medusa (``draftsmith.train.objectives.medusa``) both put a small
 trainable module on the target's hidden states and predict draft positions j = k + 1 =
 1..N: at position t, output k guesses ``x_{t+2+k}``, whose law under the target is its
 next-token distribution at position ``t+1+k``, ``p(. | x_<=t+1+k)``. With the configured
-divergence D (``train.losses``) and per-position weights ``w_k`` (``0.8^k`` in both papers)
+divergence D (``draftsmith.train.losses``) and per-position weights ``w_k`` (``0.8^k`` in both papers)
 
     L = sum_k w_k * D_k / sum_k w_k,   D_k = mean over kept t of D(p(. | x_<=t+1+k), q_k(. | t))
 
@@ -24,7 +24,7 @@ and lost tau on the demo target: docs/guides/ablation.md.) The held-out metrics
 stay unmasked, comparable with and without it.
 
 Everything but the module itself is shared and lives here: where the target's features and
-distributions come from (online, or the offline cache of ``data.cache``), the alignment of
+distributions come from (online, or the offline cache of ``draftsmith.data.cache``), the alignment of
 output k with the target at ``t+1+k``, the loss and evaluation loops, saving, engine export and
 the model-card facts. A kind supplies only what is truly its own (:class:`HeadObjective`'s
 abstract methods): which hidden states it reads and how it fuses them, how it produces its N
@@ -37,7 +37,7 @@ position j given the earlier ones accepted (Leviathan et al. 2023; the ``alpha_j
 docs/theory.md §5); ``greedy_match@j``, the same at temperature 0; ``loss@j`` and ``loss``.
 With a pruned draft vocabulary, ``draftable_mass``: the target's probability on the draft
 vocabulary at the decoding temperature, the most any ``overlap@j`` can reach
-(``train.losses.draftable_mass``).
+(``draftsmith.train.losses.draftable_mass``).
 
 References: Li et al., EAGLE-3, 2025; Cai et al., Medusa, 2024; Hu et al., GRIFFIN: Effective
 Token Alignment for Faster Speculative Decoding, 2025 (arXiv 2502.11018).
@@ -53,15 +53,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-
-from train.config import EXPORT_FORMATS, parse_export_formats
-from train.losses import Loss, draftable_mass, overlap
-from train.objectives import Batch, MetricSums, Objective
+from draftsmith.train.config import EXPORT_FORMATS, parse_export_formats
+from draftsmith.train.losses import Loss, draftable_mass, overlap
+from draftsmith.train.objectives import Batch, MetricSums, Objective
 
 if TYPE_CHECKING:
+    from draftsmith.train.config import DistillConfig
     from transformers import PreTrainedTokenizerBase
-
-    from train.config import DistillConfig
 
 
 Aligned = tuple[float, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -165,7 +163,7 @@ def cached_target_logprobs(
     rest_logmass: torch.Tensor,  # [B, T]
     vocab_size: int,
 ) -> torch.Tensor:  # [B, T, V] float32 log-probabilities
-    """The offline cache's distribution (``data.cache.topk_to_probs``) in log space.
+    """The offline cache's distribution (``draftsmith.data.cache.topk_to_probs``) in log space.
 
     ``log p(x) = topk_logprobs[j]`` at ``x = topk_ids[j]``, else ``rest_logmass - log(V - k)``
     (the rest mass spread uniformly). Staying in log space keeps a tiny rest mass non-zero,
@@ -192,7 +190,7 @@ def overlap_at(
     mask: torch.Tensor,  # [B, S] bool
     temperature: float,
 ) -> torch.Tensor:  # [B, S]
-    """``train.losses.overlap`` with both sides in a common dtype (e.g. a float32 head on a
+    """``draftsmith.train.losses.overlap`` with both sides in a common dtype (e.g. a float32 head on a
     float64 or bfloat16 target)."""
     dtype = torch.promote_types(draft_logits.dtype, target_logits.dtype)
     return overlap(draft_logits.to(dtype), target_logits.to(dtype), mask, temperature)

@@ -2,12 +2,12 @@
 
 Medusa (Cai et al., 2024) puts K extra heads on the target's final (post-norm) hidden state
 ``h_t``, the one whose LM head predicts ``x_{t+1}``; head i (0-based) guesses ``x_{t+2+i}``
-(``decode.drafters.medusa``). Medusa-1 keeps the backbone frozen and distils each head towards
+(``draftsmith.decode.drafters.medusa``). Medusa-1 keeps the backbone frozen and distils each head towards
 the target's own distribution for that token, its next-token law at position ``t+1+i``:
 
     L = sum_i w_i * D_i / sum_i w_i,   D_i = mean over kept t of D(p(. | x_<=t+1+i), q_i(. | t))
 
-with any divergence D of ``train.losses`` and head weights ``w_i`` (the paper uses ``0.8^i``).
+with any divergence D of ``draftsmith.train.losses`` and head weights ``w_i`` (the paper uses ``0.8^i``).
 A position t counts for head i when ``x_t`` and ``x_{t+2+i}`` are real tokens and
 ``loss_mask[t+2+i]`` is set. The heads start as copies of the target's LM head on zero residual
 blocks (``MedusaHeads.from_target``), so every head starts as the target's next-token head.
@@ -23,7 +23,7 @@ Held-out metrics per head (draft position j = i + 1): ``overlap@j`` (the mean of
 given the earlier ones), ``greedy_match@j`` (the same at temperature 0), ``loss@j``, ``loss``.
 
 Everything but the heads (the target's outputs, alignment, the loss and evaluation loops,
-saving and export) is the shared :class:`train.objectives.heads.HeadObjective`.
+saving and export) is the shared :class:`draftsmith.train.objectives.heads.HeadObjective`.
 """
 
 from __future__ import annotations
@@ -33,11 +33,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-
-from decode.drafters.medusa import MedusaHeads
-from train.losses import Loss
-from train.objectives import Batch
-from train.objectives.heads import (
+from draftsmith.decode.drafters.medusa import MedusaHeads
+from draftsmith.train.losses import Loss
+from draftsmith.train.objectives import Batch
+from draftsmith.train.objectives.heads import (
     HeadObjective,
     parse_export_formats,
     position_weights,
@@ -46,9 +45,8 @@ from train.objectives.heads import (
 )
 
 if TYPE_CHECKING:
+    from draftsmith.train.config import DistillConfig
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
-    from train.config import DistillConfig
 
 
 class SpanHeads(torch.nn.Module):
@@ -177,7 +175,7 @@ class MedusaObjective(HeadObjective):
         }
 
     def _export(self, drafter: torch.nn.Module, folder: Path, fmt: str) -> None:
-        """vLLM's layout (``train.export_formats.export_medusa``); sglang is refused up front."""
-        from train.export_formats import export_medusa
+        """vLLM's layout (``draftsmith.train.export.formats.export_medusa``); sglang is refused up front."""
+        from draftsmith.train.export.formats import export_medusa
 
         export_medusa(drafter, folder, overwrite=True)

@@ -3,14 +3,14 @@
 
 P-EAGLE (Hui et al. 2026; the ``peagle`` model of vllm-project/speculators) drafts depth 1
 from EAGLE-3's ordinary row and depths 2..N from mask rows that see the committed context and
-their own chain only (``decode.drafters.peagle``). Training runs what decoding runs: one
+their own chain only (``draftsmith.decode.drafters.eagle.peagle``). Training runs what decoding runs: one
 forward over the sequence's committed rows (all T positions, depth 1) and, for depth k >= 2,
 a mask row at each sampled anchor t, at position ``t + k - 1``, under the P-EAGLE attention
-mask (:func:`decode.drafters.peagle.parallel_visibility`). Depth k's logits at anchor t guess
+mask (:func:`draftsmith.decode.drafters.eagle.peagle.parallel_visibility`). Depth k's logits at anchor t guess
 ``x_{t+1+k}`` against the target's law at ``t+k``, so the losses, their weights ``w_k``, the
 target's outputs (online or from the offline cache), the pruned vocabulary, saving and the
-held-out metrics are EAGLE-3's (:class:`train.objectives.eagle3.Eagle3Objective`,
-:class:`train.objectives.heads.HeadObjective`); ``unroll_steps`` is the depth count N.
+held-out metrics are EAGLE-3's (:class:`draftsmith.train.objectives.eagle3.Eagle3Objective`,
+:class:`draftsmith.train.objectives.heads.HeadObjective`); ``unroll_steps`` is the depth count N.
 
 Conditional drop-token (COD) sampling bounds the memory of the deeper depths (the speculators
 ``down_sample_ratio`` / ``down_sample_ratio_min``). With ``r = cod_ratio`` and
@@ -38,22 +38,20 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
-
-from decode.drafters.peagle import PEagleHead
-from train.losses import Loss
-from train.objectives import Batch
-from train.objectives.eagle3 import (
+from draftsmith.decode.drafters.eagle.peagle import PEagleHead
+from draftsmith.train.losses import Loss
+from draftsmith.train.objectives import Batch
+from draftsmith.train.objectives.eagle3 import (
     Eagle3Objective,
     count_tokens,
     recipe_eagle3_settings,
     recipe_head,
 )
-from train.objectives.heads import SampledRows, future_mask
+from draftsmith.train.objectives.heads import SampledRows, future_mask
 
 if TYPE_CHECKING:
+    from draftsmith.train.config import DistillConfig
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
-    from train.config import DistillConfig
 
 
 def cod_anchors(
@@ -266,8 +264,8 @@ class PEagleObjective(Eagle3Objective):
         }
 
     def _export(self, drafter: torch.nn.Module, folder: Path, fmt: str) -> None:
-        """The speculators ``peagle`` layout vLLM serves (``train.export_formats``)."""
-        from train.export_formats import export_peagle
+        """The speculators ``peagle`` layout vLLM serves (``draftsmith.train.export.formats``)."""
+        from draftsmith.train.export.formats import export_peagle
 
         embeddings = self.target.get_input_embeddings().weight
         export_peagle(drafter, embeddings, folder, overwrite=True, **self._verifier())

@@ -1,0 +1,1 @@
+"""Token trees: their layouts, the policy that shapes each round's tree, and their verification."""

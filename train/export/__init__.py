@@ -1,0 +1,1 @@
+"""Exports: the drafter folder draftsmith decodes, and the layouts vLLM, SGLang and speculators read."""
