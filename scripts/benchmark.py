@@ -79,6 +79,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eagle3", default=None, help="EAGLE-3 drafter folder")
     parser.add_argument("--medusa", default=None, help="Medusa drafter folder")
     parser.add_argument("--peagle", default=None, help="P-EAGLE drafter folder")
+    parser.add_argument("--dflash", default=None, help="DFlash (or DSpark) block drafter folder")
+    parser.add_argument(
+        "--dflash-draft-tokens",
+        type=at_least_one,
+        default=None,
+        help="drafts a DFlash round verifies (default: the block's B - 1)",
+    )
     parser.add_argument(
         "--prompts",
         nargs="+",
@@ -287,6 +294,15 @@ def build_methods(
         methods["draftsmith P-EAGLE chain"] = speculative_method(
             target, drafters["peagle"], settings
         )
+    if "dflash" in drafters:  # a whole block in one pass of the drafter
+        block = replace(settings, num_draft_tokens=block_draft_tokens(args, drafters["dflash"]))
+        methods["draftsmith DFlash block"] = speculative_method(target, drafters["dflash"], block)
+        methods["draftsmith DFlash block (adaptive N)"] = speculative_method(
+            target, drafters["dflash"], replace(block, adaptive=True)
+        )
+        name = f"{HYBRID} + DFlash"
+        hybrids[name] = HybridDrafter(drafters["dflash"], lookup_tokens=args.lookup_tokens)
+        methods[name] = speculative_method(target, hybrids[name], block)
     for kind, label in (("draft_lm", "draft LM"), ("eagle3", "EAGLE-3"), ("peagle", "P-EAGLE")):
         if kind in drafters:
             name = f"{HYBRID} + {label}"
@@ -310,6 +326,18 @@ def build_methods(
                     target, drafters[kind], replace(adaptive, tree=tree)
                 )
     return {name: with_peak_memory(m, meter, peaks, name) for name, m in methods.items()}
+
+
+def block_draft_tokens(args, drafter) -> int:
+    """The drafts a DFlash round verifies: ``--dflash-draft-tokens``, at most the block's
+    B - 1 (its default)."""
+    most = drafter.max_draft_tokens
+    wanted = args.dflash_draft_tokens or most
+    if wanted > most:
+        raise ValueError(
+            f"--dflash-draft-tokens {wanted}: the block drafts at most {most}; pass <= {most}"
+        )
+    return wanted
 
 
 def summarise(
@@ -374,6 +402,7 @@ def summarise(
 ROW_DRAFTERS = (
     ("draft LM, pruned", "draft_lm_pruned"),
     ("P-EAGLE", "peagle"),
+    ("DFlash", "dflash"),
     ("EAGLE-3", "eagle3"),
     ("draft LM", "draft_lm"),
     ("Medusa", "medusa"),
@@ -410,13 +439,14 @@ def gpu_projection(name: str, stats, shares: dict[str, float]) -> float | None:
     """A projection, not a measurement: the row's measured tau under a GPU cost profile where a
     verify pass over <= 64 tokens costs one target step and a draft pass costs the drafter's
     FLOP share of a step (docs/theory.md §5): ``tau / (1 + passes per round * share)``. A
-    P-EAGLE round is one pass; other drafters pass once per drafted position (a tree level)."""
+    P-EAGLE or DFlash round is one pass; other drafters pass once per drafted position (a tree
+    level)."""
     if stats is None or not name.startswith("draftsmith") or not stats.target_forward_passes:
         return None
     kind = next((k for fragment, k in ROW_DRAFTERS if fragment in name), None)
     share = shares.get(kind, 0.0) if kind else 0.0
     passes = stats.draft_positions / stats.target_forward_passes
-    if kind == "peagle":
+    if kind in ("peagle", "dflash"):  # one pass per round
         passes = min(passes, 1.0)
     return stats.tau / (1.0 + passes * share)
 
@@ -515,6 +545,7 @@ def main(argv: list[str] | None = None) -> dict:
         "eagle3": args.eagle3,
         "medusa": args.medusa,
         "peagle": args.peagle,
+        "dflash": args.dflash,
     }
     for kind, folder in folders.items():
         if folder:
@@ -530,6 +561,8 @@ def main(argv: list[str] | None = None) -> dict:
         "draftsmith Medusa tree": held_out_overlap(args.medusa),
         "draftsmith Medusa tree (adaptive)": held_out_overlap(args.medusa),
         "draftsmith P-EAGLE chain": held_out_overlap(args.peagle),
+        "draftsmith DFlash block": held_out_overlap(args.dflash),
+        "draftsmith DFlash block (adaptive N)": held_out_overlap(args.dflash),
     }
     prompt_sets = {
         source: [encode_prompt(tokenizer, p) for p in prompts] for source, prompts in texts.items()
@@ -625,7 +658,8 @@ def sweep_draft_length(args, target, drafters, prompts) -> dict[str, dict[int, f
         )
         methods: dict[str, Method] = {"plain": plain_method(target, settings)}
         for kind, drafter in drafters.items():
-            if kind == "none":
+            most = drafter.max_draft_tokens  # Medusa's heads, a DFlash block's B - 1
+            if kind == "none" or (most is not None and length > most):
                 continue
             shaped = settings
             if kind in ("eagle3", "medusa"):

@@ -132,6 +132,30 @@ def tiny_peagle_drafter(target: torch.nn.Module, num_depths: int = 3, num_layers
     return PEagleDrafter(head, target)
 
 
+def tiny_dflash_drafter(
+    target: torch.nn.Module,
+    block_size: int = 4,
+    num_layers: int = 1,
+    **options,
+):
+    """A random DFlash head on the target's own LM head (``options``: markov_rank,
+    confidence_head, draft_vocab_size), so drafts are sometimes right."""
+    from draftsmith.decode.drafters.dflash.drafter import DFlashDrafter
+    from draftsmith.decode.drafters.dflash.head import DFlashConfig, DFlashHead
+
+    torch.manual_seed(0)
+    config = DFlashConfig.for_target(
+        target.config, block_size=block_size, num_hidden_layers=num_layers, **options
+    )
+    head = DFlashHead(config).to(target.dtype)
+    with torch.no_grad():  # reuse the target's head so drafts are sometimes right
+        head.lm_head.weight.copy_(head.to_draft_vocab(target.get_output_embeddings().weight.T).T)
+        for layer in head.layers:  # small attention and MLP outputs: drafts near the target's
+            layer.self_attn.o_proj.weight.mul_(0.05)
+            layer.mlp.down_proj.weight.mul_(0.05)
+    return DFlashDrafter(head, target)
+
+
 def tiny_medusa_drafter(target: torch.nn.Module, num_heads: int = 3):
     """Medusa heads from the target's LM head with random residual blocks."""
     from draftsmith.decode.drafters.medusa import MedusaDrafter, MedusaHeads

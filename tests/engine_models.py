@@ -150,3 +150,45 @@ def fit_medusa(
         loss.backward()
         optimizer.step()
     return heads.eval()
+
+
+def fit_dflash(
+    target: torch.nn.Module,
+    corpus: torch.Tensor,  # [N, T]
+    block_size: int = 5,
+    steps: int = 60,
+    seed: int = 0,
+    **options,
+):
+    """A DFlash head (``options``: DFlashConfig fields) trained on ``corpus`` (cross-entropy
+    over every anchor's block), its output layer starting from the target's."""
+    from draftsmith.decode.drafters.dflash.head import DFlashConfig, DFlashHead
+
+    torch.manual_seed(seed)
+    config = DFlashConfig.for_target(target.config, block_size=block_size, **options)
+    head = DFlashHead(config).float()
+    vocab = target.config.vocab_size
+    if config.draft_vocab_size != vocab:
+        counts = torch.bincount(corpus.flatten(), minlength=vocab).double()
+        head.set_vocab_maps(*build_vocab_maps(counts, config.draft_vocab_size))
+    draft_id = torch.where(head.t2d, torch.cumsum(head.t2d.long(), 0) - 1, -100)
+    with torch.no_grad():
+        out = target(corpus, output_hidden_states=True)
+        aux = head.gather_aux(out.hidden_states)
+        head.lm_head.weight.copy_(target.lm_head.weight[head.draft_to_target_ids])
+        head.norm.weight.copy_(target.model.norm.weight)
+    rows, length = corpus.shape
+    anchors = torch.arange(1, length - 1).expand(rows, -1)  # every anchor with a label
+    valid = torch.ones_like(anchors, dtype=torch.bool)
+    later = anchors[:, :, None] + torch.arange(1, block_size)  # [N, M, B-1] guessed positions
+    labels = corpus.gather(1, later.clamp(max=length - 1).reshape(rows, -1)).view(later.shape)
+    labels = torch.where(later < length, draft_id[labels], torch.full_like(labels, -100))
+    optimizer = torch.optim.Adam(head.parameters(), lr=3e-3)
+    embed = target.get_input_embeddings()
+    for _ in range(steps):
+        logits, _ = head.blocks(aux, corpus, embed, torch.ones_like(corpus), anchors, valid)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return head.eval()

@@ -69,6 +69,7 @@ EXPORT_FORMATS_BY_KIND = {  # drafter kind -> the --export_format layouts it wri
     "eagle3": ("vllm", "sglang", "speculators"),
     "medusa": ("vllm",),
     "peagle": ("speculators",),
+    "dflash": ("vllm",),
 }
 # Every engine layout some kind writes.
 EXPORT_FORMATS = tuple(dict.fromkeys(f for fs in EXPORT_FORMATS_BY_KIND.values() for f in fs))
@@ -161,7 +162,18 @@ class DrafterConfig:
     medusa_num_heads: int = _f(4, "medusa: heads, head i guessing the token i+2 ahead")
     medusa_num_layers: int = _f(1, "medusa: residual blocks per head")
     mask_token_id: int | None = _f(
-        None, "peagle: the placeholder token of the mask rows (null: the data's rarest token)"
+        None,
+        "peagle, dflash: the placeholder token of the mask rows (null: the data's rarest token)",
+    )
+    dflash_block_size: int = _f(
+        16, "dflash: rows of a block pass, B - 1 of them drafted (DFlash: 16)"
+    )
+    markov_rank: int = _f(
+        0,
+        "dflash: rank of DSpark's Markov head biasing each position by the draft before it (0: off)",
+    )
+    confidence_head: bool = _f(
+        False, "dflash: DSpark's confidence head, which decides how much of a block is verified"
     )
 
 
@@ -266,6 +278,13 @@ class LossConfig:
         "anchors at depth k >= 2 (1: all)",
     )
     cod_min_ratio: float = _f(0.2, "peagle: the floor of that share at deep depths")
+    dflash_num_anchors: int = _f(16, "dflash: blocks trained per sequence (random anchors)")
+    dflash_loss_decay: float = _f(
+        7.0, "dflash: position j of a block weighs exp(-(j-1)/gamma) in the loss (gamma)"
+    )
+    confidence_weight: float = _f(
+        1.0, "dflash: weight of the confidence head's binary cross-entropy (DSpark: 1.0)"
+    )
     position_weights: list[float] | None = field(
         default=None,
         metadata={"help": "eagle3/medusa: loss weight per draft position (default decay^(j-1))"},
@@ -496,6 +515,7 @@ class DistillConfig:
             "unroll_steps": self.loss.unroll_steps,
             "medusa_num_heads": self.drafter.medusa_num_heads,
             "medusa_num_layers": self.drafter.medusa_num_layers,
+            "dflash_num_anchors": self.loss.dflash_num_anchors,
         }
         positive["max_steps"] = self.optim.max_steps
         positive["log_every"] = self.logging.log_every

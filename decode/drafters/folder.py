@@ -69,7 +69,8 @@ def config_from_fields(cls: type[ConfigT], values: dict[str, Any]) -> ConfigT:
 
 def _checked_field(cls: type, name: str, hint: Any, value: Any) -> Any:
     """``value`` of config field ``name`` if it has the field's type (ints widened to float)
-    and, unless it is a list or an id, is positive; else ``LoadError``."""
+    and, unless it is a list, is positive (non-negative for an id or a field the class names in
+    ``ZERO_ALLOWED``, where 0 means off); else ``LoadError``."""
     ok, converted = typed_value(value, hint)
     if not ok:
         raise LoadError(
@@ -77,7 +78,8 @@ def _checked_field(cls: type, name: str, hint: Any, value: Any) -> Any:
             f"{describe_value(value)}; {_REEXPORT}"
         )
     number = isinstance(converted, (int, float)) and not isinstance(converted, bool)
-    if number and not name.endswith("_id") and converted <= 0:
+    zero_allowed = name.endswith("_id") or name in getattr(cls, "ZERO_ALLOWED", ())
+    if number and (converted < 0 if zero_allowed else converted <= 0):
         raise LoadError(
             f"config.json: {cls.__name__}.{name} must be positive, got {converted!r}; {_REEXPORT}"
         )

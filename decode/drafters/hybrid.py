@@ -180,6 +180,11 @@ class HybridDrafter(Drafter):
         self.lookup.prefill(input_ids, attention_mask, target_pass, pending)
         self._round = None
 
+    @property
+    def max_draft_tokens(self) -> int | None:
+        """The learned drafter's most (a DFlash block's B - 1): the engine's N stays within it."""
+        return self.learned.max_draft_tokens
+
     def propose(
         self,
         num_tokens: int,
@@ -221,7 +226,8 @@ class HybridDrafter(Drafter):
         tokens, probs = proposal.tokens, proposal.probs
         replaced = torch.tensor(lookup_rows, dtype=torch.bool, device=tokens.device)
         if any(lookup_rows):
-            lookup_tokens = _padded([drafts for drafts, _ in found], num_tokens, tokens)
+            # The learned proposal's width (at most N; a block drafter may verify fewer).
+            lookup_tokens = _padded([drafts for drafts, _ in found], tokens.shape[1], tokens)
             tokens = torch.where(replaced[:, None], lookup_tokens, tokens)
             if probs is not None:  # lookup rows: q is one-hot on the copied token
                 one_hot = torch.nn.functional.one_hot(tokens, probs.shape[-1]).to(probs.dtype)

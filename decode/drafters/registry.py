@@ -24,6 +24,7 @@ DRAFTER_LOADERS: dict[str, str] = {
     "medusa": "draftsmith.decode.drafters.medusa:load_runtime_drafter",
     "eagle3": "draftsmith.decode.drafters.eagle.drafter:load_runtime_drafter",
     "peagle": "draftsmith.decode.drafters.eagle.peagle:load_runtime_drafter",
+    "dflash": "draftsmith.decode.drafters.dflash.drafter:load_runtime_drafter",
     "hybrid": "draftsmith.decode.drafters.registry:load_hybrid",
 }
 

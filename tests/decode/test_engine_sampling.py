@@ -14,6 +14,7 @@ from decode_helpers import (
     chi_square_p_value,
     exact_two_token_law,
     noisy_copy,
+    tiny_dflash_drafter,
     tiny_peagle_drafter,
 )
 from draftsmith.decode import DraftModelDrafter, NgramDrafter, SpeculativeDecoder
@@ -41,6 +42,9 @@ def target() -> torch.nn.Module:
         ("peagle", 1.0, 0, 1.0),
         ("peagle", 0.7, 10, 1.0),
         ("peagle_two_layers", 1.0, 0, 1.0),
+        ("dflash", 1.0, 0, 1.0),
+        ("dflash", 1.3, 0, 0.8),
+        ("dspark", 1.0, 0, 1.0),
     ],
 )
 def test_emitted_tokens_follow_target_law(
@@ -53,6 +57,8 @@ def test_emitted_tokens_follow_target_law(
         "noisy-adaptive": lambda: DraftModelDrafter(noisy_copy(target, 0.6)),
         "peagle": lambda: tiny_peagle_drafter(target),  # all drafts of a round in one pass
         "peagle_two_layers": lambda: tiny_peagle_drafter(target, num_layers=2),
+        "dflash": lambda: tiny_dflash_drafter(target),  # a block drafted in one pass
+        "dspark": lambda: tiny_dflash_drafter(target, markov_rank=4, confidence_head=True),
     }
     prompt = torch.tensor([5, 9, 5, 9, 5, 9, 5, 9, 5])
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)

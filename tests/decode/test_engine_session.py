@@ -14,6 +14,7 @@ from decode_helpers import (
     exact_two_token_law,
     hf_greedy,
     noisy_copy,
+    tiny_dflash_drafter,
     tiny_eagle_drafter,
     tiny_medusa_drafter,
     tiny_peagle_drafter,
@@ -62,6 +63,8 @@ def make_drafter(target: torch.nn.Module, kind: str) -> tuple[Drafter, TreeSpec 
         "eagle3_two_layers_tree": lambda: (tiny_eagle_drafter(target, num_layers=2), tree),
         "peagle_two_layers": lambda: (tiny_peagle_drafter(target, num_layers=2), None),
         "hybrid_peagle": lambda: (HybridDrafter(tiny_peagle_drafter(target)), None),
+        "dflash": lambda: (tiny_dflash_drafter(target, markov_rank=3), None),
+        "hybrid_dflash": lambda: (HybridDrafter(tiny_dflash_drafter(target)), None),
     }[kind]()
 
 
@@ -108,7 +111,7 @@ class Collector:
     "kind",
     ["none", "ngram", "draft_lm", "eagle3", "eagle3_tree", "medusa", "medusa_tree",
      "hybrid_draft_lm", "hybrid_eagle3", "peagle", "hybrid_peagle", "eagle3_two_layers_tree",
-     "peagle_two_layers"],
+     "peagle_two_layers", "dflash", "hybrid_dflash"],
 )  # fmt: skip
 def test_rows_joining_and_retiring_mid_run_keep_the_targets_greedy_output(
     target: torch.nn.Module, kind: str

@@ -8,6 +8,7 @@ from decode_helpers import (
     chi_square_p_value,
     exact_two_token_law,
     noisy_copy,
+    tiny_dflash_drafter,
     tiny_eagle_drafter,
     tiny_medusa_drafter,
     tiny_peagle_drafter,
@@ -37,10 +38,12 @@ def _learned(target: torch.nn.Module, kind: str):
         return DraftModelDrafter(noisy_copy(target, 0.5))
     if kind == "peagle":
         return tiny_peagle_drafter(target)
+    if kind == "dflash":  # a block of 5 rows: the 4 drafts the tests ask for
+        return tiny_dflash_drafter(target, block_size=5)
     return tiny_eagle_drafter(target)
 
 
-@pytest.mark.parametrize("kind", ["draft_lm", "eagle3", "peagle"])
+@pytest.mark.parametrize("kind", ["draft_lm", "eagle3", "peagle", "dflash"])
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_hybrid_greedy_equals_target_generate(
     target: torch.nn.Module, kind: str, adaptive: bool
@@ -60,7 +63,7 @@ def test_hybrid_greedy_equals_target_generate(
         assert usage["lookup_rows"] > 0 and usage["learned_rows"] > 0, usage
 
 
-@pytest.mark.parametrize("kind", ["draft_lm", "eagle3", "peagle"])
+@pytest.mark.parametrize("kind", ["draft_lm", "eagle3", "peagle", "dflash"])
 @pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 10, 0.9)])
 def test_hybrid_mixed_rounds_follow_target_law(
     target: torch.nn.Module, kind: str, temperature: float, top_k: int, top_p: float

@@ -15,12 +15,16 @@ def _load_script():
 
 
 def test_benchmark_writes_report_and_plots(tiny_pair_dirs, tmp_path) -> None:
+    from draftsmith.decode.drafters.dflash.head import DFlashConfig, DFlashHead
     from draftsmith.decode.drafters.eagle.peagle import PEagleConfig, PEagleHead
     from transformers import AutoConfig
 
     target_dir, draft_dir = tiny_pair_dirs
-    peagle = PEagleHead(PEagleConfig.for_target(AutoConfig.from_pretrained(target_dir)))
+    target_config = AutoConfig.from_pretrained(target_dir)
+    peagle = PEagleHead(PEagleConfig.for_target(target_config))
     peagle.save_pretrained(tmp_path / "peagle")
+    dflash = DFlashHead(DFlashConfig.for_target(target_config, block_size=3))
+    dflash.save_pretrained(tmp_path / "dflash")
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("def add(a, b):\nclass Point:\n")
     report = _load_script().main(
@@ -31,6 +35,8 @@ def test_benchmark_writes_report_and_plots(tiny_pair_dirs, tmp_path) -> None:
             str(draft_dir),
             "--peagle",
             str(tmp_path / "peagle"),
+            "--dflash",
+            str(tmp_path / "dflash"),
             "--prompts",
             str(prompts),
             "--max-new-tokens",
@@ -111,7 +117,12 @@ def test_benchmark_writes_report_and_plots(tiny_pair_dirs, tmp_path) -> None:
     assert peagle["gpu_projected_speedup"] == pytest.approx(peagle["tau"] / (1.0 + share))
     for row in greedy.values():  # linux: the high-water mark, and what the call added to it
         assert row["peak_memory_mb"] > 0 and 0 <= row["extra_memory_mb"] <= row["peak_memory_mb"]
-    assert set(saved["sweep"]) == {"ngram", "draft_lm", "peagle"}
+    assert set(saved["sweep"]) == {"ngram", "draft_lm", "peagle", "dflash"}
+    assert set(saved["sweep"]["dflash"]) == {1, 2} or set(saved["sweep"]["dflash"]) == {"1", "2"}
+    block = greedy["draftsmith DFlash block"]  # one pass per round, B - 1 = 2 drafts
+    assert block["gpu_projected_speedup"] == pytest.approx(
+        block["tau"] / (1.0 + saved["drafter_flop_share"]["dflash"])
+    )
     for png in ("acceptance_t0.png", "speedup_t1.png", "speedup_vs_draft_length.png"):
         assert (tmp_path / "plots" / png).stat().st_size > 1000
 

@@ -176,6 +176,7 @@ OBJECTIVES: dict[str, str] = {
     "eagle3": "draftsmith.train.objectives.eagle3:Eagle3Objective",
     "medusa": "draftsmith.train.objectives.medusa:MedusaObjective",
     "peagle": "draftsmith.train.objectives.peagle:PEagleObjective",
+    "dflash": "draftsmith.train.objectives.dflash:DFlashObjective",
 }
 """Objective kind -> ``"module:Class"``; the key is the drafter kind written to drafter.json."""
 

@@ -84,6 +84,13 @@ def count_tokens(rows: Iterable[dict[str, Any]], vocab_size: int) -> torch.Tenso
     return counts
 
 
+def rarest_token(rows: Iterable[dict[str, Any]], vocab_size: int) -> int:
+    """The token id that occurs least often in the rows' ``input_ids`` (ties to the highest
+    id): the placeholder of P-EAGLE's and DFlash's mask rows unless a recipe names one."""
+    counts = count_tokens(({"input_ids": row["input_ids"]} for row in rows), vocab_size)
+    return int((counts * (vocab_size + 1) - torch.arange(vocab_size)).argmin())
+
+
 def recipe_head(
     config: DistillConfig,
     target: PreTrainedModel,

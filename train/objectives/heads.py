@@ -286,11 +286,11 @@ class HeadObjective(Objective):
     def compute_loss(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         features, target = self._target_outputs(batch)
         drafts = self._draft_logits(batch, features)
+        auxiliary, metrics = self._auxiliary_loss(batch, drafts, target)
         if self.loss.needs_target:  # into the draft vocabulary once: each position reads a slice
             target = self._to_draft_vocab(target)
         total: torch.Tensor | None = None
         used = 0.0
-        metrics: dict[str, float] = {}
         reached: torch.Tensor | None = None  # [B, S_k] bool: the chain from t reaches output k
         for k, (weight, draft, target_k, mask, labels) in enumerate(
             self._aligned(batch, drafts, target)
@@ -326,7 +326,20 @@ class HeadObjective(Objective):
             if drafts:
                 return sum(_logits_of(draft).sum() for draft in drafts) * 0.0, metrics
             return sum(p.sum() for p in self.module.parameters()) * 0.0, metrics
+        if auxiliary is not None:
+            return total / used + auxiliary, metrics
         return total / used, metrics
+
+    def _auxiliary_loss(
+        self,
+        batch: Batch,
+        drafts: Sequence[torch.Tensor | SampledRows],
+        target: torch.Tensor,  # [B, T, V] the target's logits or log-probs, full vocabulary
+    ) -> tuple[torch.Tensor | None, dict[str, float]]:
+        """A term a kind adds to the distillation loss (DSpark's confidence head), and its
+        metrics; None by default."""
+        del batch, drafts, target
+        return None, {}
 
     @torch.no_grad()
     def evaluate(self, batch: Batch) -> MetricSums:

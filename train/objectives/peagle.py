@@ -43,7 +43,7 @@ from draftsmith.train.losses import Loss
 from draftsmith.train.objectives import Batch
 from draftsmith.train.objectives.eagle3 import (
     Eagle3Objective,
-    count_tokens,
+    rarest_token,
     recipe_eagle3_settings,
     recipe_head,
 )
@@ -200,8 +200,7 @@ class PEagleObjective(Eagle3Objective):
         if not self.choose_mask_token:
             return
         vocab = self.head.config.target_vocab_size
-        counts = count_tokens(({"input_ids": row["input_ids"]} for row in train_rows), vocab)
-        self.head.config.mask_token_id = int((counts * (vocab + 1) - torch.arange(vocab)).argmin())
+        self.head.config.mask_token_id = rarest_token(train_rows, vocab)
         if self.init_from_target:
             self._copy_mask_embedding()
 

@@ -61,6 +61,8 @@ class Eagle3Drafter(Drafter):
     supports_trees: ClassVar[bool] = True
     supports_sampled_trees: ClassVar[bool] = True
     supports_external_drafts: ClassVar[bool] = True
+    # The decoding-time forward of the head (DFlash's drafter runs its own).
+    lean_type: ClassVar[type[LeanEagle3]] = LeanEagle3
 
     def __init__(self, head: Eagle3Head, target: nn.Module) -> None:
         embed = target.get_input_embeddings()
@@ -77,7 +79,7 @@ class Eagle3Drafter(Drafter):
                 f"{config.target_num_hidden_layers}-layer target, this target has {depth} layers"
             )
         self.head = head.to(device=embed.weight.device, dtype=embed.weight.dtype).eval()
-        self.lean = LeanEagle3(self.head)
+        self.lean = self.lean_type(self.head)
         self._embed = embed
         self._state: HeadState | None = None
         self.check_compatible(target)

@@ -54,6 +54,7 @@ from draftsmith.decode.drafters.eagle.layers import (
     block_visibility,
     positions_from_mask,
 )
+from draftsmith.decode.drafters.feature_head import FeatureHead
 from draftsmith.decode.drafters.folder import read_folder, save_native_folder
 from torch import nn
 
@@ -95,7 +96,7 @@ def build_vocab_maps(
     return d2t.long(), t2d
 
 
-class Eagle3Head(nn.Module):
+class Eagle3Head(FeatureHead):
     """The EAGLE-3 draft head (see the module docstring for the math and the weight layout).
 
     The head never embeds tokens itself: callers pass the *target's* embeddings
@@ -108,8 +109,7 @@ class Eagle3Head(nn.Module):
     config_type: ClassVar[type[Eagle3Config]] = Eagle3Config
 
     def __init__(self, config: Eagle3Config) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         hidden = config.hidden_size
         num_aux = len(config.aux_hidden_state_layer_ids)
         self.fc = nn.Linear(num_aux * hidden, hidden, bias=False)
@@ -120,69 +120,11 @@ class Eagle3Head(nn.Module):
         )
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
-        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.ones(config.target_vocab_size, dtype=torch.bool))
-        if config.draft_vocab_size != config.target_vocab_size:
-            self.t2d.zero_()
-            self.t2d[: config.draft_vocab_size] = True
-
-    # -- vocabulary -----------------------------------------------------------------------
-    def set_vocab_maps(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        """Install maps from :func:`build_vocab_maps` (checked for consistency)."""
-        vd, vt = self.config.draft_vocab_size, self.config.target_vocab_size
-        if d2t.shape != (vd,) or t2d.shape != (vt,):
-            raise ValueError(
-                f"vocab maps must have shapes d2t [{vd}] and t2d [{vt}], got "
-                f"{tuple(d2t.shape)} and {tuple(t2d.shape)}"
-            )
-        ids = torch.arange(vd) + d2t.long().cpu()
-        if ids.min() < 0 or ids.max() >= vt or (vd > 1 and (ids.diff() <= 0).any()):
-            raise ValueError(
-                "d2t must map draft ids to strictly increasing target ids inside the vocabulary "
-                "(as build_vocab_maps does)"
-            )
-        expected = torch.zeros(vt, dtype=torch.bool)
-        expected[ids] = True
-        if not torch.equal(expected, t2d.bool().cpu()):
-            raise ValueError("t2d must mark exactly the target ids that d2t maps to")
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
-
-    @property
-    def draft_to_target_ids(self) -> torch.Tensor:  # [V_draft] int64
-        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
-
-    def to_target_logits(
-        self, draft_logits: torch.Tensor
-    ) -> torch.Tensor:  # [..., Vd] -> [..., Vt]
-        """Scatter draft-vocabulary logits into the target vocabulary (-inf elsewhere)."""
-        if self.config.draft_vocab_size == self.config.target_vocab_size:
-            return draft_logits  # increasing draft ids over the whole vocabulary: the identity
-        out = draft_logits.new_full(
-            (*draft_logits.shape[:-1], self.config.target_vocab_size), float("-inf")
-        )
-        out[..., self.draft_to_target_ids] = draft_logits
-        return out
-
-    def to_draft_vocab(self, target_values: torch.Tensor) -> torch.Tensor:  # [..., Vt] -> [..., Vd]
-        """Select the draft vocabulary's entries of target-vocabulary values (e.g. target logits)."""
-        return target_values[..., self.draft_to_target_ids]
 
     # -- forward pieces -------------------------------------------------------------------
     def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:  # [B, T, A*H] -> [B, T, H]
         """``g = fc(cat(low, mid, high))``: fuse the target's features in id order."""
         return self.fc(aux_hidden)
-
-    def gather_aux(self, hidden_states: Sequence[torch.Tensor]) -> torch.Tensor:  # -> [B, T, A*H]
-        """Concatenate the configured entries of an ``output_hidden_states`` tuple."""
-        needed = max(self.config.aux_hidden_state_layer_ids)
-        if len(hidden_states) <= needed:
-            raise ValueError(
-                f"the target returned {len(hidden_states)} hidden states but the head reads index "
-                f"{needed}: run the target with output_hidden_states=True and check "
-                "aux_hidden_state_layer_ids against its depth"
-            )
-        return torch.cat([hidden_states[i] for i in self.config.aux_hidden_state_layer_ids], -1)
 
     def forward(
         self,
@@ -285,32 +227,6 @@ class Eagle3Head(nn.Module):
         return head
 
     def _load_weights(self, state: dict[str, torch.Tensor]) -> None:
-        state = {
-            k.removeprefix("model."): v
-            for k, v in state.items()
-            if "embed_tokens" not in k and not unused_engine_norm(k.removeprefix("model."))
-        }
-        if "d2t" not in state:  # engines treat a missing map as the identity
-            state["d2t"] = torch.zeros(self.config.draft_vocab_size, dtype=torch.long)
-        if "t2d" not in state:
-            t2d = torch.zeros(self.config.target_vocab_size, dtype=torch.bool)
-            t2d[torch.arange(self.config.draft_vocab_size) + state["d2t"].long()] = True
-            state["t2d"] = t2d
-        expected = self.state_dict()
-        missing = sorted(set(expected) - set(state))
-        unexpected = sorted(set(state) - set(expected))
-        if missing or unexpected:
-            raise ValueError(
-                f"{self.kind} weights do not match the config: missing {missing}, "
-                f"unexpected {unexpected}"
-            )
-        for name, tensor in state.items():
-            if tensor.shape != expected[name].shape:
-                raise ValueError(
-                    f"weight {name} has shape {tuple(tensor.shape)}, the config "
-                    f"implies {tuple(expected[name].shape)}"
-                )
-        dtype = state["fc.weight"].dtype
-        self.to(dtype)
-        self.load_state_dict(state)
-        self.set_vocab_maps(self.d2t.clone(), self.t2d.clone())
+        self.load_checked_weights(
+            state, ignored=lambda name: "embed_tokens" in name or unused_engine_norm(name)
+        )
