@@ -10,7 +10,7 @@ import pytest
 import torch
 from draftsmith.decode.drafters.dflash.head import DFlashConfig, DFlashHead
 from draftsmith.decode.drafters.eagle.head import build_vocab_maps
-from draftsmith.train.export.dflash import export_dflash, read_vllm_dflash
+from draftsmith.train.export.dflash import export_dflash
 from safetensors.torch import load_file
 from tiny_models import tiny_llama
 
@@ -54,7 +54,7 @@ def test_vllm_layout_round_trip_and_reader_fields(tmp_path, draft_vocab_size) ->
                  "layers.1.self_attn.k_norm.weight", "layers.0.mlp.gate_proj.weight"):  # fmt: skip
         assert name in tensors, name
     assert tensors["lm_head.weight"].shape[0] == config["draft_vocab_size"]
-    back = read_vllm_dflash(folder)
+    back = DFlashHead.from_pretrained(folder)
     assert back.config == head.config
     for name, tensor in head.state_dict().items():
         assert torch.equal(back.state_dict()[name], tensor), name

@@ -1,5 +1,5 @@
 """Write a DFlash block drafter in the folder layout vLLM's ``qwen3_dflash`` model reads, and
-read it back (docs/theory.md §9, docs/guides/block-drafters.md).
+``DFlashHead.from_pretrained`` reads it back (docs/theory.md §9, docs/guides/block-drafters.md).
 
 The layout, from vLLM's ``vllm/model_executor/models/qwen3_dflash.py`` (0.32):
 
@@ -26,8 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from draftsmith.decode.drafters.dflash.head import DFLASH_ARCHITECTURE, DFlashConfig, DFlashHead
-from draftsmith.decode.drafters.folder import read_folder
+from draftsmith.decode.drafters.dflash.head import DFLASH_ARCHITECTURE, DFlashHead
 from draftsmith.train.export.formats import _llama_layer_config, _write_folder
 
 DFLASH_FORMATS = ("vllm",)
@@ -86,39 +85,8 @@ def export_dflash(
         for name, tensor in head.state_dict().items()
         if name != "t2d"
     }
-    card = dflash_card(head, dflash_vllm_config(head, dtype))
-    return _write_folder(Path(out_dir), dflash_vllm_config(head, dtype), tensors, overwrite, card)
-
-
-def read_vllm_dflash(folder: str | Path) -> DFlashHead:
-    """Load a ``vllm`` DFlash folder (as :func:`export_dflash` writes it)."""
-    raw, native, state = read_folder(folder, DFlashHead.kind, DFLASH_ARCHITECTURE)
-    if native:
-        return DFlashHead.from_pretrained(folder)
-    nested = raw.get("dflash_config") or {}
-    ids = raw.get("eagle_aux_hidden_state_layer_ids") or [
-        i + 1 for i in nested.get("target_layer_ids") or []
-    ]
-    config = DFlashConfig(
-        hidden_size=raw["hidden_size"],
-        num_attention_heads=raw["num_attention_heads"],
-        num_key_value_heads=raw.get("num_key_value_heads", raw["num_attention_heads"]),
-        intermediate_size=raw["intermediate_size"],
-        target_vocab_size=raw["vocab_size"],
-        target_num_hidden_layers=raw.get("target_num_hidden_layers", max(ids) + 1),
-        draft_vocab_size=raw.get("draft_vocab_size"),
-        aux_hidden_state_layer_ids=tuple(ids),
-        head_dim=raw.get("head_dim"),
-        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-        rope_theta=raw.get("rope_theta", 1e6),  # vLLM's default for DFlash layers
-        max_position_embeddings=raw.get("max_position_embeddings", 4096),
-        num_hidden_layers=raw["num_hidden_layers"],
-        block_size=raw.get("block_size", nested.get("block_size", 16)),
-        mask_token_id=nested.get("mask_token_id", raw.get("mask_token_id")),
-    )
-    head = DFlashHead(config)
-    head.load_checked_weights(state)
-    return head
+    config = dflash_vllm_config(head, dtype)
+    return _write_folder(Path(out_dir), config, tensors, overwrite, dflash_card(head, config))
 
 
 def dflash_card(head: DFlashHead, config: dict[str, Any]) -> str:

@@ -106,7 +106,7 @@ class LeanDFlash(LeanEagle3):
 
     def block(
         self,
-        rows: torch.Tensor,  # [B, R] embeddings of the block rows... [B, R, H]
+        rows: torch.Tensor,  # [B, R, H] embeddings of the block rows
         positions: torch.Tensor,  # [B, R]
         cache: PreallocatedStack,  # the context; the block's keys/values are cropped off after
         visible: torch.Tensor | None,  # [B, R, S + R] bool; None: every slot

@@ -50,11 +50,12 @@ from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
-from draftsmith.decode.drafters.eagle.config import Eagle3Config
+from draftsmith.decode.drafters.eagle.config import Eagle3Config, eagle3_values_from_layer
 from draftsmith.decode.drafters.eagle.layers import MLP, RMSNorm, rope_tables
 from draftsmith.decode.drafters.feature_head import FeatureHead
-from draftsmith.decode.drafters.folder import read_folder, save_native_folder
+from draftsmith.decode.drafters.folder import config_from_fields, read_folder, save_native_folder
 from draftsmith.decode.forward.llama_math import apply_rope
+from draftsmith.decode.loading import LoadError
 from torch import nn
 
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
@@ -327,17 +328,40 @@ class DFlashHead(FeatureHead):
     # -- folders --------------------------------------------------------------------------
     def save_pretrained(self, path: str | Path) -> None:
         """Write the native drafter folder: drafter.json, config.json, model.safetensors."""
-        save_native_folder(path, self.kind, config_dict(self.config), self)
+        save_native_folder(path, self.kind, self.config.to_dict(), self)
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> DFlashHead:
-        """Load a native ``dflash`` folder."""
-        raw, _, state = read_folder(path, cls.kind, DFLASH_ARCHITECTURE)
-        head = cls(DFlashConfig.from_dict(raw))
+        """Load a native ``dflash`` folder, or a vLLM ``qwen3_dflash`` export
+        (``draftsmith.train.export.dflash``)."""
+        raw, native, state = read_folder(path, cls.kind, DFLASH_ARCHITECTURE)
+        config = DFlashConfig.from_dict(raw) if native else config_from_engine_dict(raw)
+        head = cls(config)
         head.load_checked_weights(state)
         return head
 
 
-def config_dict(config: DFlashConfig) -> dict[str, Any]:
-    """``config.json`` of a native folder."""
-    return config.to_dict()
+def config_from_engine_dict(raw: dict[str, Any]) -> DFlashConfig:
+    """A vLLM ``qwen3_dflash`` config.json as a :class:`DFlashConfig`: the captured layers from
+    ``eagle_aux_hidden_state_layer_ids`` (our indices), else ``dflash_config.target_layer_ids``
+    plus one, as vLLM reads them; a missing ``rope_theta`` is vLLM's DFlash default, 1e6."""
+    nested = raw.get("dflash_config") or {}
+    if not isinstance(nested, dict):
+        raise LoadError("config.json: dflash_config must be an object; export the head again")
+    ids = raw.get("eagle_aux_hidden_state_layer_ids") or [
+        i + 1 for i in nested.get("target_layer_ids") or []
+    ]
+    missing = [k for k in _ENGINE_REQUIRED if k not in raw] + ([] if ids else ["target_layer_ids"])
+    if missing:
+        raise LoadError(
+            f"config.json: this DFlash export lacks {', '.join(missing)}; export the head again"
+        )
+    values = eagle3_values_from_layer(raw, raw.get("target_num_hidden_layers", max(ids) + 1),
+                                      ids, raw.get("draft_vocab_size"))  # fmt: skip
+    values["rope_theta"] = raw.get("rope_theta", 1e6)
+    values["block_size"] = raw.get("block_size", nested.get("block_size", 16))
+    values["mask_token_id"] = nested.get("mask_token_id", raw.get("mask_token_id"))
+    return config_from_fields(DFlashConfig, values)
+
+
+_ENGINE_REQUIRED = ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
