@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 from draftsmith.decode.drafters.dflash.head import DFLASH_ARCHITECTURE, DFlashHead
-from draftsmith.train.export.formats import _llama_layer_config, _write_folder
+from draftsmith.train.export.formats import _llama_layer_config, _write_folder, launch_block
 
 DFLASH_FORMATS = ("vllm",)
 
@@ -106,13 +106,7 @@ def dflash_card(head: DFlashHead, config: dict[str, Any]) -> str:
             f"- Plain rope, theta {c.rope_theta}, written explicitly (vLLM's DFlash layers "
             "default a missing theta to 1e6).",
             "",
-            "Serve it with vLLM (the target's folder as the model):",
-            "",
-            "```",
-            "vllm serve TARGET --speculative-config "
-            f'\'{{"method": "dflash", "model": "THIS_FOLDER", "num_speculative_tokens": '
-            f"{c.draft_tokens}}}'",
-            "```",
+            *launch_block("dflash", "vllm", c.draft_tokens),
             "",
             "Not yet checked here against a running vLLM (draftsmith-check-engine does not run "
             "DFlash folders yet): the layout follows vLLM's reader, and tests/train/"

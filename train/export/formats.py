@@ -26,7 +26,10 @@ differently and *each reads the other's key when its own is absent*:
 
 So every EAGLE-3 folder writes both keys, each in its engine's numbering (top level ours,
 ``eagle_config`` ours minus one), and ``num_aux_hidden_states``: whichever engine opens
-whichever folder captures the states the head was trained on. Both engines capture each layer
+whichever folder captures the states the head was trained on. Except one: the ``vllm`` folder
+of a multi-layer head names no ``eagle_config`` ids (:data:`NO_SGLANG_IDS_REASON`): a newer
+SGLang builds a multi-layer head's later layers after another design from them and silently
+skips the weight names it does not know, and vLLM reads its own key first anyway. Both engines capture each layer
 once and in layer order, hence :class:`~draftsmith.decode.drafters.eagle.head.Eagle3Config` demands strictly
 increasing ids. SGLang's Llama cannot capture the embedding output (it would need id -1 and adds
 a residual that does not exist before layer 0), so ``fmt="sglang"`` refuses heads that read id 0
@@ -34,7 +37,8 @@ and heads that fuse other than 3 states (older SGLang builds ``fc`` over exactly
 
 ``speculators`` (vLLM's ``speculators`` format, github.com/vllm-project/speculators): a config
 with ``speculators_model_type = "eagle3"``, a ``transformer_layer_config`` (the Llama layer),
-``speculators_config`` (algorithm, greedy proposal with ``speculative_tokens``, and the verifier's
+``speculators_config`` (algorithm, greedy proposal with ``speculative_tokens`` = the trained
+unroll steps, the draft length vLLM defaults to, and the verifier's
 ``name_or_path`` and architectures), ``norm_before_residual = false`` (our residual is the fused
 feature before ``hidden_norm``; vLLM's reader defaults it to true) and the aux ids at top level
 in vLLM's numbering; weights as above with ``midlayer.*`` renamed ``layers.0.*``. vLLM detects
@@ -80,7 +84,8 @@ from draftsmith.decode.drafters.eagle.peagle import PEagleConfig, PEagleHead
 from draftsmith.decode.drafters.folder import check_weights_fit_config, config_from_fields
 from draftsmith.decode.drafters.medusa import MEDUSA_ARCHITECTURE, MedusaHeads
 from draftsmith.decode.loading import LoadError, load_safetensors, read_json_object
-from draftsmith.train.config import EXPORT_FORMATS_BY_KIND
+from draftsmith.train.config import EXPORT_FORMATS_BY_KIND, LossConfig
+from draftsmith.train.export.launch import serve_lines
 from safetensors.torch import save_file
 
 EngineFormat = Literal["vllm", "sglang", "speculators"]
@@ -89,6 +94,15 @@ SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
 PEAGLE_SPECULATORS_ARCHITECTURE = "PEagleSpeculator"
 # Each format's serving engine, for the folder cards.
 ENGINE_OF_FORMAT = {"vllm": "vLLM", "sglang": "SGLang", "speculators": "vLLM (speculators format)"}
+RECIPE_UNROLL_STEPS: int = LossConfig.unroll_steps
+"""The recipe's default unroll: the draft length of an EAGLE-3 head whose caller names none
+(training and ``draftsmith-export`` name the head's own)."""
+NO_SGLANG_IDS_REASON = (
+    "This vLLM folder of a multi-layer head carries no SGLang `eagle_config` ids: a newer "
+    "SGLang builds the later layers of a multi-layer EAGLE-3 head after another design from "
+    "those ids and silently skips the weight names it does not know, so it would serve other "
+    "weights than these. vLLM reads its top-level `eagle_aux_hidden_state_layer_ids`."
+)
 
 
 def engine_aux_ids(head: Eagle3Head, fmt: str) -> dict[str, list[int]]:
@@ -147,10 +161,11 @@ def _llama_layer_config(config: Eagle3Config, dtype: torch.dtype) -> dict[str, A
 
 
 def eagle3_engine_config(head: Eagle3Head, fmt: EngineFormat, dtype: torch.dtype) -> dict[str, Any]:
-    """The ``config.json`` of a ``vllm`` or ``sglang`` folder (both carry both engines' keys)."""
+    """The ``config.json`` of a ``vllm`` or ``sglang`` folder (both carry both engines' keys,
+    except a multi-layer head's ``vllm`` folder: :data:`NO_SGLANG_IDS_REASON`)."""
     config = head.config
     ids = engine_aux_ids(head, fmt)
-    return {
+    written = {
         "architectures": [EAGLE3_ARCHITECTURE],
         **_llama_layer_config(config, dtype),
         "draft_vocab_size": config.draft_vocab_size,
@@ -163,6 +178,15 @@ def eagle3_engine_config(head: Eagle3Head, fmt: EngineFormat, dtype: torch.dtype
             "use_aux_hidden_state": True,
         },
     }
+    if not sglang_reads_ids(config, fmt):
+        del written["eagle_config"]
+    return written
+
+
+def sglang_reads_ids(config: Eagle3Config, fmt: str) -> bool:
+    """Whether a ``fmt`` folder of this head carries SGLang's ``eagle_config`` ids: not a
+    multi-layer head's ``vllm`` folder (:data:`NO_SGLANG_IDS_REASON`)."""
+    return not (fmt == "vllm" and config.num_hidden_layers > 1)
 
 
 def eagle3_speculators_config(
@@ -170,9 +194,10 @@ def eagle3_speculators_config(
     dtype: torch.dtype,
     verifier: str,
     verifier_architectures: Sequence[str] = ("LlamaForCausalLM",),
-    num_speculative_tokens: int = 3,
+    num_speculative_tokens: int = RECIPE_UNROLL_STEPS,
 ) -> dict[str, Any]:
-    """The ``config.json`` of a speculators-format EAGLE-3 folder (see the module docstring)."""
+    """The ``config.json`` of a speculators-format EAGLE-3 folder (see the module docstring);
+    ``num_speculative_tokens`` is the head's trained unroll length."""
     if not verifier:
         raise ValueError(
             "the speculators format names its verifier: pass the target's path or hub id"
@@ -240,14 +265,16 @@ def export_eagle3(
     overwrite: bool = False,
     verifier: str | None = None,
     verifier_architectures: Sequence[str] = ("LlamaForCausalLM",),
-    num_speculative_tokens: int = 3,
+    num_speculative_tokens: int = RECIPE_UNROLL_STEPS,
 ) -> Path:
     """Write ``head`` as a vLLM, SGLang or speculators-format EAGLE-3 folder; returns it.
 
     ``dtype`` casts the floating-point weights (e.g. ``torch.bfloat16`` for serving); the
     vocabulary maps keep their integer/bool types. ``verifier`` (the target's path or hub id)
-    and ``verifier_architectures`` are required by, and only used for, ``fmt="speculators"``,
-    as is ``num_speculative_tokens`` (the default draft length vLLM reads from the folder).
+    and ``verifier_architectures`` are required by, and only used for, ``fmt="speculators"``.
+    ``num_speculative_tokens`` is the unroll length the head was trained with: the speculators
+    config's ``speculative_tokens`` (the default draft length vLLM reads from the folder) and
+    the draft length of the launch lines on every folder's card.
     """
     if fmt not in ENGINE_FORMATS:
         raise ValueError(f"fmt must be one of {ENGINE_FORMATS}, got {fmt!r}")
@@ -258,7 +285,7 @@ def export_eagle3(
         )
     else:
         config = eagle3_engine_config(head, fmt, dtype)
-    card = eagle3_card(head, fmt, config)
+    card = eagle3_card(head, fmt, config, num_speculative_tokens)
     return _write_folder(
         Path(out_dir), config, eagle3_engine_tensors(head, dtype, fmt), overwrite, card
     )
@@ -449,7 +476,12 @@ def _layers(config: Eagle3Config) -> str:
     return "one decoder layer" if count == 1 else f"{count} decoder layers"
 
 
-def eagle3_card(head: Eagle3Head, fmt: str, config: dict[str, Any]) -> str:
+def eagle3_card(
+    head: Eagle3Head,
+    fmt: str,
+    config: dict[str, Any],
+    num_speculative_tokens: int = RECIPE_UNROLL_STEPS,
+) -> str:
     """README.md of an EAGLE-3 engine folder: which engine, how to run it, what it reads."""
     c = head.config
     ids = engine_aux_ids(head, fmt)
@@ -461,9 +493,9 @@ def eagle3_card(head: Eagle3Head, fmt: str, config: dict[str, Any]) -> str:
     lines = [
         f"# EAGLE-3 head for {ENGINE_OF_FORMAT[fmt]}",
         "",
-        f"Written by draftsmith in the `{fmt}` layout: {_layers(c)}. Target: a "
-        f"{c.target_num_hidden_layers}-layer model of width {c.hidden_size}; draft vocabulary: "
-        f"{vocab}.",
+        f"Written by draftsmith in the `{fmt}` layout: {_layers(c)}, trained to draft "
+        f"{num_speculative_tokens} tokens per round. Target: a {c.target_num_hidden_layers}-layer "
+        f"model of width {c.hidden_size}; draft vocabulary: {vocab}.",
         "",
         f"Aux hidden states fused by `fc`: Hugging Face `hidden_states` indices {ids['vllm']} "
         "(0 = embedding output, i = output of layer i-1).",
@@ -474,19 +506,15 @@ def eagle3_card(head: Eagle3Head, fmt: str, config: dict[str, Any]) -> str:
     if fmt == "speculators":
         verifier = config["speculators_config"]["verifier"]["name_or_path"]
         lines += [
-            "This is vLLM's speculators format: vLLM reads the verifier, the method and the "
-            "aux ids from `config.json`, with no conversion step:",
-            "",
-            "```python",
-            "from vllm import LLM",
-            "llm = LLM(model='<this folder>')  # loads the verifier named below as the target",
-            "```",
+            "This is vLLM's speculators format: vLLM reads the verifier, the method, the aux "
+            "ids and the draft length (`speculative_tokens`, the trained unroll steps) from "
+            "`config.json`, with no conversion step.",
             "",
             f"Verifier: `{verifier}` (edit `speculators_config.verifier.name_or_path` if the "
             "target moved). Top-level `eagle_aux_hidden_state_layer_ids` = "
             f"{ids['vllm']} (vLLM's layer-input numbering). Not for SGLang.",
         ]
-    else:
+    elif sglang_reads_ids(c, fmt):
         lines += [
             "`config.json` carries both engines' keys, each in its own numbering, so neither "
             "engine misreads this folder:",
@@ -494,35 +522,32 @@ def eagle3_card(head: Eagle3Head, fmt: str, config: dict[str, Any]) -> str:
             f"- vLLM: top-level `eagle_aux_hidden_state_layer_ids` = {ids['vllm']} (layer inputs)",
             f"- SGLang: `eagle_config.eagle_aux_hidden_state_layer_ids` = {ids['sglang']} "
             "(layer outputs; SGLang adds one)",
-            "",
         ]
-        if fmt == "vllm":
+        if fmt == "vllm" and (ids["vllm"][0] == 0 or len(ids["vllm"]) != 3):
             lines += [
-                "Written and checked for **vLLM**:",
                 "",
-                "```python",
-                "from vllm import LLM",
-                "llm = LLM(model='<target>', speculative_config={'method': 'eagle3', "
-                "'model': '<this folder>', 'num_speculative_tokens': 3})",
-                "```",
+                "SGLang cannot serve this head (it reads the embedding output or fuses "
+                "other than 3 states).",
             ]
-            if ids["vllm"][0] == 0 or len(ids["vllm"]) != 3:
-                lines += [
-                    "",
-                    "SGLang cannot serve this head (it reads the embedding output or fuses "
-                    "other than 3 states).",
-                ]
-        else:
-            lines += [
-                "Written for **SGLang**:",
-                "",
-                "```",
-                "python -m sglang.launch_server --model <target> --speculative-algorithm EAGLE3 \\",
-                "    --speculative-draft-model-path <this folder> --speculative-num-steps 3 \\",
-                "    --speculative-eagle-topk 1 --speculative-num-draft-tokens 4",
-                "```",
-            ]
+    else:
+        lines += [
+            f"vLLM reads top-level `eagle_aux_hidden_state_layer_ids` = {ids['vllm']} (layer "
+            "inputs).",
+            "",
+            NO_SGLANG_IDS_REASON,
+        ]
+    lines += ["", *launch_block("eagle3", fmt, num_speculative_tokens)]
     return "\n".join([*lines, "", _CHECK, ""])
+
+
+def launch_block(kind: str, fmt: str, num_speculative_tokens: int) -> list[str]:
+    """A card's launch lines (``draftsmith.train.export.launch``), TARGET and THIS_FOLDER to
+    be replaced; ``draftsmith-export`` prints them with the real paths."""
+    lines = serve_lines(kind, fmt, "TARGET", "THIS_FOLDER", num_speculative_tokens)
+    block = ["Serve it (TARGET: the target's folder or hub id; THIS_FOLDER: this folder):", ""]
+    for engine, line in lines.items():
+        block += [f"{engine}:", "", "```", line, "```", ""]
+    return block[:-1]
 
 
 def peagle_card(head: PEagleHead, config: dict[str, Any]) -> str:
@@ -540,15 +565,12 @@ def peagle_card(head: PEagleHead, config: dict[str, Any]) -> str:
             "and the learned `mask_hidden` features.",
             "",
             "vLLM reads it as method `eagle3` with `parallel_drafting` (vLLM releases that "
-            "know `speculators_model_type: peagle`):",
-            "",
-            "```python",
-            "from vllm import LLM",
-            "llm = LLM(model='<this folder>')  # loads the verifier named below as the target",
-            "```",
+            "know `speculators_model_type: peagle`), and the verifier from `config.json`.",
             "",
             f"Verifier: `{verifier}` (edit `speculators_config.verifier.name_or_path` if the "
             "target moved). Not for SGLang.",
+            "",
+            *launch_block("peagle", "speculators", c.num_depths),
             "",
             _CHECK,
             "",
@@ -567,11 +589,7 @@ def medusa_card(heads: MedusaHeads) -> str:
             f"{c.num_layers} residual block(s) over width {c.hidden_size}, vocabulary "
             f"{c.vocab_size}. SGLang has no Medusa layout.",
             "",
-            "```python",
-            "from vllm import LLM",
-            "llm = LLM(model='<target>', speculative_config={'method': 'medusa', "
-            f"'model': '<this folder>', 'num_speculative_tokens': {c.num_heads}}})",
-            "```",
+            *launch_block("medusa", "vllm", c.num_heads),
             "",
             _CHECK,
             "",

@@ -324,7 +324,14 @@ class Eagle3Objective(HeadObjective):
         speculators format names the target (its path or hub id) as the verifier."""
         from draftsmith.train.export.formats import export_eagle3
 
-        export_eagle3(drafter, folder, fmt, overwrite=True, **self._verifier())
+        export_eagle3(
+            drafter,
+            folder,
+            fmt,
+            overwrite=True,
+            num_speculative_tokens=self.unroll_steps,  # the draft length it was trained for
+            **self._verifier(),
+        )
 
     def _verifier(self) -> dict[str, Any]:
         """The target as the speculators format names its verifier: path or hub id, and
