@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         check_output_file(args.output, "--output")
 
     from draftsmith.data.atomic_io import write_json_atomic
+    from draftsmith.decode.measure.machine import machine_record
     from draftsmith.decode.measure.parallel_ceiling import parallel_ceilings, tau_cap
     from draftsmith.decode.measure.prompts import load_eval_prompts
     from draftsmith.decode.precision import announce, choose_dtype
@@ -123,6 +124,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "beam": args.beam,
         "depths": [asdict(c) for c in ceilings],
         "tau_cap": {n: tau_cap(ceilings, n) for n in range(1, args.depths + 1)},
+        "machine": machine_record(),
     }
     print(f"{name} ({choice.name}), {len(contexts)} contexts of T = 1 text ({args.prompts}):")
     print("depth  cap (any parallel q)  forward-KL optimum  beam coverage  cap over all paths")

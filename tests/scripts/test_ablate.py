@@ -148,6 +148,7 @@ def test_run_grid_resumes_retries_failures_and_summarizes(
             "overlap": [0.5 + 0.1 * seed, 0.4],
             "greedy_match": [0.6],
             "tau": {"0": tau, "1": tau / 2},
+            "machine": {"cpu": "Xeon", "cpu_kernels": ["AVX512"]},
         }
 
     monkeypatch.setattr(ablation, "train_and_measure", fake)
@@ -163,6 +164,7 @@ def test_run_grid_resumes_retries_failures_and_summarizes(
     saved = json.loads((tmp_path / "ablation.json").read_text())
     assert set(saved["runs"]) == {f"loss={loss},seed={s}" for loss in ("ce", "lk") for s in (0, 1)}
     assert saved["failed"] == {}
+    assert saved["machine"] == {"cpu": "Xeon", "cpu_kernels": ["AVX512"]}  # the record names it
     cells = {c["key"]: c for c in saved["cells"]}
     lk = cells["loss=lk"]
     assert lk["tau"]["0"]["mean"] == pytest.approx(2.55) and lk["tau"]["0"]["n"] == 2
@@ -191,11 +193,12 @@ def test_a_runs_measurement_is_its_summarys_held_out_and_temperature_rows(
         "held_out": {"overlap@2": 0.5, "overlap@1": 0.7, "greedy_match@1": 0.8, "loss": 1.0},
         "speed": {"0": row, "1": {**row, "tau": 1.5}, "ood demo 1": {**row, "tau": 9.0}},
         "steps": 3, "stop_reason": "max_steps", "minutes": 0.1, "tokens_seen": 10,
-        "data": "stdlib", "eval_description": "held-out",
+        "data": "stdlib", "eval_description": "held-out", "machine": {"cpu": "Xeon"},
     }  # fmt: skip
     monkeypatch.setattr(draftsmith.train.distill, "main", lambda argv: summary)
     measured = ablation.train_and_measure(["--loss", "tv"])
     assert measured["overlap"] == [0.7, 0.5] and measured["greedy_match"] == [0.8]
+    assert measured["machine"] == {"cpu": "Xeon"}  # each run names where it ran
     assert measured["tau"] == {"0": 2.0, "1": 1.5}  # other prompt sets are not the grid's
 
 
@@ -214,7 +217,7 @@ def test_kind_axis_runs_peagle_beside_eagle3_with_per_position_acceptance_and_co
            "tokens_per_s": 90.0}  # fmt: skip
     summary = {"held_out": {"overlap@1": 0.7}, "steps": 3, "stop_reason": "max_steps",
                "target_path": "t", "minutes": 0.1, "tokens_seen": 10, "data": "stdlib",
-               "eval_description": "x"}  # fmt: skip
+               "eval_description": "x", "machine": {"cpu": "Xeon"}}  # fmt: skip
     monkeypatch.setattr(draftsmith.train.distill, "main", lambda argv: summary)
     monkeypatch.setattr(ablation, "measure_tau", lambda *args: {"0": row})
     measured = ablation.train_and_measure(argv, settings, tmp_path / "drafter")
@@ -521,3 +524,12 @@ def test_a_baseline_may_be_a_cell_an_earlier_grid_left_in_the_results(tmp_path: 
     ablation.check_baselines({"draft_vocab_size": "2048"}, cells, path)
     with pytest.raises(ValueError, match=r"and the runs in .* take draft_vocab_size = 2048, 8192"):
         ablation.check_baselines({"draft_vocab_size": "4096"}, cells, path)
+
+
+def test_a_grids_machine_is_its_runs_one_or_the_list_of_those_merged() -> None:
+    xeon, epyc = {"cpu": "Xeon"}, {"cpu": "EPYC"}
+    runs = {"a": {"machine": xeon}, "b": {"machine": xeon, "tau_check": {"machine": xeon}}}
+    assert ablation_results.machine_of(runs) == xeon
+    runs["c"] = {"machine": xeon, "tau_check": {"machine": epyc}}  # re-measured elsewhere
+    assert ablation_results.machine_of(runs) == [xeon, epyc]
+    assert ablation_results.machine_of({"old": {"seed": 0}}) is None  # a record keeps its own

@@ -33,6 +33,7 @@ from typing import Any
 
 from draftsmith.decode.command_line import check_positive_finite
 from draftsmith.decode.defaults import NUM_DRAFT_TOKENS
+from draftsmith.decode.measure.machine import machine_record
 from draftsmith.train.ablation.results import (
     RESULTS_FILE,
     cell_key,
@@ -461,6 +462,7 @@ def train_and_measure(
         "tokens_seen": summary["tokens_seen"],
         "data": summary["data"],
         "eval_description": summary["eval_description"],
+        "machine": summary["machine"],  # where it trained and decoded (its figures' context)
     }
 
 
@@ -566,6 +568,7 @@ def remeasure_tau(path: Path, prompts: int, log: Callable[[str], None] = print) 
         record["tau_check"] = {
             "prompts": prompts,
             "tau": {t: r["tau"] for t, r in measured.items()},
+            "machine": machine_record(),
         }
         save_results(
             path,

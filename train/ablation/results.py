@@ -3,7 +3,8 @@ gains over baseline cells, written atomically, checked on reading, and merged ac
 
 ``ablation.json`` holds ``settings`` (the grid's fingerprint: runs made with other settings are
 refused rather than mixed), ``runs`` (one record per cell and seed: the cell's axis values, the
-seed, tau per decoding temperature, overlap and greedy agreement per draft position) and the
+seed, tau per decoding temperature, overlap and greedy agreement per draft position, the
+machine), ``machine`` (:func:`machine_of`: the machine of every run) and the
 derived ``cells`` (:func:`summarize`: mean, sample standard deviation, min and max over seeds)
 with each cell's relative gain over its baseline cells (:func:`compare_with_baselines`).
 """
@@ -90,6 +91,20 @@ def summarize(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             }
         cells.append(entry)
     return cells
+
+
+def machine_of(runs: dict[str, dict[str, Any]]) -> dict[str, Any] | list[dict[str, Any]] | None:
+    """The machine the grid's runs (and their ``tau_check`` re-measurements) ran on
+    (``draftsmith.decode.measure.machine.machine_record``): one record, a list of the distinct
+    ones when grids of several machines were merged, or None when no run names one."""
+    seen: list[dict[str, Any]] = []
+    for record in runs.values():
+        for machine in (record.get("machine"), record.get("tau_check", {}).get("machine")):
+            if machine and machine not in seen:
+                seen.append(machine)
+    if not seen:
+        return None
+    return seen[0] if len(seen) == 1 else seen
 
 
 def compare_with_baselines(
@@ -194,6 +209,9 @@ def save_results(
     leaves the previous file)."""
     from draftsmith.data.atomic_io import write_json_atomic
 
+    machine = machine_of(results["runs"])
+    if machine is not None:  # else a record made before runs named theirs keeps its own
+        results["machine"] = machine
     results["cells"] = compare_with_baselines(summarize(results["runs"]), baselines)
     results["baselines"] = baselines
     results["skipped"] = skipped
