@@ -23,6 +23,7 @@ COMMANDS: dict[str, str] = {
     "load-test": "draftsmith.scripts.load_test",
     "report": "draftsmith.scripts.report",
     "parallel-ceiling": "draftsmith.scripts.parallel_ceiling",
+    "export": "draftsmith.scripts.export",
 }
 """``draftsmith-<key>`` runs module ``COMMANDS[key]``."""
 
@@ -74,3 +75,7 @@ def report() -> None:
 
 def parallel_ceiling() -> None:
     run("parallel-ceiling")
+
+
+def export() -> None:
+    run("export")
