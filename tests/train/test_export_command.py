@@ -270,3 +270,22 @@ def test_training_exports_write_the_trained_unroll(tmp_path) -> None:
     assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 2
     card = (tmp_path / "drafter" / "speculators" / "README.md").read_text()
     assert "'{\"num_speculative_tokens\": 2}'" in card
+
+
+def test_the_model_card_says_why_a_multi_layer_vllm_folder_has_no_sglang_ids(tmp_path) -> None:
+    from draftsmith.train.export.folder import export_drafter
+    from draftsmith.train.losses import build_loss
+    from draftsmith.train.objectives.eagle3 import Eagle3Objective
+
+    target = tiny_llama(num_layers=4)
+    for layers in (1, 2):
+        head = Eagle3Head(Eagle3Config.for_target(target.config, num_hidden_layers=layers))
+        objective = Eagle3Objective(head, target, build_loss("tv"), export_formats="vllm")
+        folder = export_drafter(
+            objective, tmp_path / f"d{layers}", None, DistillConfig().to_dict(), {}
+        )
+        card = (folder / "README.md").read_text()
+        assert "## Engine exports" in card and "- `vllm/`" in card
+        assert (NO_SGLANG_IDS_REASON in card) == (layers == 2)
+        config = json.loads((folder / "vllm" / "config.json").read_text())
+        assert ("eagle_config" in config) == (layers == 1)

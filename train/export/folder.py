@@ -60,7 +60,7 @@ def export_drafter(
         held_out = summary.get("held_out", {})
         (temp / "eval_results.json").write_text(json.dumps(held_out, indent=2) + "\n")
         card = model_card(objective.kind, summary, describe(objective), provenance)
-        (temp / "README.md").write_text(card)
+        (temp / "README.md").write_text(card + "\n".join(engine_exports_section(temp)))
     return folder
 
 
@@ -180,6 +180,35 @@ def model_card(
         "",
     ]
     return "\n".join(lines)
+
+
+def engine_exports_section(folder: Path) -> list[str]:
+    """The model card's account of the engine folders written beside the drafter (``vllm/``,
+    ``sglang/``, ``speculators/``): where their launch lines are, and why a multi-layer EAGLE-3
+    head's ``vllm/`` folder names no SGLang ids."""
+    from draftsmith.decode.drafters.eagle.head import EAGLE3_ARCHITECTURE
+    from draftsmith.train.config import EXPORT_FORMATS
+    from draftsmith.train.export.formats import NO_SGLANG_IDS_REASON
+
+    written = [fmt for fmt in EXPORT_FORMATS if (folder / fmt / "config.json").is_file()]
+    if not written:
+        return []
+    lines = [
+        "## Engine exports",
+        "",
+        "Each folder's README.md gives the exact vLLM or SGLang launch line, with the draft "
+        "length this drafter was trained for (`draftsmith-export` prints them with the paths "
+        "filled in).",
+        "",
+    ]
+    for fmt in written:
+        config = json.loads((folder / fmt / "config.json").read_text())
+        lines.append(f"- `{fmt}/`")
+        multi_layer = config.get("num_hidden_layers", 1) > 1
+        if EAGLE3_ARCHITECTURE in config.get("architectures", []) and multi_layer:
+            if "eagle_config" not in config:
+                lines.append(f"  {NO_SGLANG_IDS_REASON}")
+    return [*lines, ""]
 
 
 def push_to_hub(folder: Path, repo_id: str, private: bool = True) -> str:
