@@ -204,10 +204,9 @@ def engine_exports_section(folder: Path) -> list[str]:
     for fmt in written:
         config = json.loads((folder / fmt / "config.json").read_text())
         lines.append(f"- `{fmt}/`")
-        multi_layer = config.get("num_hidden_layers", 1) > 1
-        if EAGLE3_ARCHITECTURE in config.get("architectures", []) and multi_layer:
-            if "eagle_config" not in config:
-                lines.append(f"  {NO_SGLANG_IDS_REASON}")
+        eagle3 = EAGLE3_ARCHITECTURE in config.get("architectures", [])
+        if eagle3 and config.get("num_hidden_layers", 1) > 1 and "eagle_config" not in config:
+            lines.append(f"  {NO_SGLANG_IDS_REASON}")
     return [*lines, ""]
 
 
