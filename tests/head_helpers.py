@@ -139,7 +139,8 @@ def check_from_pretrained_names_the_problem(
     another architecture, a ``drafter.json`` of another kind."""
     with pytest.raises(FileNotFoundError, match=r"config\.json"):
         cls.from_pretrained(folder)
-    (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    # GPT-2 is no head (an EAGLE-3 reader accepts LlamaForCausalLM: the EAGLE authors name it)
+    (folder / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(ValueError, match=architecture):
         cls.from_pretrained(folder)
     (folder / "drafter.json").write_text(json.dumps({"kind": other_kind}))

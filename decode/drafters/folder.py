@@ -123,9 +123,13 @@ def save_native_folder(
 
 
 def read_folder(
-    folder: str | Path, kind: str, engine_architecture: str
+    folder: str | Path, kind: str, engine_architecture: str | tuple[str, ...]
 ) -> tuple[dict[str, Any], bool, dict[str, torch.Tensor]]:
-    """``(config.json, is_native, weights)`` of a native ``kind`` folder or an engine export."""
+    """``(config.json, is_native, weights)`` of a native ``kind`` folder or an engine export
+    (``architectures`` naming ``engine_architecture``, or one of several)."""
+    accepted = (
+        (engine_architecture,) if isinstance(engine_architecture, str) else engine_architecture
+    )
     folder = Path(folder)
     config_path = folder / "config.json"
     if not config_path.is_file():
@@ -136,12 +140,12 @@ def read_folder(
         if found != kind:
             raise ValueError(f"{folder} holds a {found!r} drafter, not {kind!r}")
         native = True
-    elif engine_architecture in (raw.get("architectures") or []):
+    elif set(accepted) & set(raw.get("architectures") or []):
         native = False
     else:
         raise ValueError(
             f"{folder} is neither a native {kind} folder (drafter.json) nor an export with "
-            f"architectures [{engine_architecture!r}]"
+            f"architectures {' or '.join(f'[{a!r}]' for a in accepted)}"
         )
     weights_path = folder / "model.safetensors"
     if not weights_path.is_file():

@@ -13,10 +13,11 @@ trained on. The default, EAGLE-3's ``(2, L//2, L-3)``, is :func:`default_aux_lay
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
+from draftsmith.decode.drafters.eagle.rope import checked_rope_scaling, rope_scaling_from_layer
 from draftsmith.decode.drafters.folder import config_from_fields
 from draftsmith.decode.loading import LoadError
 from draftsmith.decode.yaml_values import describe_value
@@ -61,6 +62,14 @@ class Eagle3Config:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
     num_hidden_layers: int = 1  # the head's decoder layers (the first reads 2H inputs)
+    # rope_type linear / llama3 / yarn and their keys (decode/drafters/eagle/rope.py); None: plain
+    rope_scaling: dict[str, Any] | None = None
+    # speculators' variant: the first layer's residual is hidden_norm(g) instead of g
+    norm_before_residual: bool = False
+    # EAGLE-3.1 (arXiv 2605.09992): an RMSNorm per captured state before fc (weights
+    # fc_norm.{i}.weight), and the normalised output norm(h) fed to the next step
+    fc_norm: bool = False
+    norm_output: bool = False
 
     def __post_init__(self) -> None:
         layers = self.num_hidden_layers
@@ -68,6 +77,8 @@ class Eagle3Config:
             raise ValueError(f"num_hidden_layers must be an integer >= 1, got {layers!r}")
         if self.draft_vocab_size is None:
             self.draft_vocab_size = self.target_vocab_size
+        if self.rope_scaling is not None:
+            self.rope_scaling = checked_rope_scaling(self.rope_scaling)
         if self.aux_hidden_state_layer_ids is None:
             self.aux_hidden_state_layer_ids = default_aux_layer_ids(self.target_num_hidden_layers)
         self.aux_hidden_state_layer_ids = tuple(int(i) for i in self.aux_hidden_state_layer_ids)
@@ -105,11 +116,13 @@ class Eagle3Config:
     def for_target(cls, target_config: Any, **overrides: Any) -> Eagle3Config:
         """Defaults copied from a Hugging Face target config (same width, heads, rope).
 
-        Rope and context are one deliberate choice: plain rope with the target's theta and no
-        scaling (the reference EAGLE-3 heads' choice, even for a llama3-scaled target) over the
-        target's whole context, so the engines' cos/sin caches cover every position the target
-        serves; a head with a shorter ``max_position_embeddings`` is refused (an engine would
-        index past its cache, or clamp the positions, beyond it).
+        Rope and context are our choice, not a published convention: plain rope with the
+        target's theta and no scaling over the target's whole context, so the engines' cos/sin
+        caches cover every position the target serves; a head with a shorter
+        ``max_position_embeddings`` is refused (an engine would index past its cache, or clamp
+        the positions, beyond it). Published heads differ (the EAGLE authors' Llama-3.1-8B
+        head: theta 10000 and a 2048-token context; SpecForge's Llama-3.3-70B head: the
+        target's llama3 scaling); pass ``rope_scaling`` and ``rope_theta`` to follow one.
         """
         rope = getattr(target_config, "rope_parameters", None) or {}
         values: dict[str, Any] = {
@@ -143,7 +156,17 @@ class Eagle3Config:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> Eagle3Config:
-        return config_from_fields(cls, values)
+        """A config read from a folder: every field type-checked (``config_from_fields``),
+        ``rope_scaling`` by :func:`~draftsmith.decode.drafters.eagle.rope.checked_rope_scaling`."""
+        values = dict(values)
+        scaling = values.pop("rope_scaling", None)
+        if scaling is not None and not isinstance(scaling, dict):
+            raise LoadError(
+                f"config.json: rope_scaling must be an object or null, got "
+                f"{describe_value(scaling)}; export the head again"
+            )
+        config = config_from_fields(cls, values)
+        return config if scaling is None else replace(config, rope_scaling=scaling)
 
 
 def target_mlp_width(target_config: Any) -> int:
@@ -222,8 +245,54 @@ def config_from_engine_dict(
         depth = max(ids) + 1
     draft_vocab = raw.get("draft_vocab_size") or raw["vocab_size"]
     values = eagle3_values_from_layer(raw, depth, ids, draft_vocab)
+    values.update(eagle3_variant_flags(raw, norm_before_residual=False))
     # The same checks as our own folders' config.json: types, positive sizes.
-    return config_from_fields(Eagle3Config, values)
+    return Eagle3Config.from_dict(values)
+
+
+# Variants of the EAGLE-3 layer a folder may name, each applied by the head (vLLM reads the
+# same keys); a speculators config defaults norm_before_residual to true (vLLM's
+# ``update_eagle3``), an engine-layout one to false (vLLM's Llama layer).
+VARIANT_FLAGS = ("norm_before_residual", "fc_norm", "norm_output")
+
+
+def eagle3_variant_flags(raw: dict[str, Any], *, norm_before_residual: bool) -> dict[str, Any]:
+    """The head's variant flags as vLLM reads them from ``raw`` (missing: vLLM's default),
+    refusing ``norm_before_fc`` (one RMSNorm over the concatenated states), which this head
+    does not implement."""
+    if raw.get("norm_before_fc") or (raw.get("eagle_config") or {}).get("norm_before_fc"):
+        raise ValueError(
+            "this head uses norm_before_fc (one RMSNorm over the concatenated target states "
+            "before fc, weight input_norm.weight), which draftsmith's EAGLE-3 head does not "
+            "implement; serve it in vLLM, or use a head without it (fc_norm, one norm per "
+            "state, is supported)"
+        )
+    defaults = {
+        "norm_before_residual": norm_before_residual,
+        "fc_norm": False,
+        "norm_output": False,
+    }
+    return {key: raw.get(key, default) for key, default in defaults.items()}
+
+
+def check_layer_kinds(layer: dict[str, Any]) -> None:
+    """Refuse a layer config whose attention this head does not compute: a sliding window
+    (the head attends over every committed entry) or a non-Llama layer (Qwen3's q/k norms)."""
+    kinds = layer.get("layer_types") or []
+    if layer.get("use_sliding_window") or any(k == "sliding_attention" for k in kinds):
+        raise ValueError(
+            f"this head's layer attends through a sliding window of {layer.get('sliding_window')} "
+            "tokens, which draftsmith's EAGLE-3 head does not implement (it attends over every "
+            "committed entry, so its drafts would differ from the engine's); serve it in vLLM "
+            "or use a full-attention head"
+        )
+    model_type = layer.get("model_type", "llama")
+    if model_type != "llama":
+        raise ValueError(
+            f"this head's layer is a {model_type!r} layer; draftsmith's EAGLE-3 head computes "
+            "a Llama layer (no q/k norms, no biases): serve it in vLLM, or use a head whose "
+            "transformer_layer_config has model_type 'llama'"
+        )
 
 
 def eagle3_values_from_layer(
@@ -234,7 +303,9 @@ def eagle3_values_from_layer(
     ``depth`` is the target's layer count, ``ids`` the aux hidden-state ids (ours)."""
     rope_parameters = layer.get("rope_parameters")
     theta = rope_parameters.get("rope_theta") if isinstance(rope_parameters, dict) else None
-    return {
+    scaling = rope_scaling_from_layer(layer)
+    values: dict[str, Any] = {} if scaling is None else {"rope_scaling": scaling}
+    return values | {
         "hidden_size": layer["hidden_size"],
         "num_attention_heads": layer["num_attention_heads"],
         "num_key_value_heads": layer.get("num_key_value_heads", layer["num_attention_heads"]),
@@ -245,6 +316,7 @@ def eagle3_values_from_layer(
         "aux_hidden_state_layer_ids": ids,
         "head_dim": layer.get("head_dim"),
         "rms_norm_eps": layer.get("rms_norm_eps", 1e-6),
+        # no rope_theta anywhere (the EAGLE authors' heads): transformers' and vLLM's 10000
         "rope_theta": layer.get("rope_theta", theta if theta is not None else 10000.0),
         "max_position_embeddings": layer.get("max_position_embeddings", 4096),
         "num_hidden_layers": layer.get("num_hidden_layers", 1),

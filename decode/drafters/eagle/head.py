@@ -67,6 +67,10 @@ __all__ = [
 ]
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
+# What an EAGLE-3 folder's config.json may name: SGLang's and SpecForge's name, vLLM's own, and
+# the plain Llama name the EAGLE authors' heads carry (vLLM maps it to Eagle3LlamaForCausalLM
+# for method eagle3). The weights decide: a folder whose keys are not a head's is refused.
+EAGLE3_ENGINE_ARCHITECTURES = (EAGLE3_ARCHITECTURE, "Eagle3LlamaForCausalLM", "LlamaForCausalLM")
 
 
 def build_vocab_maps(
@@ -112,6 +116,10 @@ class Eagle3Head(FeatureHead):
         super().__init__(config)
         hidden = config.hidden_size
         num_aux = len(config.aux_hidden_state_layer_ids)
+        if config.fc_norm:  # EAGLE-3.1: one RMSNorm per captured state, named fc_norm.{i}
+            self.fc_norm = nn.ModuleList(
+                RMSNorm(hidden, config.rms_norm_eps) for _ in range(num_aux)
+            )
         self.fc = nn.Linear(num_aux * hidden, hidden, bias=False)
         self.midlayer = MidLayer(config)
         # Keyed "1".."L-1" so that the weights are named layers.{i}.* as vLLM names them.
@@ -123,7 +131,11 @@ class Eagle3Head(FeatureHead):
 
     # -- forward pieces -------------------------------------------------------------------
     def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:  # [B, T, A*H] -> [B, T, H]
-        """``g = fc(cat(low, mid, high))``: fuse the target's features in id order."""
+        """``g = fc(cat(low, mid, high))``: fuse the target's features in id order; with
+        ``fc_norm`` (EAGLE-3.1) ``g = fc(cat(n_1(low), n_2(mid), n_3(high)))``."""
+        if self.config.fc_norm:
+            chunks = aux_hidden.chunk(len(self.fc_norm), dim=-1)
+            aux_hidden = torch.cat([n(c) for n, c in zip(self.fc_norm, chunks, strict=True)], -1)
         return self.fc(aux_hidden)
 
     def forward(
@@ -133,9 +145,10 @@ class Eagle3Head(FeatureHead):
         positions: torch.Tensor,  # [B, T] rotary positions
         past: Sequence[LayerKV] | None = None,  # per layer: keys, values [B, KV, S, D]
         visible: torch.Tensor | None = None,  # [B, T, S + T] bool; None = see all past + causal
-    ) -> tuple[torch.Tensor, list[LayerKV]]:  # [B, T, H] pre-norm, the block's k/v per layer
-        """Run the decoder layers; returns the last one's pre-norm output and, per layer, the
-        block's keys/values."""
+    ) -> tuple[torch.Tensor, list[LayerKV]]:  # [B, T, H] output, the block's k/v per layer
+        """Run the decoder layers; returns the step's output (the last layer's pre-norm ``h``,
+        or ``norm(h)`` with ``norm_output``: what the next step reads, vLLM's ``aux_output``)
+        and, per layer, the block's keys/values."""
         layers = self.config.num_hidden_layers
         if past is not None and len(past) != layers:
             raise ValueError(f"past holds {len(past)} layers' keys/values, the head has {layers}")
@@ -154,10 +167,11 @@ class Eagle3Head(FeatureHead):
         for layer, layer_past in zip(self.layers.values(), pasts[1:], strict=True):
             hidden, kv = layer(hidden, positions, layer_past, visible)
             new.append(kv)
-        return hidden, new
+        return (self.norm(hidden) if self.config.norm_output else hidden), new
 
-    def compute_logits(self, prenorm: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., V_draft]
-        return self.lm_head(self.norm(prenorm))
+    def compute_logits(self, output: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., V_draft]
+        """``lm_head(norm(h))`` from a step's output (already ``norm(h)`` with ``norm_output``)."""
+        return self.lm_head(output if self.config.norm_output else self.norm(output))
 
     def unroll(
         self,
@@ -210,7 +224,7 @@ class Eagle3Head(FeatureHead):
         Engine exports do not record the target's depth; pass ``target_num_hidden_layers``
         when the export names no aux layer ids (engines then use the EAGLE-3 default).
         """
-        raw, native, state = read_folder(path, cls.kind, EAGLE3_ARCHITECTURE)
+        raw, native, state = read_folder(path, cls.kind, EAGLE3_ENGINE_ARCHITECTURES)
         if native:
             config = cls.config_type.from_dict(raw)
         else:

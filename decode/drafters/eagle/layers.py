@@ -4,10 +4,11 @@ multi-layer head adds, and the visibility masks its training and decoding share.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
+from draftsmith.decode.drafters.eagle.rope import rope_inverse_frequencies
 from draftsmith.decode.forward.llama_math import apply_rope, rms_norm
 from torch import nn
 
@@ -27,29 +28,30 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def rope_inverse_frequencies(dim: int, theta: float) -> torch.Tensor:  # [D/2] float32
-    """Plain rope's inverse frequencies ``theta^(-2i/D)``, in float32 as vLLM, SGLang and
-    Hugging Face compute them (``1 / theta ** (arange(0, D, 2) / D)``), bit for bit."""
-    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-
-
 def rope_tables(
     positions: torch.Tensor,  # [B, T]
     dim: int,
     theta: float,
     dtype: torch.dtype,
+    scaling: dict[str, Any] | None = None,
+    context: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin [B, 1, T, D]
-    """Rotary angles (Su et al. 2021) ``position * theta^(-2i/D)``, for queries and keys alike.
+    """Rotary angles (Su et al. 2021) ``position * inv_i``, for queries and keys alike, with
+    the inverse frequencies of ``scaling`` (``draftsmith.decode.drafters.eagle.rope``; None:
+    plain rope ``theta^(-2i/D)``) and YaRN's table scale.
 
     Computed in float32 exactly as the engines build their cos/sin caches (vLLM's and SGLang's
     ``RotaryEmbedding._compute_cos_sin_cache``: float32 positions times float32 inverse
     frequencies), so training, our decoder and a served head rotate by the same angles at
     every position; float64 angles would differ from the engines' by ~1e-3 radians at 32k.
     """
-    inverse = rope_inverse_frequencies(dim, theta).to(positions.device)  # [D/2]
-    angles = positions.to(torch.float32)[..., None] * inverse  # [B, T, D/2]
+    inverse, scale = rope_inverse_frequencies(dim, theta, scaling, context)
+    angles = positions.to(torch.float32)[..., None] * inverse.to(positions.device)  # [B, T, D/2]
     angles = torch.cat((angles, angles), dim=-1)[:, None]  # [B, 1, T, D]
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    cos, sin = angles.cos(), angles.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos.to(dtype), sin.to(dtype)
 
 
 class Attention(nn.Module):
@@ -64,7 +66,8 @@ class Attention(nn.Module):
             config.num_key_value_heads,
             dim,
         )
-        self.rope_theta = config.rope_theta
+        self.rope_theta, self.rope_scaling = config.rope_theta, config.rope_scaling
+        self.context = config.max_position_embeddings
         self.q_proj = nn.Linear(width, self.num_heads * dim, bias=False)
         self.k_proj = nn.Linear(width, self.num_kv_heads * dim, bias=False)
         self.v_proj = nn.Linear(width, self.num_kv_heads * dim, bias=False)
@@ -81,7 +84,9 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = rope_tables(positions, self.head_dim, self.rope_theta, q.dtype)
+        cos, sin = rope_tables(
+            positions, self.head_dim, self.rope_theta, q.dtype, self.rope_scaling, self.context
+        )
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         keys, values = (
             (k, v) if past is None else (torch.cat((past[0], k), 2), torch.cat((past[1], v), 2))
@@ -130,6 +135,7 @@ class MidLayer(nn.Module):
         self.self_attn = Attention(config, 2 * config.hidden_size)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
         self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        self.norm_before_residual = config.norm_before_residual
 
     def forward(
         self,
@@ -139,9 +145,11 @@ class MidLayer(nn.Module):
         past: tuple[torch.Tensor, torch.Tensor] | None,
         visible: torch.Tensor,  # [B, T, S + T] bool
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(hidden)), dim=-1)
+        normed = self.hidden_norm(hidden)
+        x = torch.cat((self.input_layernorm(embeds), normed), dim=-1)
         attended, new_kv = self.self_attn(x, positions, past, visible)
-        residual = hidden + attended
+        # speculators' norm_before_residual: the residual stream starts from hidden_norm(g)
+        residual = (normed if self.norm_before_residual else hidden) + attended
         return residual + self.mlp(self.post_attention_layernorm(residual)), new_kv
 
 

@@ -12,9 +12,11 @@ a draft step must cost a small fraction of a target step for drafting to pay):
     h  <- layer_i(h), i = 1..L-1                         (a multi-layer head's later layers)
     z   = n_out(h) @ W_head                              (the pruned draft vocabulary only)
 
-with the head's own weights (copied once into the fused layouts, rebuilt when a weight changes
+with the head's variants applied where the head applies them (``fc_norm``,
+``norm_before_residual``, ``norm_output``: ``draftsmith.decode.drafters.eagle.head``), and
+the head's own weights (copied once into the fused layouts, rebuilt when a weight changes
 in place; a bfloat16 product over up to four rows multiplies an int4 or int8 copy,
-``draftsmith.decode.forward.projection``), rotary tables computed once in float64 as the head computes them, and
+``draftsmith.decode.forward.projection``), rotary tables computed once in float32 as the head computes them (its rope scaling included), and
 keys/values written into a :class:`draftsmith.decode.forward.kv_cache.PreallocatedStack` (one layer per head
 layer) that drafting appends to and crops back (never a concatenation of the whole cache).
 Logits stay in the draft vocabulary (``V_draft``, e.g. 2048 of 8192): sampling and top-k run
@@ -69,7 +71,7 @@ class LeanEagle3:
             head_dim=config.head_dim,
             eps=config.rms_norm_eps,
         )
-        self.rope_theta = config.rope_theta
+        self.config = config
         self.full_vocab = config.draft_vocab_size == config.target_vocab_size
         self._output = OutputHead(head.lm_head.weight, DRAFT_LOGITS_DTYPE, draft_vocab_layout)
         self._parameters = [*head.parameters(), head.d2t]
@@ -99,7 +101,15 @@ class LeanEagle3:
 
     # -- forward --------------------------------------------------------------------------
     def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:  # [B, T, A*H] -> [B, T, H]
-        """``g = fc(cat(low, mid, high))``."""
+        """``g = fc(cat(low, mid, high))``, each state normalised first with ``fc_norm``."""
+        if self.config.fc_norm:
+            norms = self.head.fc_norm
+            chunks = aux_hidden.chunk(len(norms), dim=-1)
+            eps = self.shape.eps
+            aux_hidden = torch.cat(
+                [rms_norm(c, n.weight.detach(), eps) for c, n in zip(chunks, norms, strict=True)],
+                dim=-1,
+            )
         return self.weights().fc(aux_hidden)
 
     def step(
@@ -109,23 +119,26 @@ class LeanEagle3:
         positions: torch.Tensor,  # [B, T]
         cache: PreallocatedStack,  # keys/values of earlier entries; the block's are appended
         visible: torch.Tensor | None,  # [B, T, S + T] bool; None: every entry sees every slot
-    ) -> torch.Tensor:  # [B, T, H] pre-norm outputs
+    ) -> torch.Tensor:  # [B, T, H] outputs (Eagle3Head.forward's: h, or norm(h))
         """One pass of the head's decoder layers over a block of entries."""
         w, eps = self.weights(), self.shape.eps
-        x = torch.cat(
-            (rms_norm(embeds, w.first.input_norm, eps), rms_norm(hidden, w.hidden_norm, eps)),
-            dim=-1,
-        )  # [B, T, 2H]
+        normed = rms_norm(hidden, w.hidden_norm, eps)
+        x = torch.cat((rms_norm(embeds, w.first.input_norm, eps), normed), dim=-1)  # [B, T, 2H]
+        if self.config.norm_before_residual:
+            hidden = normed  # the residual stream starts from hidden_norm(g)
         cos, sin = self._rotary(positions, x.dtype)  # [B, 1, T, D]
         mask = None if visible is None else visible[:, None]  # [B, 1, T, S + T]
         layers = cache.layers
         h = decoder_layer(w.first, hidden, cos, sin, mask, layers[0], self.shape, normed=x)
         for weights, cache_layer in zip(w.later, layers[1:], strict=True):
             h = decoder_layer(weights, h, cos, sin, mask, cache_layer, self.shape)
-        return h
+        return rms_norm(h, w.final_norm, eps) if self.config.norm_output else h
 
-    def draft_logits(self, prenorm: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., V_draft]
-        return self._output(rms_norm(prenorm, self.weights().final_norm, self.shape.eps))
+    def draft_logits(self, output: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., V_draft]
+        """``lm_head(norm(h))`` from a step's output (already ``norm(h)`` with ``norm_output``)."""
+        if not self.config.norm_output:
+            output = rms_norm(output, self.weights().final_norm, self.shape.eps)
+        return self._output(output)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:  # [...] -> [...] int64
         return to_target_ids(draft_ids, self._draft_to_target())
@@ -145,8 +158,9 @@ class LeanEagle3:
         if needed > self._cos.shape[0] or self._cos.dtype != dtype:
             size = max(needed, 2 * self._cos.shape[0], 256)
             table = torch.arange(size, device=positions.device)[None]  # [1, P]
-            cos, sin = rope_tables(
-                table, self.shape.head_dim, self.rope_theta, dtype
-            )  # [1, 1, P, D]
+            c = self.config
+            cos, sin = rope_tables(  # [1, 1, P, D]
+                table, c.head_dim, c.rope_theta, dtype, c.rope_scaling, c.max_position_embeddings
+            )
             self._cos, self._sin = cos[0, 0], sin[0, 0]
         return self._cos[positions][:, None], self._sin[positions][:, None]
