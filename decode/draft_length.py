@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
+from typing import Protocol
 
 import torch
 
@@ -124,8 +125,11 @@ class AdaptiveDraftLength(RoundPolicy):
         slope = max(slope, 0.0)
         return max(mean_t + slope * (width - mean_w), 1e-9)
 
-    def choose(self, limit: int) -> int:
-        """The draft length for the next round, at most ``limit`` (the rows' remaining room)."""
+    def choose(self, limit: int, expected: Sequence[float] | None = None) -> int:
+        """The draft length for the next round, at most ``limit`` (the rows' remaining room).
+
+        ``expected[w]`` replaces ``E(w)`` for w in ``0 .. limit`` when given (the rows' own
+        acceptance, ``RowAcceptance``); else the pooled estimate is used."""
         limit = min(limit, self.max_tokens)
         if limit <= 0:
             return 0
@@ -134,7 +138,12 @@ class AdaptiveDraftLength(RoundPolicy):
         for width in (self.max_tokens, 0):
             if width not in self._seconds and width <= limit:
                 return width
-        rates = [self.expected_tokens(w) / self.round_seconds(w) for w in range(limit + 1)]
+        gains = (
+            expected
+            if expected is not None
+            else [self.expected_tokens(w) for w in range(limit + 1)]
+        )
+        rates = [gains[w] / self.round_seconds(w) for w in range(limit + 1)]
         best = max(range(limit + 1), key=rates.__getitem__)
         current = self._current
         keep = current is not None and current <= limit
@@ -167,3 +176,187 @@ class AdaptiveDraftLength(RoundPolicy):
             if reached:
                 self._reached[j] = self.decay * self._reached[j] + reached
                 self._accepted[j] = self.decay * self._accepted[j] + accepted
+
+
+# A row's acceptance follows about its last five rounds; a joining row starts from the pooled
+# rates with the weight of this many verified drafts per position.
+ROW_DECAY = 0.8
+ROW_PRIOR_WEIGHT = 2.0
+
+
+def batch_bucket(rows: int) -> int:
+    """The batch sizes that share one cost table: ``rows`` rounded up to a power of two (1, 2,
+    4, 8, 16, ...), since a round's time grows smoothly with its rows and every table pays its
+    own warm-up rounds."""
+    return 1 << max(rows - 1, 0).bit_length()
+
+
+def bucket_label(bucket: int) -> str:
+    """``"1"``, ``"2"``, ``"3-4"``, ``"5-8"``, ...: the batch sizes a bucket holds."""
+    low = bucket // 2 + 1
+    return str(bucket) if low >= bucket else f"{low}-{bucket}"
+
+
+class RowAcceptance:
+    """Each row's recent acceptance per draft position, as decayed counts (on the host).
+
+    Row r's rate at position j is ``accepted[r, j] / reached[r, j]``, both decayed by ``decay``
+    at every round that verified row r's draft j; a joining row starts from the pooled rates
+    (``ROW_PRIOR_WEIGHT`` pseudo-drafts). The rows follow the session's: ``add_rows`` appends,
+    ``select_rows`` keeps a subset in a new order.
+    """
+
+    def __init__(self, max_tokens: int, decay: float = ROW_DECAY) -> None:
+        if not 0.0 < decay < 1.0:
+            raise ValueError(f"decay must lie in (0, 1), got {decay}")
+        self.decay = decay
+        self.reached = torch.zeros(0, max_tokens, dtype=torch.float64)  # [B, N]
+        self.accepted = torch.zeros(0, max_tokens, dtype=torch.float64)  # [B, N]
+
+    @property
+    def batch_size(self) -> int:
+        return self.reached.shape[0]
+
+    def add_rows(self, count: int, alpha: Sequence[float]) -> None:
+        """Append ``count`` rows whose prior rates are ``alpha`` (one per position)."""
+        prior = torch.tensor(list(alpha), dtype=torch.float64) * ROW_PRIOR_WEIGHT  # [N]
+        self.reached = torch.cat(
+            [
+                self.reached,
+                torch.full((count, prior.numel()), ROW_PRIOR_WEIGHT, dtype=torch.float64),
+            ]
+        )
+        self.accepted = torch.cat([self.accepted, prior.expand(count, -1)])
+
+    def select_rows(self, index: torch.Tensor) -> None:  # [B'] rows kept, in their new order
+        index = index.cpu()
+        self.reached, self.accepted = self.reached[index], self.accepted[index]
+
+    def update(
+        self,
+        width: int,
+        num_accepted: torch.Tensor,  # [A] accepted drafts of the rows active this round
+        active: torch.Tensor,  # [B] bool: which rows took part
+    ) -> None:
+        """Fold in one round of ``width`` drafts per active row."""
+        if width == 0:
+            return
+        active = active.cpu()
+        full = torch.zeros(active.shape[0], dtype=torch.long)  # [B]
+        full[active] = num_accepted.cpu().clamp(max=width)
+        positions = torch.arange(width)  # [w]
+        reached = (full[:, None] >= positions) & active[:, None]  # [B, w] draft j + 1 verified
+        accepted = (full[:, None] > positions) & active[:, None]  # [B, w] and accepted
+        old_reached, old_accepted = self.reached[:, :width], self.accepted[:, :width]
+        self.reached[:, :width] = torch.where(reached, self.decay * old_reached + 1, old_reached)
+        self.accepted[:, :width] = torch.where(
+            reached, self.decay * old_accepted + accepted.double(), old_accepted
+        )
+
+    def expected_by_width(self, limit: int, active: torch.Tensor) -> list[float]:  # active [B]
+        """``E(w)`` for w in ``0 .. limit``: the mean over the active rows of each row's
+        ``1 + sum_{j <= w} prod_{i <= j} alpha_{r,i}`` (every row when none is active)."""
+        rows = active.cpu()
+        if not bool(rows.any()):
+            rows = torch.ones_like(rows)
+        alpha = self.accepted[rows, :limit] / self.reached[rows, :limit]  # [A, limit]
+        survive = torch.cumprod(alpha, dim=1).mean(0)  # [limit] mean P(draft j accepted)
+        return [1.0, *(1.0 + torch.cumsum(survive, 0)).tolist()]
+
+
+class LoadAwareDraftLength:
+    """Chooses each round's draft length from the cost at this batch size and the rows' own
+    acceptance: a server's rounds run at every batch size, and the trade-off moves with it.
+
+    With B rows in a round, ``T_B(w)`` the measured time of a round of w drafts per row at
+    that batch size (the drafter's passes and the target's verification of ``w + 1`` tokens
+    per row together; ``w = 0`` a plain target step), and ``E_r(w)`` row r's expected tokens
+    from its recent acceptance (``RowAcceptance``), the round's choice is
+
+        w* = argmax_{0 <= w <= N} sum_r E_r(w) / T_B(w)                (docs/theory.md §5).
+
+    While a small batch's target step is bound by reading the weights, a wider verify pass
+    costs little more than a step and drafting pays; as B grows the pass turns compute-bound,
+    ``T_B(w)`` rises with ``w`` and w* falls, to 0 (no drafting) when no width pays. Each
+    batch bucket (``batch_bucket``) has its own ``AdaptiveDraftLength`` for the times, with its
+    warm-up, probes and switch margin; the acceptance pooled over all rounds is the prior of a
+    joining row. Sessions share one policy (the costs are the target's) through
+    ``for_session``, which keeps the session's rows' acceptance.
+    """
+
+    def __init__(
+        self,
+        max_tokens: int,
+        decay: float = 0.99,
+        probe_every: int = 16,
+        switch_margin: float = 0.1,
+        row_decay: float = ROW_DECAY,
+    ) -> None:
+        self.pooled = AdaptiveDraftLength(max_tokens, decay, 0, switch_margin)
+        self.max_tokens = max_tokens
+        self.row_decay = row_decay
+        self._settings = (decay, probe_every, switch_margin)
+        self._by_bucket: dict[int, AdaptiveDraftLength] = {}
+
+    def costs(self, rows: int) -> AdaptiveDraftLength:
+        """The round times (and their choice of width) of batches of ``rows`` rows' bucket."""
+        bucket = batch_bucket(rows)
+        if bucket not in self._by_bucket:
+            self._by_bucket[bucket] = AdaptiveDraftLength(self.max_tokens, *self._settings)
+        return self._by_bucket[bucket]
+
+    def for_session(self, session: DraftingRows) -> SessionDraftLength:
+        """The policy as one session uses it: these costs, that session's rows."""
+        return SessionDraftLength(self, session)
+
+
+class DraftingRows(Protocol):
+    """What a session shows the policy: its rows, and which of them still decode."""
+
+    @property
+    def batch_size(self) -> int: ...
+
+    active: torch.Tensor  # [B] bool
+
+
+class SessionDraftLength:
+    """``AdaptiveDraftLength``'s protocol (``choose``, ``update``) over a shared
+    ``LoadAwareDraftLength`` and one session's ``RowAcceptance``; the session calls
+    ``add_rows`` and ``select_rows`` as its rows join and leave."""
+
+    def __init__(self, shared: LoadAwareDraftLength, session: DraftingRows) -> None:
+        self.shared = shared
+        self.max_tokens = shared.max_tokens
+        self.rows = RowAcceptance(shared.max_tokens, shared.row_decay)
+        self._session = session
+        self._round: tuple[int, torch.Tensor] | None = None  # (rows, active) of the round chosen
+
+    def add_rows(self, count: int) -> None:
+        self.rows.add_rows(count, self.shared.pooled.alpha)
+
+    def select_rows(self, index: torch.Tensor) -> None:  # [B'] rows kept
+        self.rows.select_rows(index)
+
+    def choose(self, limit: int) -> int:
+        """This round's width at the session's batch size, from its active rows' acceptance."""
+        session = self._session
+        active = session.active.clone()
+        self._round = (session.batch_size, active)
+        costs = self.shared.costs(session.batch_size)
+        limit = min(limit, self.max_tokens)
+        return costs.choose(limit, expected=self.rows.expected_by_width(max(limit, 0), active))
+
+    def update(
+        self,
+        width: int,
+        num_accepted: torch.Tensor,  # [A] accepted drafts of the rows that were active
+        seconds: float,
+    ) -> None:
+        """Fold in the round ``choose`` shaped: its time at this batch size, the acceptance."""
+        if self._round is None:
+            raise RuntimeError("update() before choose(): the round's rows are not known")
+        rows, active = self._round
+        self._round = None
+        self.shared.costs(rows).update(width, num_accepted, seconds)
+        self.shared.pooled.update(width, num_accepted, seconds)
+        self.rows.update(width, num_accepted, active)

@@ -29,7 +29,11 @@ from types import EllipsisType
 
 import torch
 from draftsmith.decode.defaults import NUM_DRAFT_TOKENS
-from draftsmith.decode.draft_length import AdaptiveDraftLength
+from draftsmith.decode.draft_length import (
+    AdaptiveDraftLength,
+    LoadAwareDraftLength,
+    SessionDraftLength,
+)
 from draftsmith.decode.drafters.base import Drafter, TargetPass, TreeSpec, require_left_padded
 from draftsmith.decode.forward.attention_layout import (
     learned_position_limit,
@@ -199,13 +203,17 @@ class SpeculativeDecoder:
         drafter: Drafter | None = None,
         record: bool = False,
         tree: TreeSpec | EllipsisType | None = ...,
+        draft_length: AdaptiveDraftLength | LoadAwareDraftLength | EllipsisType | None = ...,
     ) -> DecodeSession:
         """An empty ``DecodeSession``: rows join with ``add_rows``, leave with ``retire``.
 
         Its rows share the sampling settings and the generator. ``drafter`` holds the
         session's drafting state: by default a ``spawn`` of this decoder's drafter (the same
         weights), so several sessions can be open at once; ``record`` keeps every emitted token
-        for ``sequences``; ``tree`` replaces the decoder's tree settings (``None``: chains).
+        for ``sequences``; ``tree`` replaces the decoder's tree settings (``None``: chains);
+        ``draft_length`` replaces the decoder's chain-length policy (``None``: fixed N; a
+        ``LoadAwareDraftLength`` shared by sessions chooses by batch size and each row's
+        acceptance, as the server does).
         """
         sampling = _sampling_config(sampling, None, None, None)
         tree = self.tree if tree is ... else tree
@@ -213,7 +221,8 @@ class SpeculativeDecoder:
             raise ValueError(
                 f"the {self.drafter.kind} drafter drafts chains only: drop the tree settings"
             )
-        if tree is not None and self.draft_length is not None and self.tree_policy is None:
+        policy = self.draft_length if draft_length is ... else draft_length
+        if tree is not None and policy is not None and policy is not self.tree_policy:
             raise ValueError(
                 "this decoder adapts chain lengths: build it with the tree to adapt trees"
             )
@@ -222,7 +231,9 @@ class SpeculativeDecoder:
         eos = self._eos_tensor(eos_token_id)
         pad = self._pad_id(pad_token_id, eos)
         drafter = self.drafter.spawn() if drafter is None else drafter
-        return DecodeSession(self, drafter, sampling, generator, eos, pad, streamer, record, tree)
+        return DecodeSession(
+            self, drafter, sampling, generator, eos, pad, streamer, record, tree, policy
+        )
 
     def _chain_round(self, session: DecodeSession, width: int) -> torch.Tensor:  # [B]
         """Draft a chain, verify it in one target pass, roll both caches back, emit; returns
@@ -242,7 +253,7 @@ class SpeculativeDecoder:
         target.rollback(drafts.shape[1] + 1, num_accepted + 1)
         verify_end = _clock(self.device)
         drafter.commit(num_accepted, pending, TargetPass(verify.logits, verify.hidden_states))
-        policy = self.draft_length
+        policy = session.draft_length
         accepted_by_active_rows = num_accepted[session.active] if policy is not None else None
         session.finish_round(drafts, num_accepted, pending)
         round_end = _clock(self.device)
@@ -463,6 +474,7 @@ class DecodeSession:
         streamer: Streamer | None,
         record: bool,
         tree: TreeSpec | None,
+        draft_length: AdaptiveDraftLength | LoadAwareDraftLength | None = None,
     ) -> None:
         device = decoder.device
         self.decoder = decoder
@@ -474,6 +486,14 @@ class DecodeSession:
         self.pad = pad
         self.streamer = streamer
         self.stats = DecodeStats()
+        # The chain-length policy (None: fixed N); a load-aware one keeps these rows' acceptance.
+        self.draft_length = (
+            draft_length.for_session(self)
+            if isinstance(draft_length, LoadAwareDraftLength)
+            else draft_length
+        )
+        # (start, verify start, verify end, end) of the last round, for a profile of its parts.
+        self.last_round_times: tuple[float, float, float, float] | None = None
         self.target: CachedSequence | None = None
         self.pending = torch.zeros(0, dtype=torch.long, device=device)  # [B] not yet in caches
         self.count = torch.zeros(0, dtype=torch.long, device=device)  # [B] tokens emitted
@@ -539,6 +559,8 @@ class DecodeSession:
         self.limit = torch.cat([self.limit, limits.to(device)])
         self.active = torch.cat([self.active, torch.ones_like(pending, dtype=torch.bool)])
         self._largest_limit = max(self._largest_limit, int(limits.max()))
+        if isinstance(self.draft_length, SessionDraftLength):
+            self.draft_length.add_rows(input_ids.shape[0])
         if self.tokens is not None:
             self._grow_record(self.tokens.shape[1] - 1)
         new_rows = torch.arange(self.batch_size, device=device) >= old
@@ -556,7 +578,7 @@ class DecodeSession:
         # least one unless the adaptive policy chooses a plain step.
         limit = min(decoder.num_draft_tokens, room - 1)
         self.drafter.draft_room = max(1, room - 1)
-        policy = decoder.draft_length
+        policy = self.draft_length
         width = max(1, limit) if policy is None else policy.choose(limit)
         round_fn = decoder._chain_round if self.tree is None else decoder._tree_round
         self.pending = round_fn(self, width)
@@ -565,6 +587,8 @@ class DecodeSession:
         """Drop ``rows`` (indices into the current batch); the others keep their order."""
         dropped = set(rows)
         keep = [row for row in range(self.batch_size) if row not in dropped]
+        if isinstance(self.draft_length, SessionDraftLength):
+            self.draft_length.select_rows(torch.tensor(keep, dtype=torch.long))
         if not keep:
             self.target = None
             self.pending, self.count = self.pending[:0], self.count[:0]
@@ -652,6 +676,7 @@ class DecodeSession:
         self.emit(emitted, num_accepted + 1, num_accepted, accepted_tokens.shape[1])
 
     def add_times(self, start: float, verify_start: float, verify_end: float, end: float) -> None:
+        self.last_round_times = (start, verify_start, verify_end, end)
         self.stats.verify_seconds += verify_end - verify_start
         self.stats.draft_seconds += (verify_start - start) + (end - verify_end)
 

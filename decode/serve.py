@@ -62,7 +62,7 @@ def build_server(config: ServeConfig) -> OpenAIServer:
         drafter,
         model_name=config.served_model_name or Path(config.target).resolve().name,
         num_draft_tokens=config.num_draft_tokens,
-        adaptive=config.adaptive,
+        draft_policy=config.chosen_draft_policy,
         tree=TreeSpec(config.tree_top_k, config.tree_total_tokens, frontier=config.tree_frontier)
         if config.tree
         else None,
@@ -91,10 +91,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     server = build_server(config)
     logger.info(
-        "serving %s with a %s drafter (%d draft tokens, %s) on http://%s:%d/v1",
+        "serving %s with a %s drafter (%d draft tokens, %s lengths, %s) on http://%s:%d/v1",
         server.model_name,
         server.drafter_kind,
         server.num_draft_tokens,
+        server.draft_policy,
         "chains" if server.tree is None else f"trees {server.tree}",
         config.host,
         config.port,

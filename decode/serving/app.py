@@ -139,7 +139,7 @@ class OpenAIServer:
         *,
         model_name: str,
         num_draft_tokens: int = NUM_DRAFT_TOKENS,
-        adaptive: bool = False,
+        draft_policy: str = "load-aware",
         tree: TreeSpec | None = None,
         tree_when_sampling: bool = False,
         limits: ServingLimits | None = None,
@@ -172,13 +172,16 @@ class OpenAIServer:
         if pad is None:
             pad = self.eos_token_ids[0] if self.eos_token_ids else 0
         self.queue = RequestQueue(max_queue)
-        self.metrics = ServerMetrics(model_name, drafter.kind, num_draft_tokens)
+        if drafter.kind == "none":
+            draft_policy = "fixed"  # plain decoding: no length to choose
+        self.draft_policy = draft_policy
+        self.metrics = ServerMetrics(model_name, drafter.kind, num_draft_tokens, draft_policy)
         self.worker = BatchWorker(
             target,
             drafter,
             self.queue,
             num_draft_tokens=num_draft_tokens,
-            adaptive=adaptive,
+            draft_policy=draft_policy,
             tree=tree,
             tree_when_sampling=tree_when_sampling,
             max_batch_size=max_batch_size,
@@ -187,6 +190,7 @@ class OpenAIServer:
             seed=seed,
             on_decode=self.metrics.record_decode,
             on_prefill=self.metrics.record_prefill,
+            on_round=self.metrics.record_round,
         )
         self.tree = tree
         self.drafter_kind = drafter.kind

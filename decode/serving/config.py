@@ -36,6 +36,10 @@ API_KEY_ENV = "DRAFTSMITH_API_KEY"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
 # Rows decoded at once (``--max-batch-size``): more requests wait in the queue until one retires.
 MAX_BATCH_SIZE = 32
+# How each round's draft length is chosen (``--draft-policy``): from the round's measured cost at
+# its batch size and each row's acceptance (decode/draft_length.py, LoadAwareDraftLength); always
+# --num-draft-tokens; or the decoder's pooled adaptive length (and tree shapes with --tree).
+DRAFT_POLICIES = ("load-aware", "fixed", "adaptive")
 
 
 def _f(default: Any, help: str) -> Any:
@@ -48,12 +52,14 @@ class ServeConfig:
 
     target: str = field(metadata={"help": "target model folder (Hugging Face layout)"})
     drafter: str | None = _f(
-        None, "drafter folder written by training (not needed for ngram or none)"
+        None,
+        "drafter folder written by training (not needed for ngram or none; without one and "
+        "without --drafter-kind the target is served plainly, --drafter-kind none)",
     )
     drafter_kind: str | None = _f(
         None,
-        "registry key (draft_lm, ngram, medusa, eagle3, peagle, hybrid, none); default: read "
-        "from the folder",
+        "registry key (draft_lm, ngram, medusa, eagle3, peagle, dflash, hybrid, none); "
+        "default: read from the --drafter folder, or none without one",
     )
     tokenizer: str | None = _f(None, "tokenizer folder (default: the target folder)")
     served_model_name: str | None = _f(None, "the `model` clients ask for (default: folder name)")
@@ -65,9 +71,13 @@ class ServeConfig:
     num_draft_tokens: int = _f(
         NUM_DRAFT_TOKENS, "tokens drafted per round (the most, with --adaptive)"
     )
-    adaptive: bool = _f(
-        False, "choose each round's draft length in 0..N from measured acceptance and times"
+    draft_policy: str = _f(
+        "load-aware",
+        "how each chain round's draft length in 0..N is chosen: load-aware (from the round's "
+        "measured cost at its batch size and each row's recent acceptance; 0 is a plain step), "
+        "fixed (always N), adaptive (the decoder's pooled estimate; with --tree, tree shapes)",
     )
+    adaptive: bool = _f(False, "the same as --draft-policy adaptive")
     tree: bool = _f(
         False,
         "draft trees (eagle3: EAGLE-2 dynamic trees; medusa: static choices) for greedy "
@@ -125,6 +135,15 @@ class ServeConfig:
     seed: int = _f(0, "seed of the generator that draws per-batch seeds of unseeded sampling")
     log_level: str = _f("info", "uvicorn log level")
 
+    def __post_init__(self) -> None:
+        if self.drafter is None and self.drafter_kind is None:
+            self.drafter_kind = "none"  # plain decoding with continuous batching
+
+    @property
+    def chosen_draft_policy(self) -> str:
+        """``--draft-policy``, or adaptive under ``--adaptive``."""
+        return "adaptive" if self.adaptive else self.draft_policy
+
     def validate(self) -> None:
         """Check values that need no model; raise naming the flag and the fix."""
         if self.dtype not in DTYPES:
@@ -175,10 +194,17 @@ class ServeConfig:
             raise ValueError(problem)
         if self.tree_when_sampling and not self.tree:
             raise ValueError("--tree-when-sampling keeps trees for sampled requests: add --tree")
-        if self.drafter is None and self.drafter_kind is None:
+        if self.draft_policy not in DRAFT_POLICIES:
             raise ValueError(
-                "no drafter: pass --drafter PATH (a trained drafter folder) or "
-                "--drafter-kind ngram (prompt lookup, no weights)"
+                f"--draft-policy {self.draft_policy!r} is not valid; choose one of "
+                f"{', '.join(DRAFT_POLICIES)}"
+            )
+        if self.adaptive and self.draft_policy == "fixed":
+            raise ValueError("--adaptive and --draft-policy fixed contradict: drop one")
+        if self.drafter_kind == "none" and self.tree:
+            raise ValueError(
+                "--tree drafts trees, but no drafter is served (--drafter-kind none): pass "
+                "--drafter PATH (an eagle3 or medusa folder), or drop --tree"
             )
 
 

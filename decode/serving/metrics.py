@@ -5,14 +5,24 @@ Decoding totals merge the ``DecodeStats`` of every round, so ``draftsmith_tau`` 
 ``1 + accepted / row-rounds`` and alpha_j is accepted over reached at draft position j. Each
 finished request adds its own tau to the ``draftsmith_request_tau`` histogram and its drafted
 and accepted tokens to per-request counters (the numbers its ``usage.speculative`` reports).
+
+Every round also counts under its batch bucket (1, 2, 3-4, 5-8, ...) and the drafts per row it
+verified, ``draftsmith_rounds_total{batch, drafted}``: the lengths the load-aware policy chose
+at each load; and its time by phase, ``draftsmith_round_seconds_total{batch, phase}`` (draft,
+verify, commit, handoff, other; ``scheduler.ROUND_PHASES``), where a round's time goes.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import Counter
+from typing import TYPE_CHECKING
 
+from draftsmith.decode.draft_length import batch_bucket, bucket_label
 from draftsmith.decode.stats import DecodeStats
+
+if TYPE_CHECKING:
+    from draftsmith.decode.serving.scheduler import RoundProfile
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Upper bounds of the per-request tau histogram's buckets (tau >= 1; +Inf is added).
@@ -22,10 +32,15 @@ TAU_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)
 class ServerMetrics:
     """Thread-safe counters updated by the HTTP layer and the decoder thread."""
 
-    def __init__(self, model: str, drafter_kind: str, num_draft_tokens: int) -> None:
+    def __init__(
+        self, model: str, drafter_kind: str, num_draft_tokens: int, draft_policy: str = "fixed"
+    ) -> None:
         self.model = model
         self.drafter_kind = drafter_kind
         self.num_draft_tokens = num_draft_tokens
+        self.draft_policy = draft_policy
+        self._rounds: Counter[tuple[int, int]] = Counter()  # (batch bucket, drafted) -> rounds
+        self._round_seconds: Counter[tuple[int, str]] = Counter()  # (bucket, phase) -> s
         self._lock = threading.Lock()
         self._requests: Counter[tuple[str, str]] = Counter()
         self._prompt_tokens = 0
@@ -57,6 +72,14 @@ class ServerMetrics:
         with self._lock:
             self._prefills += 1
             self._prefill_rows += rows
+
+    def record_round(self, profile: RoundProfile) -> None:
+        """One lane's round: its width at its batch size, and its time by phase."""
+        bucket = batch_bucket(profile.rows)
+        with self._lock:
+            self._rounds[(bucket, profile.drafted)] += 1
+            for phase, seconds in profile.seconds.items():
+                self._round_seconds[(bucket, phase)] += seconds
 
     def record_decode(self, stats: DecodeStats) -> None:
         """Totals of decoding rounds (folded ``DecodeStats``)."""
@@ -91,12 +114,32 @@ class ServerMetrics:
             }
             request_tau = list(self._request_tau)
             request_tau_sum = self._request_tau_sum
+            rounds = sorted(self._rounds.items())
+            round_seconds = sorted(self._round_seconds.items())
         out = _Exposition()
+        info = {"model": self.model, "drafter_kind": self.drafter_kind}
+        info["draft_policy"] = self.draft_policy
+        out.add("draftsmith_info", "gauge", "The served model and drafter (value 1).", [(info, 1)])
         out.add(
-            "draftsmith_info",
-            "gauge",
-            "The served model and drafter (value 1).",
-            [({"model": self.model, "drafter_kind": self.drafter_kind}, 1)],
+            "draftsmith_rounds_total",
+            "counter",
+            "Decoding rounds by batch size (bucket) and drafts per row verified (0: a plain "
+            "step): the draft lengths chosen at each load.",
+            [
+                ({"batch": bucket_label(bucket), "drafted": str(drafted)}, n)
+                for (bucket, drafted), n in rounds
+            ],
+        )
+        out.add(
+            "draftsmith_round_seconds_total",
+            "counter",
+            "Seconds of decoding rounds by batch size (bucket) and phase: draft, verify, "
+            "commit (the drafter's commit and the session's bookkeeping), handoff (tokens to "
+            "the requests), other (the rest of a round: choosing its width, syncs).",
+            [
+                ({"batch": bucket_label(bucket), "phase": phase}, seconds)
+                for (bucket, phase), seconds in round_seconds
+            ],
         )
         out.add(
             "draftsmith_requests_total",

@@ -17,7 +17,16 @@ sessions decode without EOS and a row that emitted one is finished for its clien
 
 The session's streamer hands every round's ``RoundUpdate`` to ``_deliver``: each row's new
 tokens go to its request's ``asyncio.Queue`` (thread-safe, through the event loop) and its
-accepted-draft count to the request's own ``DecodeStats``, so per-request acceptance is exact.
+accepted-draft count to the request's own tally (plain ints, no tensor per row and round),
+folded into its ``DecodeStats`` when it finishes, so per-request acceptance is exact.
+
+Draft lengths: with ``draft_policy="load-aware"`` (the server's default) every chain lane
+shares one ``LoadAwareDraftLength`` per kind of lane (greedy, sampled), which chooses each
+round's width, zero included, from the round's measured cost at its batch size and its rows'
+own acceptance (a seeded sampled request drafts N every round, so that its seed alone fixes
+its answer); ``"fixed"`` drafts N every round; ``"adaptive"`` is the decoder's pooled
+policy (and tree shapes). Every round is reported to ``on_round`` as a ``RoundProfile``: its
+rows, the drafts per row it verified, and where its time went.
 A cancelled request (a disconnected client, a ``stop`` string) is finished at the next round
 and its row retired after it.
 
@@ -32,11 +41,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from draftsmith.decode.draft_length import LoadAwareDraftLength
 from draftsmith.decode.drafters.base import Drafter, TreeSpec
 from draftsmith.decode.engine import DecodeSession, RoundUpdate, SpeculativeDecoder
 from draftsmith.decode.sampling import SamplingConfig
@@ -93,6 +104,20 @@ class ErrorEvent:
 
 Event = TokensEvent | DoneEvent | ErrorEvent
 
+# Where a round's time goes (``RoundProfile.seconds``): the drafter's proposal, the target's
+# verification, the drafter's commit and the session's bookkeeping, handing tokens to the
+# requests (``_deliver``), and the rest of ``DecodeSession.step`` (choosing the width, syncs).
+ROUND_PHASES = ("draft", "verify", "commit", "handoff", "other")
+
+
+@dataclass(frozen=True)
+class RoundProfile:
+    """One round of one lane: its rows, the drafts per row it verified, its phases' seconds."""
+
+    rows: int
+    drafted: int
+    seconds: dict[str, float]
+
 
 class GenerationJob:
     """One request: created on the event loop, run by the worker, answered through ``events``.
@@ -114,7 +139,7 @@ class GenerationJob:
         # Worker-side state, touched only by the worker thread.
         self.delivered = 0
         self.finished = False
-        self.stats = DecodeStats()
+        self.accepted_by_width: dict[int, list[int]] = {}  # drafts -> accepted, per round
         self.batch_size = 1
 
     @property
@@ -208,7 +233,7 @@ class BatchWorker:
         queue: RequestQueue,
         *,
         num_draft_tokens: int,
-        adaptive: bool = False,
+        draft_policy: str = "load-aware",
         tree: TreeSpec | None = None,
         tree_when_sampling: bool = False,
         max_batch_size: int,
@@ -217,16 +242,33 @@ class BatchWorker:
         seed: int,
         on_decode: Callable[[DecodeStats], None] | None = None,
         on_prefill: Callable[[int], None] | None = None,
+        on_round: Callable[[RoundProfile], None] | None = None,
     ) -> None:
         """``tree`` drafts trees for greedy requests, and for sampled ones too with
         ``tree_when_sampling`` (else they draft chains), as ``draftsmith.decode.measure.evaluate``'s flags do.
         ``on_decode`` gets the totals of every round (folded ``DecodeStats``), ``on_prefill``
-        the number of requests each prefill pass admitted."""
+        the number of requests each prefill pass admitted, ``on_round`` every round's
+        ``RoundProfile``. ``draft_policy`` is ``"load-aware"``, ``"fixed"`` or ``"adaptive"``
+        (the module docstring)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if draft_policy not in ("load-aware", "fixed", "adaptive"):
+            raise ValueError(f"unknown draft_policy {draft_policy!r}")
         self.decoder = SpeculativeDecoder(
-            target, drafter, num_draft_tokens, tree=tree, adaptive=adaptive
+            target, drafter, num_draft_tokens, tree=tree, adaptive=draft_policy == "adaptive"
         )
+        # One load-aware policy per kind of lane (greedy: True), shared by its sessions; none
+        # when the drafter drafts nothing (plain decoding has no length to choose).
+        most = drafter.max_draft_tokens
+        longest = num_draft_tokens if most is None else min(num_draft_tokens, most)
+        self.load_aware: dict[bool, LoadAwareDraftLength] = (
+            {greedy: LoadAwareDraftLength(longest) for greedy in (True, False)}
+            if draft_policy == "load-aware" and drafter.kind != "none"
+            else {}
+        )
+        self._on_round = on_round
+        self._handoff_seconds = 0.0  # time in _deliver during the current round
+        self._drafted = 0  # drafts per row of the current round (from its RoundUpdate)
         self.tree_when_sampling = tree_when_sampling
         self.queue = queue
         self.max_batch_size = max_batch_size
@@ -328,12 +370,17 @@ class BatchWorker:
         tree: TreeSpec | None = None
         if params.greedy or self.tree_when_sampling:
             tree = self.decoder.tree
+        # A seeded request drafts N every round: a width chosen from measured times would
+        # make its draws, and so its answer, depend on the machine's load.
+        seeded = params.seed is not None and not params.greedy
+        policy = self.load_aware.get(params.greedy) if tree is None and not seeded else None
         session = self.decoder.session(
             sampling=params.sampling,
             eos_token_id=[],  # EOS is each request's own business (``_deliver``)
             pad_token_id=self.pad_token_id,
             generator=self._generator(params),
             tree=tree,
+            **({"draft_length": policy} if policy is not None else {}),
         )
         lane = _Lane(key, session)
         session.streamer = lambda update: self._deliver(lane, update)
@@ -378,6 +425,9 @@ class BatchWorker:
 
     # -- rounds --------------------------------------------------------------------------
     def _round(self, lane: _Lane) -> None:
+        rows = len(lane.jobs)
+        self._handoff_seconds, lane.session.last_round_times = 0.0, None
+        start = time.perf_counter()
         try:
             lane.session.step()
         except Exception as error:  # answer the clients, keep serving the other lanes
@@ -385,6 +435,19 @@ class BatchWorker:
             self._fail(lane.jobs, error)
             self._lanes.remove(lane)
             return
+        end = time.perf_counter()
+        times = lane.session.last_round_times
+        if self._on_round is not None and times is not None:
+            round_start, verify_start, verify_end, round_end = times
+            handoff = self._handoff_seconds
+            seconds = {
+                "draft": verify_start - round_start,
+                "verify": verify_end - verify_start,
+                "commit": max(round_end - verify_end - handoff, 0.0),
+                "handoff": handoff,
+                "other": max((end - start) - (round_end - round_start), 0.0),
+            }
+            self._on_round(RoundProfile(rows, self._drafted, seconds))
         if self._on_decode is not None:
             stats, lane.session.stats = lane.session.stats, DecodeStats()
             self._on_decode(stats.fold())
@@ -402,6 +465,8 @@ class BatchWorker:
 
     def _deliver(self, lane: _Lane, update: RoundUpdate) -> bool:
         """The streamer: pass each row's new tokens on; False once no row needs more."""
+        start = time.perf_counter()
+        self._drafted = update.drafted
         rows = len(lane.jobs)
         lane.session.stats.tokens_emitted += sum(len(tokens) for tokens in update.tokens)
         for row, (job, tokens) in enumerate(zip(lane.jobs, update.tokens, strict=True)):
@@ -414,9 +479,7 @@ class BatchWorker:
                 continue
             job.batch_size = max(job.batch_size, rows)
             if update.accepted is not None:
-                job.stats.record_round(
-                    torch.tensor([update.accepted[row]]), update.drafted, torch.ones(1, dtype=bool)
-                )
+                job.accepted_by_width.setdefault(update.drafted, []).append(update.accepted[row])
             tokens = tokens[: job.max_tokens - job.delivered]
             eos = () if job.params.ignore_eos else self.eos_token_ids
             ended = next((i for i, token in enumerate(tokens) if token in eos), None)
@@ -426,15 +489,18 @@ class BatchWorker:
             job.post(TokensEvent(tokens))
             if job.delivered >= job.max_tokens or ended is not None:
                 self._finish(job)
-        return not self._stopping.is_set() and not all(job.finished for job in lane.jobs)
+        more = not self._stopping.is_set() and not all(job.finished for job in lane.jobs)
+        self._handoff_seconds += time.perf_counter() - start
+        return more
 
     @staticmethod
     def _finish(job: GenerationJob) -> None:
         if job.finished:
             return
         job.finished = True
-        job.stats.tokens_emitted = job.delivered
-        job.post(DoneEvent(job.stats.fold(), job.batch_size))
+        stats = request_stats(job.accepted_by_width)
+        stats.tokens_emitted = job.delivered
+        job.post(DoneEvent(stats, job.batch_size))
 
     @staticmethod
     def _fail(jobs: list[GenerationJob], error: Exception) -> None:
@@ -442,3 +508,18 @@ class BatchWorker:
             if not job.finished:
                 job.finished = True
                 job.post(ErrorEvent(f"generation failed: {type(error).__name__}: {error}"))
+
+
+def request_stats(accepted_by_width: dict[int, list[int]]) -> DecodeStats:
+    """One request's ``DecodeStats`` from its rounds' accepted drafts, grouped by the drafts
+    per row each round verified (one ``record_round`` per width, then the pass counts fixed
+    to one per round)."""
+    stats = DecodeStats()
+    for width, accepted in accepted_by_width.items():
+        stats.record_round(
+            torch.tensor(accepted), width, torch.ones(len(accepted), dtype=torch.bool)
+        )
+    stats.fold()
+    stats.target_forward_passes = sum(len(accepted) for accepted in accepted_by_width.values())
+    stats.draft_positions = sum(w * len(accepted) for w, accepted in accepted_by_width.items())
+    return stats

@@ -7,6 +7,7 @@ import math
 import subprocess
 import sys
 import threading
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,7 @@ from draftsmith.decode.serving.protocol import (
     parse_body,
 )
 from draftsmith.decode.serving.scheduler import (
+    ROUND_PHASES,
     BatchWorker,
     DoneEvent,
     ErrorEvent,
@@ -42,6 +44,7 @@ from draftsmith.decode.serving.scheduler import (
     QueueClosed,
     QueueFull,
     RequestQueue,
+    RoundProfile,
     SamplingParams,
     TokensEvent,
 )
@@ -268,10 +271,11 @@ def models() -> Models:
 def make_worker(
     models: Models,
     rounds: list[DecodeStats] | None = None,
-    adaptive: bool = False,
+    draft_policy: str = "load-aware",
     drafter: Drafter | None = None,
     tree: TreeSpec | None = None,
     max_batch_size: int = 8,
+    profiles: list[RoundProfile] | None = None,
 ) -> BatchWorker:
     target, draft = models
     return BatchWorker(
@@ -279,13 +283,14 @@ def make_worker(
         DraftModelDrafter(draft) if drafter is None else drafter,
         RequestQueue(16),
         num_draft_tokens=3 if tree is not None else 4,
-        adaptive=adaptive,
+        draft_policy=draft_policy,
         tree=tree,
         max_batch_size=max_batch_size,
         eos_token_ids=[2],
         pad_token_id=0,
         seed=0,
         on_decode=None if rounds is None else rounds.append,
+        on_round=profiles.append if profiles is not None else None,
     )
 
 
@@ -354,24 +359,25 @@ def greedy_reference(
     return tokens if ended is None else tokens[: ended + 1]
 
 
-@pytest.mark.parametrize("adaptive", [False, True])
+@pytest.mark.parametrize("policy", ["fixed", "adaptive", "load-aware"])
 def test_batched_rows_each_get_their_own_greedy_answer_and_max_tokens(
-    models: Models, adaptive: bool
+    models: Models, policy: str
 ) -> None:
     specs = [([5, 9, 11], 6, SamplingParams()), ([7], 20, SamplingParams()),
              ([3, 4, 5, 6, 7, 8, 9], 13, SamplingParams())]  # fmt: skip
-    events = run_jobs(make_worker(models, adaptive=adaptive), specs)
+    events = run_jobs(make_worker(models, draft_policy=policy), specs)
     for (prompt, max_tokens, _), received in zip(specs, events, strict=True):
         assert tokens_of(received) == greedy_reference(models[0], prompt, max_tokens)
         assert received[-1].batch_size == 3
 
 
-@pytest.mark.parametrize("adaptive", [False, True])
-def test_per_request_stats_add_up_to_the_batch_stats(models: Models, adaptive: bool) -> None:
+@pytest.mark.parametrize("policy", ["fixed", "adaptive", "load-aware"])
+def test_per_request_stats_add_up_to_the_batch_stats(models: Models, policy: str) -> None:
     rounds: list[DecodeStats] = []
     raw = SamplingParams(ignore_eos=True)
     specs = [([5, 9, 11], 24, raw), ([7], 24, raw), ([3, 4, 5, 6], 24, raw)]
-    events = run_jobs(make_worker(models, rounds, adaptive), specs, later=[(3, ([8, 1], 9, raw))])
+    worker = make_worker(models, rounds, policy)
+    events = run_jobs(worker, specs, later=[(3, ([8, 1], 9, raw))])
     rows = [received[-1].stats for received in events]
     batch = DecodeStats()
     for stats in rounds:
@@ -383,6 +389,10 @@ def test_per_request_stats_add_up_to_the_batch_stats(models: Models, adaptive: b
         assert sum(sum(a) for a in accepted) == batch.accepted_per_position[j]
         assert sum(sum(r) for r in reached) == batch.reached_per_position[j]
     assert [row.tokens_emitted for row in rows] == [24, 24, 24, 9]
+    assert sum(row.target_forward_passes for row in rows) == batch.rounds  # one per row-round
+    assert sum(row.draft_positions for row in rows) == sum(
+        width * n for width, n in batch.rounds_per_width.items()
+    )
     assert 1.0 <= batch.tau < 5.0  # the noisy draft is right only sometimes
 
 
@@ -490,9 +500,21 @@ def test_config_file_then_flags(tmp_path: Path) -> None:
         parse_serve_args(["--config", str(path)])
 
 
+def test_without_a_drafter_the_target_is_served_plainly() -> None:
+    assert ServeConfig(target="t").drafter_kind == "none"
+    config = parse_serve_args(["--target", "t"])
+    assert (config.drafter_kind, config.chosen_draft_policy) == ("none", "load-aware")
+    assert parse_serve_args(["--target", "t", "--drafter", "d"]).drafter_kind is None  # read
+    assert parse_serve_args(["--target", "t", "--adaptive"]).chosen_draft_policy == "adaptive"
+
+
 def test_config_errors_name_the_fix() -> None:
-    with pytest.raises(ValueError, match="--drafter-kind ngram"):
-        ServeConfig(target="t").validate()
+    with pytest.raises(ValueError, match="no drafter is served"):
+        ServeConfig(target="t", tree=True).validate()
+    with pytest.raises(ValueError, match="--draft-policy 'always' is not valid"):
+        ServeConfig(target="t", draft_policy="always").validate()
+    with pytest.raises(ValueError, match="contradict"):
+        ServeConfig(target="t", draft_policy="fixed", adaptive=True).validate()
     with pytest.raises(ValueError, match="--max-queue must be >= 1"):
         ServeConfig(target="t", drafter_kind="ngram", max_queue=0).validate()
     with pytest.raises(ValueError, match="--dtype"):
@@ -656,6 +678,43 @@ def test_metrics_text_escapes_labels_and_folds_batches() -> None:
     assert metric(samples, "draftsmith_request_tau_sum") == 4.0
     assert metric(samples, "draftsmith_request_draft_tokens_total") == 9
     assert metric(samples, "draftsmith_request_accepted_tokens_total") == 3
+
+
+def test_every_round_is_profiled_and_its_width_counted_by_batch_size(models: Models) -> None:
+    """/metrics shows the widths the load-aware policy chose at each batch size and where
+    each bucket's round time went; the profile's rows and widths are the rounds' own."""
+    profiles: list[RoundProfile] = []
+    rounds: list[DecodeStats] = []
+    worker = make_worker(models, rounds, profiles=profiles)
+    raw = SamplingParams(ignore_eos=True)
+    run_jobs(worker, [([5, 9, 11], 16, raw), ([7], 16, raw), ([3, 4], 16, raw)])
+    run_jobs(worker, [([5, 9], 12, raw)])
+    assert len(profiles) == sum(stats.target_forward_passes for stats in rounds)
+    assert {1, 3} <= {profile.rows for profile in profiles}
+    widths = Counter()
+    for stats in rounds:
+        widths.update(stats.rounds_per_width)
+    assert sum(p.rows for p in profiles) == sum(widths.values())  # row-rounds
+    for profile in profiles:
+        assert set(profile.seconds) == set(ROUND_PHASES)
+        assert all(seconds >= 0 for seconds in profile.seconds.values())
+        assert 0 <= profile.drafted <= 4
+    metrics = ServerMetrics("m", "draft_lm", 4, "load-aware")
+    for profile in profiles:
+        metrics.record_round(profile)
+    samples = parse_prometheus(metrics.render(queue_depth=0, running=0))
+    assert metric(samples, "draftsmith_info", model="m", drafter_kind="draft_lm",
+                  draft_policy="load-aware") == 1  # fmt: skip
+    for bucket, sizes in (("1", {1}), ("2", {2}), ("3-4", {3, 4})):
+        counted = sum(
+            metric(samples, "draftsmith_rounds_total", batch=bucket, drafted=str(w))
+            for w in range(5)
+        )
+        assert counted == sum(profile.rows in sizes for profile in profiles)
+        verify = sum(p.seconds["verify"] for p in profiles if p.rows in sizes)
+        assert metric(
+            samples, "draftsmith_round_seconds_total", batch=bucket, phase="verify"
+        ) == pytest.approx(verify)
 
 
 def test_stop_sequences_longer_than_the_bound_are_a_400_naming_it() -> None:

@@ -1,0 +1,209 @@
+"""Load-aware draft lengths: costs per batch size, each row's own acceptance, exact rounds."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from decode_helpers import (
+    chi_square_p_value,
+    exact_two_token_law,
+    noisy_copy,
+    ragged_greedy_batch,
+    tiny_eagle_drafter,
+    tiny_peagle_drafter,
+)
+from draftsmith.decode import DraftModelDrafter, NgramDrafter, SpeculativeDecoder
+from draftsmith.decode.draft_length import (
+    ROW_PRIOR_WEIGHT,
+    LoadAwareDraftLength,
+    RowAcceptance,
+    SessionDraftLength,
+    batch_bucket,
+    bucket_label,
+)
+from draftsmith.decode.sampling import SamplingConfig
+from tiny_models import tiny_llama
+
+
+class FakeSession:
+    """The two things a policy reads from a session: its batch size and active rows."""
+
+    def __init__(self, rows: int) -> None:
+        self.active = torch.ones(rows, dtype=torch.bool)
+
+    @property
+    def batch_size(self) -> int:
+        return self.active.shape[0]
+
+
+def _run(view: SessionDraftLength, rounds: int, alpha: float, seconds) -> list[int]:
+    """Simulated rounds: ``seconds(rows, width)``, every row accepting ``alpha * width``."""
+    rows = view._session.batch_size
+    chosen = []
+    for _ in range(rounds):
+        width = view.choose(view.max_tokens)
+        chosen.append(width)
+        view.update(width, torch.full((rows,), int(alpha * width)), seconds(rows, width))
+    return chosen
+
+
+def test_batch_buckets_and_their_labels() -> None:
+    assert [batch_bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == [
+        1,
+        2,
+        4,
+        4,
+        8,
+        8,
+        16,
+        16,
+        32,
+    ]
+    assert [bucket_label(b) for b in (1, 2, 4, 8, 32)] == ["1", "2", "3-4", "5-8", "17-32"]
+
+
+def test_drafting_stops_where_a_wide_verify_pass_costs_more_than_it_saves() -> None:
+    """One policy, two batch sizes, drafts always accepted: at one row a verify pass costs
+    about a step, so the longest chain pays; at 16 rows each draft adds more than a step's
+    time (the pass is compute-bound), so plain steps win."""
+
+    def seconds(rows: int, width: int) -> float:
+        if rows == 1:  # weight-bound: a verify pass of w + 1 tokens costs about one step
+            return 0.010 + 0.0005 * width
+        return 0.040 + 0.045 * width  # compute-bound: each draft adds more than a step
+
+    policy = LoadAwareDraftLength(max_tokens=4, probe_every=0)
+    alone = policy.for_session(FakeSession(1))
+    busy = policy.for_session(FakeSession(16))
+    for view in (alone, busy):
+        view.add_rows(view._session.batch_size)
+    small = _run(alone, 30, alpha=1.0, seconds=seconds)
+    large = _run(busy, 30, alpha=1.0, seconds=seconds)
+    assert small[-10:] == [4] * 10
+    assert large[-10:] == [0] * 10
+    assert set(policy._by_bucket) == {1, 16}  # one cost table per batch bucket
+
+
+def test_each_rows_acceptance_is_its_own_and_follows_the_rows() -> None:
+    rows = RowAcceptance(max_tokens=3, decay=0.5)
+    rows.add_rows(2, [0.5, 0.5, 0.5])
+    assert torch.equal(rows.reached, torch.full((2, 3), ROW_PRIOR_WEIGHT, dtype=torch.float64))
+    # Row 0 accepts both drafts, row 1 none; a third row was not active.
+    rows.add_rows(1, [0.5, 0.5, 0.5])
+    rows.update(2, torch.tensor([2, 0]), torch.tensor([True, True, False]))
+    alpha = rows.accepted / rows.reached
+    assert alpha[0, :2].tolist() == pytest.approx([(0.5 + 1) / (1 + 1)] * 2)
+    assert alpha[1, 0] == pytest.approx(0.5 / 2)  # reached, rejected
+    assert rows.reached[1, 1] == ROW_PRIOR_WEIGHT  # never reached: unchanged
+    assert torch.equal(rows.reached[2], torch.full((3,), ROW_PRIOR_WEIGHT, dtype=torch.float64))
+    only_first = rows.expected_by_width(2, torch.tensor([True, False, False]))
+    assert only_first == pytest.approx([1.0, 1 + 0.75, 1 + 0.75 + 0.75**2])
+    rows.select_rows(torch.tensor([1]))  # row 0 and 2 retire
+    assert rows.batch_size == 1
+    assert rows.expected_by_width(1, torch.tensor([True]))[1] == pytest.approx(1 + 0.25)
+
+
+def test_a_joining_row_starts_from_the_pooled_acceptance() -> None:
+    policy = LoadAwareDraftLength(max_tokens=2, probe_every=0)
+    first = policy.for_session(FakeSession(1))
+    first.add_rows(1)
+    _run(first, 20, alpha=1.0, seconds=lambda rows, width: 0.01)
+    joining = policy.for_session(FakeSession(1))
+    joining.add_rows(1)
+    assert (joining.rows.accepted / joining.rows.reached)[0, 0] > 0.9
+
+
+def test_update_without_choose_is_refused() -> None:
+    view = LoadAwareDraftLength(max_tokens=2).for_session(FakeSession(1))
+    with pytest.raises(RuntimeError, match="before choose"):
+        view.update(1, torch.tensor([1]), 0.01)
+
+
+def _scheduled(decoder_session, widths: list[int]) -> None:
+    """Replace the session's choice by a fixed cycle of widths (still running the policy)."""
+    view = decoder_session.draft_length
+    choose = view.choose
+    schedule = itertools.cycle([3, 0, 2, 1, 0, 3, 1, 2])
+
+    def scheduled(limit: int) -> int:
+        choose(limit)
+        widths.append(min(next(schedule), limit))
+        return widths[-1]
+
+    view.choose = scheduled
+
+
+@pytest.mark.parametrize("name", ["noisy", "ngram", "eagle", "peagle"])
+def test_load_aware_rounds_keep_greedy_output_exact(name: str) -> None:
+    """Whatever width each round takes (zero included), rows that join late and rows that
+    retire early decode exactly the target's greedy output."""
+    target = tiny_llama(num_layers=4, seed=0)
+    drafters = {
+        "noisy": lambda: DraftModelDrafter(noisy_copy(target, 0.5)),
+        "ngram": lambda: NgramDrafter(vocab_size=64),
+        "eagle": lambda: tiny_eagle_drafter(target),
+        "peagle": lambda: tiny_peagle_drafter(target),
+    }
+    ids, mask, reference = ragged_greedy_batch(target, 20)
+    decoder = SpeculativeDecoder(target, drafters[name](), 3)
+    policy = LoadAwareDraftLength(3)
+    widths: list[int] = []
+    emitted: dict[int, list[int]] = {}
+    session = decoder.session(eos_token_id=[], draft_length=policy, record=False)
+    _scheduled(session, widths)
+    order: list[int] = []  # prompt index of each session row
+
+    def collect(update) -> None:
+        for row, tokens in enumerate(update.tokens):
+            emitted.setdefault(order[row], []).extend(tokens)
+
+    session.streamer = collect
+    order += [0, 1]
+    session.add_rows(ids[:2], mask[:2], [20, 7])  # row 1 finishes early and retires
+    for _ in range(3):
+        session.step()
+        done = session.finished_rows()
+        session.retire(done)
+        order[:] = [p for r, p in enumerate(order) if r not in done]
+    order.append(2)
+    session.add_rows(ids[2:], mask[2:], 20)  # joins a running batch
+    while session.room() > 0:
+        session.step()
+        done = session.finished_rows()
+        session.retire(done)
+        order[:] = [p for r, p in enumerate(order) if r not in done]
+    prompt = ids.shape[1]
+    for index, limit in ((0, 20), (1, 7), (2, 20)):
+        assert emitted[index] == reference[index, prompt : prompt + limit].tolist(), index
+    assert set(widths) == {0, 1, 2, 3}
+    assert session.draft_length.rows.batch_size == session.batch_size == 0
+
+
+def test_load_aware_rounds_follow_the_target_law_when_sampling() -> None:
+    """The chosen width never changes the law of the emitted tokens (chi-square, T = 1)."""
+    target = tiny_llama(seed=0)
+    prompt = torch.tensor([5, 9, 5, 9, 5, 9, 5, 9, 5])
+    sampling = SamplingConfig(temperature=1.0)
+    first_law, second_law = exact_two_token_law(target, prompt, sampling)
+    decoder = SpeculativeDecoder(target, DraftModelDrafter(noisy_copy(target, 0.6)), 3)
+    policy = LoadAwareDraftLength(3)
+    session = decoder.session(
+        sampling=sampling,
+        eos_token_id=[],
+        generator=torch.Generator().manual_seed(0),
+        draft_length=policy,
+        record=True,
+    )
+    widths: list[int] = []
+    _scheduled(session, widths)
+    rows = 3000
+    session.add_rows(prompt[None].repeat(rows, 1), max_new_tokens=4)
+    while session.room() > 0:
+        session.step()
+    new = session.sequences(prompt[None].repeat(rows, 1))[:, prompt.numel() :]
+    assert widths[0] == 2  # the first round drafted (the room left, 3 tokens, bounds it to 2)
+    assert chi_square_p_value(torch.bincount(new[:, 0], minlength=64), first_law) > 1e-4
+    assert chi_square_p_value(torch.bincount(new[:, 1], minlength=64), second_law) > 1e-4
+    assert 0.05 < session.stats.fold().alpha_per_position[0] < 0.95
