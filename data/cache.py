@@ -13,24 +13,28 @@ pipelines); ``topk_to_probs`` rebuilds a proper distribution:
 renormalised to sum to 1 (the fp16 rounding of the stored log-probs leaves a tiny deficit).
 
 Layout (docs/interfaces.md, "Offline target cache"): a folder of ``shard-NNNNN.safetensors``
-files plus ``cache.json``, written last, so a folder without ``cache.json`` is an interrupted
-write. Each shard concatenates its sequences along the token axis: ``input_ids`` [N] int64,
-``topk_ids`` [N, k] int32, ``topk_logprobs`` [N, k] float16, ``rest_logmass`` [N] float32,
-optionally ``hidden_states`` [L, N, H] float16, and ``offsets`` [S + 1] int64 (sequence s is
-tokens ``offsets[s]:offsets[s + 1]``). Shards and ``cache.json`` are written to a temporary
-sibling and renamed (``draftsmith.data.atomic_io``), so a shard on disk is always complete.
+files plus ``cache.json``, the manifest. Each shard concatenates its sequences along the token
+axis: ``input_ids`` [N] int64, ``topk_ids`` [N, k] int32, ``topk_logprobs`` [N, k] float16,
+``rest_logmass`` [N] float32, optionally ``hidden_states`` [L, N, H] float16, and ``offsets``
+[S + 1] int64 (sequence s is tokens ``offsets[s]:offsets[s + 1]``). Shards and ``cache.json``
+are written to a temporary sibling and renamed (``draftsmith.data.atomic_io``), so a shard on
+disk is always complete.
 
-Several processes can write one cache (``draftsmith.train.target.cache``): sequences fall into parts of
-a fixed size, part ``p`` is ``shard-p`` and is written by one process (:func:`save_shard`), a
-part already on disk is kept when a killed build is run again, and the main process writes
-``cache.json`` (:func:`write_manifest`) once every part exists. ``dtype`` (float16 by default,
-bfloat16 or float32) is the dtype of the stored log-probs and hidden states; bytes per token
-are :func:`cache_bytes_per_token`.
+The cache is data, keyed by what it holds: every sequence is named by the digest of its tokens
+(:func:`sequence_digest`), and the manifest lists, per shard, the digests it holds, its size
+in bytes and its SHA-256, taken from the bytes written before the shard got its name
+(:func:`save_shard`). A reader finds any subset of the sequences from the manifest alone, and
+checks each shard it reads (:meth:`TargetCache.check_shards`): missing, truncated, failing its
+checksum, or disagreeing with the manifest (k, dtype, hidden layers, sequence and token
+counts, which sequences) is a :class:`CacheShardError` naming the shard. ``dtype`` (float16 by
+default, bfloat16 or float32) is the dtype of the stored log-probs and hidden states; bytes per
+token are :func:`cache_bytes_per_token`. ``draftsmith.train.target.cache`` builds a cache from
+several processes, appends missing sequences and rewrites damaged shards.
 """
 
 from __future__ import annotations
 
-import bisect
+import hashlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -43,11 +47,31 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 CACHE_FILE = "cache.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: per-shard sequences, bytes and SHA-256
 _SHARD_NAME = "shard-{:05d}.safetensors"
 _SHARD_GLOB = "shard-*.safetensors"
 CACHE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _FIELDS = ("input_ids", "topk_ids", "topk_logprobs", "rest_logmass")
+
+
+class CacheShardError(ValueError):
+    """A shard of a target cache is missing, damaged, or disagrees with the manifest."""
+
+
+def sequence_digest(input_ids: Any) -> str:
+    """The name of one cached sequence: SHA-256 (first 16 hex digits) of its token ids as
+    little-endian int64. Two sequences share it only when their tokens are the same."""
+    ids = torch.as_tensor(input_ids, dtype=torch.int64).reshape(-1)
+    return hashlib.sha256(ids.numpy().astype("<i8").tobytes()).hexdigest()[:16]
+
+
+def file_sha256(path: str | Path) -> str:
+    """SHA-256 of the file at ``path``, read in blocks (a shard can be gigabytes)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def shard_name(index: int) -> str:
@@ -281,7 +305,13 @@ class TargetCacheWriter:
         if not self._buffer:
             return
         self._shards.append(
-            save_shard(self.folder, len(self._shards), self._buffer, bool(self._has_hidden))
+            save_shard(
+                self.folder,
+                len(self._shards),
+                self._buffer,
+                bool(self._has_hidden),
+                shard_layout(self.k, self.dtype, self.hidden_layer_ids),
+            )
         )
         self._buffer.clear()
         self._buffered_tokens = 0
@@ -315,12 +345,23 @@ class TargetCacheWriter:
         self._closed = True
 
 
+def shard_layout(k: int, dtype: str, hidden_layer_ids: list[int] | None) -> dict[str, Any]:
+    """What a shard's header states about its layout, for :func:`save_shard`."""
+    return {"k": k, "dtype": dtype, "hidden_layer_ids": hidden_layer_ids}
+
+
 def save_shard(
-    folder: Path, index: int, entries: Sequence[dict[str, torch.Tensor]], has_hidden: bool
+    folder: Path,
+    index: int,
+    entries: Sequence[dict[str, torch.Tensor]],
+    has_hidden: bool,
+    layout: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Write ``entries`` (sequences as :meth:`TargetCacheWriter.add` keeps them) atomically as
-    shard ``index``; return its manifest entry. The sequence count is in the file's metadata,
-    so a rerun can tell a finished part from nothing (an unfinished one never has a name)."""
+    shard ``index``; return its manifest entry: file, counts, the sequences' digests, size and
+    SHA-256 (of the bytes written, taken before the file gets its name). ``layout`` (k, dtype,
+    hidden layer ids) goes in the file's metadata too, so a manifest edited against its shards
+    is caught by reading the shard's header."""
     lengths = [entry["input_ids"].shape[0] for entry in entries]
     offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
     offsets[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), dim=0)
@@ -333,27 +374,87 @@ def save_shard(
         ).contiguous()
     tensors["offsets"] = offsets
     name = shard_name(index)
-    metadata = {"format": "pt", "num_sequences": str(len(lengths))}
+    sequences = [sequence_digest(entry["input_ids"]) for entry in entries]
+    metadata = {
+        "format": "pt",
+        "num_sequences": str(len(lengths)),
+        "sequences": json.dumps(sequences),
+        **{key: json.dumps(value) for key, value in (layout or {}).items()},
+    }
     with atomic_file(Path(folder) / name) as temporary:
         save_file(tensors, str(temporary), metadata=metadata)
-    return {"file": name, "num_sequences": len(lengths), "num_tokens": int(offsets[-1])}
-
-
-def read_shard_entry(folder: Path, index: int) -> dict[str, Any] | None:
-    """The manifest entry of shard ``index`` if a finished one is on disk, else None."""
-    path = Path(folder) / shard_name(index)
-    if not path.is_file():
-        return None
-    with safe_open(str(path), framework="pt") as handle:
-        metadata = handle.metadata() or {}
-        if "num_sequences" not in metadata:
-            return None
-        tokens = int(handle.get_slice("offsets")[-1:][0])
+        size, checksum = temporary.stat().st_size, file_sha256(temporary)
     return {
-        "file": path.name,
-        "num_sequences": int(metadata["num_sequences"]),
-        "num_tokens": tokens,
+        "file": name,
+        "num_sequences": len(lengths),
+        "num_tokens": int(offsets[-1]),
+        "bytes": size,
+        "sha256": checksum,
+        "sequences": sequences,
     }
+
+
+def shard_problem(folder: Path, entry: dict[str, Any], meta: dict[str, Any]) -> str | None:
+    """What is wrong with the shard of manifest ``entry`` in ``folder`` (``meta``: the
+    manifest), or None: missing, another size (truncated), failing its checksum, an unreadable
+    header, or a header that disagrees with the manifest."""
+    path = Path(folder) / entry["file"]
+    if not path.is_file():
+        return "missing"
+    size = path.stat().st_size
+    if size != entry.get("bytes"):
+        return f"{size} bytes where the manifest says {entry.get('bytes')} (truncated or replaced)"
+    if file_sha256(path) != entry.get("sha256"):
+        return "failing its SHA-256 checksum (its bytes changed after it was written)"
+    return _header_problem(path, entry, meta)
+
+
+def _header_problem(path: Path, entry: dict[str, Any], meta: dict[str, Any]) -> str | None:
+    """Where the shard's own header disagrees with the manifest (k, dtype, hidden layers,
+    sequence and token counts, which sequences), or None."""
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            found = handle.metadata() or {}
+            topk = handle.get_slice("topk_logprobs")
+            rows, k = topk.get_shape()
+            dtype = _DTYPE_NAMES.get(topk.get_dtype(), topk.get_dtype())
+            offsets = handle.get_slice("offsets")
+            sequences = offsets.get_shape()[0] - 1
+            layers = None
+            if "hidden_states" in handle.keys():  # noqa: SIM118 - safe_open has no __contains__
+                layers = handle.get_slice("hidden_states").get_shape()[0]
+            layer_ids = json.loads(found.get("hidden_layer_ids", "null"))
+            digests = json.loads(found.get("sequences", "[]"))
+    except Exception as error:  # safetensors raises its own error type for a bad header
+        return f"unreadable ({' '.join(str(error).split())})"
+    wanted_layers = meta.get("hidden_layer_ids")
+    wanted_count = None if not meta.get("has_hidden_states") else meta.get("num_hidden_layers")
+    checks = [
+        ("k", meta.get("k"), k),
+        ("dtype", meta.get("dtype"), dtype),
+        ("hidden layers", wanted_count, layers),
+        ("num_tokens", entry.get("num_tokens"), rows),
+        ("num_sequences", entry.get("num_sequences"), sequences),
+        ("sequences", entry.get("sequences"), digests),
+    ]
+    if "hidden_layer_ids" in found:
+        checks.append(("hidden_layer_ids", wanted_layers, layer_ids))
+    differ = [
+        f"{name}: cache.json {_short(said)}, shard {_short(held)}"
+        for name, said, held in checks
+        if said != held
+    ]
+    if differ:
+        return "disagreeing with cache.json (" + "; ".join(differ) + ")"
+    return None
+
+
+_DTYPE_NAMES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32"}
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def write_manifest(
@@ -366,10 +467,10 @@ def write_manifest(
     hidden_shape: tuple[int, int] | None,
     key: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Write ``cache.json`` for ``shards`` (in sequence order) last, atomically; return it."""
-    folder = Path(folder)
+    """Write ``cache.json`` for ``shards`` (manifest entries, in sequence order) atomically;
+    return it."""
     num_tokens = sum(int(shard["num_tokens"]) for shard in shards)
-    disk_bytes = sum((folder / shard["file"]).stat().st_size for shard in shards)
+    disk_bytes = sum(int(shard["bytes"]) for shard in shards)
     meta = {
         "format_version": FORMAT_VERSION,
         "k": k,
@@ -385,8 +486,63 @@ def write_manifest(
         "shards": list(shards),
         "key": key,
     }
-    write_json_atomic(folder / CACHE_FILE, meta)
+    write_json_atomic(Path(folder) / CACHE_FILE, meta)
     return meta
+
+
+def read_manifest(folder: Path) -> dict[str, Any]:
+    """``cache.json`` of ``folder``, checked to be a manifest of this format that agrees with
+    itself; ``FileNotFoundError`` or ``ValueError`` naming the file and the fix otherwise."""
+    path = Path(folder) / CACHE_FILE
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} does not exist: {folder} holds no target cache (never built, or its first "
+            "write was interrupted); build or rebuild it with --target_outputs cache (or "
+            "TargetCacheWriter)"
+        )
+    rebuild = f"delete {folder} and build the cache again"
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
+        raise ValueError(f"{path} is not a JSON manifest ({error}); {rebuild}") from None
+    if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
+        version = meta.get("format_version") if isinstance(meta, dict) else None
+        raise ValueError(
+            f"{path} has format_version {version!r}, this reader understands {FORMAT_VERSION} "
+            f"(shards with their sequences, sizes and checksums); {rebuild}"
+        )
+    problem = _manifest_problem(meta)
+    if problem:
+        raise ValueError(f"{path} disagrees with itself ({problem}); it was edited: {rebuild}")
+    return meta
+
+
+def _manifest_problem(meta: dict[str, Any]) -> str | None:
+    """Where the manifest's totals or its key contradict its own fields, or None."""
+    shards = meta.get("shards")
+    fields = ("file", "num_sequences", "num_tokens", "bytes", "sha256", "sequences")
+    if not isinstance(shards, list) or any(
+        not isinstance(shard, dict) or any(name not in shard for name in fields) for shard in shards
+    ):
+        return f"every entry of 'shards' needs {', '.join(fields)}"
+    checks = [
+        ("num_sequences", sum(int(s["num_sequences"]) for s in shards)),
+        ("num_tokens", sum(int(s["num_tokens"]) for s in shards)),
+    ]
+    key = meta.get("key") or {}
+    checks += [(name, key[name]) for name in ("k", "dtype", "hidden_layer_ids") if name in key]
+    differ = [
+        f"{name} {meta.get(name)!r}, expected {wanted!r}"
+        for name, wanted in checks
+        if meta.get(name) != wanted
+    ]
+    differ += [
+        f"{shard['file']} lists {len(shard['sequences'])} sequences, num_sequences "
+        f"{shard['num_sequences']}"
+        for shard in shards
+        if len(shard["sequences"]) != shard["num_sequences"]
+    ]
+    return "; ".join(differ) or None
 
 
 class TargetCache:
@@ -394,34 +550,30 @@ class TargetCache:
 
     Keys: ``input_ids`` [T] int64, ``topk_ids`` [T, k] int32, ``topk_logprobs`` [T, k]
     float16, ``rest_logmass`` [T] float32 and, when cached, ``hidden_states`` [L, T, H]
-    float16. Shards are memory-mapped and read lazily, so the cache can exceed RAM.
+    float16. Shards are memory-mapped and read lazily, so the cache can exceed RAM; each is
+    checked (:func:`shard_problem`) before its first read, and :meth:`check_shards` checks
+    many at once. :meth:`position` finds a sequence by its digest.
     """
 
     def __init__(self, folder: str | Path) -> None:
         self.folder = Path(folder)
-        meta_path = self.folder / CACHE_FILE
-        if not meta_path.is_file():
-            raise FileNotFoundError(
-                f"{meta_path} does not exist: the cache in {self.folder} is incomplete (its "
-                "write was interrupted) or was never built; rebuild it with TargetCacheWriter"
-            )
-        self.meta: dict[str, Any] = json.loads(meta_path.read_text(encoding="utf-8"))
-        if self.meta.get("format_version") != FORMAT_VERSION:
-            raise ValueError(
-                f"{meta_path} has format_version {self.meta.get('format_version')!r}, this "
-                f"reader understands {FORMAT_VERSION}; rebuild the cache"
-            )
+        self.meta: dict[str, Any] = read_manifest(self.folder)
         self._shards: list[dict[str, Any]] = self.meta["shards"]
-        for shard in self._shards:
-            if not (self.folder / shard["file"]).is_file():
-                raise FileNotFoundError(
-                    f"shard {shard['file']} listed in {meta_path} is missing; rebuild the cache"
-                )
         self._first_index = [0]
         for shard in self._shards:
             self._first_index.append(self._first_index[-1] + shard["num_sequences"])
+        self._where: list[tuple[int, int]] = [
+            (shard_index, local)
+            for shard_index, shard in enumerate(self._shards)
+            for local in range(shard["num_sequences"])
+        ]
+        self._positions: dict[str, int] = {}
+        for shard_index, shard in enumerate(self._shards):
+            for local, digest in enumerate(shard["sequences"]):
+                self._positions.setdefault(digest, self._first_index[shard_index] + local)
         self._handles: dict[int, Any] = {}
         self._offsets: dict[int, list[int]] = {}
+        self._checked: set[int] = set()
 
     def __len__(self) -> int:
         return int(self.meta["num_sequences"])
@@ -435,6 +587,11 @@ class TargetCache:
         return int(self.meta["vocab_size"])
 
     @property
+    def shards(self) -> list[dict[str, Any]]:
+        """The manifest's shard entries, in sequence order."""
+        return self._shards
+
+    @property
     def bytes_per_token(self) -> float:
         """Bytes on disk per cached token (shards including their headers)."""
         return float(self.meta["bytes_per_token"])
@@ -443,8 +600,39 @@ class TargetCache:
         """What full fp16 logits would cost per token (``2 V``), for reporting the saving."""
         return full_logits_bytes_per_token(self.vocab_size if vocab_size is None else vocab_size)
 
+    def position(self, digest: str) -> int | None:
+        """Index of the sequence named ``digest`` (:func:`sequence_digest`), None if absent."""
+        return self._positions.get(digest)
+
+    def shard_of(self, index: int) -> int:
+        """Index (into :attr:`shards`) of the shard holding sequence ``index``."""
+        return self._where[index][0]
+
+    def damaged_shards(self, shard_indices: Sequence[int]) -> dict[int, str]:
+        """``{shard index: what is wrong}`` for the shards of ``shard_indices`` that fail
+        :func:`shard_problem` (each read once in full for its checksum)."""
+        damaged = {}
+        for shard_index in sorted(set(shard_indices) - self._checked):
+            problem = shard_problem(self.folder, self._shards[shard_index], self.meta)
+            if problem is None:
+                self._checked.add(shard_index)
+            else:
+                damaged[shard_index] = problem
+        return damaged
+
+    def check_shards(self, shard_indices: Sequence[int], fix: str | None = None) -> None:
+        """:class:`CacheShardError` naming every damaged shard of ``shard_indices`` and ``fix``."""
+        damaged = self.damaged_shards(shard_indices)
+        if damaged:
+            named = "; ".join(f"{self._shards[i]['file']} is {why}" for i, why in damaged.items())
+            raise CacheShardError(
+                f"the target cache in {self.folder} is damaged: {named}. "
+                + (fix or "Rebuild the cache with the same flags.")
+            )
+
     def _shard(self, shard_index: int) -> tuple[Any, list[int]]:
         if shard_index not in self._handles:
+            self.check_shards([shard_index])
             handle = safe_open(str(self.folder / self._shards[shard_index]["file"]), framework="pt")
             self._handles[shard_index] = handle
             self._offsets[shard_index] = handle.get_tensor("offsets").tolist()
@@ -453,10 +641,8 @@ class TargetCache:
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         if not -len(self) <= index < len(self):
             raise IndexError(f"sequence {index} out of range for a cache of {len(self)}")
-        index %= len(self)
-        shard_index = bisect.bisect_right(self._first_index, index) - 1
+        shard_index, local = self._where[index % len(self)]
         handle, offsets = self._shard(shard_index)
-        local = index - self._first_index[shard_index]
         start, stop = offsets[local], offsets[local + 1]
         item = {name: handle.get_slice(name)[start:stop] for name in _FIELDS}
         if self.meta["has_hidden_states"]:

@@ -2,9 +2,12 @@
 
 A build killed with SIGKILL and run again loses and duplicates no sequence (2 ranks, a sharded
 target; ``slow``: two torchrun launches). In one process: a cache of another key is refused by
-name, an interrupted build rescores only its missing parts, the target loads without its
-layers for ``cache_only``, and a drafter trained from a cache that keeps every log-prob
-reproduces online training.
+name, an interrupted build rescores only its missing parts, a cache serves any subset of its
+sequences and appends the ones a run lacks (or refuses them by name), a truncated, flipped or
+missing shard is refused by name and rebuilt alone (the other shards' bytes unchanged), a
+manifest edited against its shards is refused, the target loads without its layers for
+``cache_only``, and a drafter trained from a cache that keeps every log-prob reproduces online
+training.
 """
 
 from __future__ import annotations
@@ -22,24 +25,34 @@ from pathlib import Path
 import pytest
 import torch
 from cache_helpers import CACHE_SEQUENCES, cache_rows, cache_target
-from draftsmith.data.cache import CACHE_FILE, TargetCache
+from draftsmith.data.cache import CACHE_FILE, CacheShardError, TargetCache, write_manifest
 from draftsmith.train.distill import main
-from draftsmith.train.target.cache import BUILD_FILE, CacheKeyError, build_or_reuse_cache
+from draftsmith.train.target.cache import (
+    CacheKeyError,
+    CacheMissingError,
+    build_or_reuse_cache,
+    cache_key,
+    open_cached_rows,
+)
 from draftsmith.train.target.model import checkpoint_bytes, load_model_without_layers
 from draftsmith.train.tracking import read_metrics_log
 from safetensors import safe_open
+from safetensors.torch import load
 
 REPO = Path(__file__).resolve().parents[2]
 PARTS = CACHE_SEQUENCES // 2  # part_sequences = 2
 
 
-def _build(folder: Path, k: int = 8, part_sequences: int = 2, target=None, **extra):
+KEY = {"test": "kill"}
+
+
+def _build(folder: Path, k: int = 8, part_sequences: int = 2, target=None, rows=None, **extra):
     return build_or_reuse_cache(
         target if target is not None else cache_target(),
-        cache_rows(),
+        cache_rows() if rows is None else rows,
         folder,
         k=k,
-        key={"test": "kill"},
+        key=KEY,
         pad_token_id=0,
         device=torch.device("cpu"),
         batch_size=1,
@@ -130,7 +143,7 @@ def test_killed_two_rank_build_resumes_without_losing_or_duplicating(tmp_path: P
     print(f"killed with {kept}/{PARTS} parts; the rerun wrote {sum(written)}; lost {lost}, "
           f"duplicated {len(firsts) - len(set(firsts))}")  # fmt: skip
     assert sorted(firsts) == list(range(CACHE_SEQUENCES))  # 0 lost, 0 duplicated
-    assert not (folder / BUILD_FILE).exists() and not list(folder.glob(".shard-*"))
+    assert not list(folder.glob("*.entry.json")) and not list(folder.glob(".shard-*"))
     _build(tmp_path / "reference")  # one process, the whole target: the same bytes
     # (each rank read only its share of the weights: the outputs are still bitwise equal)
     _assert_same_cache(folder, tmp_path / "reference")
@@ -139,15 +152,19 @@ def test_killed_two_rank_build_resumes_without_losing_or_duplicating(tmp_path: P
 def test_interrupted_build_rescores_only_its_missing_parts(tmp_path: Path) -> None:
     folder = tmp_path / "cache"
     first = _build(folder)
-    assert first.parts_written == PARTS
+    assert first.parts_written == PARTS and first.sequences_scored == CACHE_SEQUENCES
     meta = json.loads((folder / CACHE_FILE).read_text())
-    (folder / CACHE_FILE).unlink()  # as if killed before the manifest, after two parts
-    (folder / BUILD_FILE).write_text(json.dumps(meta["key"]))
+    # As if killed mid-way through the first build: the empty manifest with the key, the
+    # finished parts each with its entry, two parts never written.
+    for entry in meta["shards"]:
+        (folder / f"{entry['file']}.entry.json").write_text(json.dumps(entry))
+    write_manifest(folder, [], 8, meta["vocab_size"], "float16", [0, 2], None, key=meta["key"])
     for part in (3, 7):
         (folder / f"shard-{part:05d}.safetensors").unlink()
     again = _build(folder)
     assert again.parts_written == 2
     assert sorted(_stored_first_tokens(folder)) == list(range(CACHE_SEQUENCES))
+    assert not list(folder.glob("*.entry.json"))
     _build(tmp_path / "reference")
     _assert_same_cache(folder, tmp_path / "reference")
     assert _build(folder).parts_written == 0  # complete: reused
@@ -160,13 +177,11 @@ def test_cache_of_another_key_is_refused_by_name(tmp_path: Path) -> None:
         _build(folder, k=8)
     with pytest.raises(CacheKeyError, match="dtype: cache 'float16', run 'float32'"):
         _build(folder, k=4, dtype="float32")
-    (folder / CACHE_FILE).unlink()  # an interrupted build of k = 4 is not continued for k = 8
-    (folder / BUILD_FILE).write_text(json.dumps({"k": 4}))
-    with pytest.raises(CacheKeyError, match="k: cache 4, run 8"):
-        _build(folder, k=8)
+    with pytest.raises(CacheKeyError, match=r"hidden_layer_ids: cache \[0, 2\], run \[1\]"):
+        open_cached_rows(cache_rows(), folder, cache_key(KEY, 4, [1], "float16"))
 
 
-def test_cache_serves_the_tokens_it_scored_and_no_others(tmp_path: Path) -> None:
+def test_cache_serves_the_tokens_it_scored_and_appends_others(tmp_path: Path) -> None:
     folder = tmp_path / "cache"
     rows = cache_rows()
     build = functools.partial(
@@ -191,8 +206,149 @@ def test_cache_serves_the_tokens_it_scored_and_no_others(tmp_path: Path) -> None
         "input_ids": [*rows[5]["input_ids"][:-1], rows[5]["input_ids"][-1] % 60 + 3 + 1],
     }
     assert changed[5]["input_ids"] != rows[5]["input_ids"]
-    with pytest.raises(CacheKeyError, match=r"tokens: cache '[0-9a-f]{16}', run '[0-9a-f]{16}'"):
-        build(changed)
+    stats = build(changed)  # that sequence is another one: scored and appended, nothing else
+    assert (stats.parts_written, stats.sequences_scored, stats.num_sequences) == (1, 1, 25)
+    joined = open_cached_rows(changed, folder)
+    assert joined[5]["input_ids"].tolist() == changed[5]["input_ids"]
+    assert joined[4]["input_ids"].tolist() == rows[4]["input_ids"]
+
+
+# --------------------------------------------------------------------------- data, not a run
+
+
+def _shard_bytes(folder: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(folder.glob("shard-*.safetensors"))}
+
+
+def _wanted(k: int = 8, dtype: str = "float16", layers=(0, 2)) -> dict:
+    return cache_key(KEY, k, list(layers), dtype)
+
+
+def test_cache_with_more_sequences_than_the_run_reads_serves_a_subset(tmp_path: Path) -> None:
+    folder = tmp_path / "cache"
+    _build(folder)
+    before = _shard_bytes(folder)
+    rows = cache_rows()
+    subset = [rows[i] for i in (17, 3, 3, 9, 22)]  # any order, repeats allowed
+    joined = open_cached_rows(subset, folder, _wanted())
+    assert [int(joined[i]["input_ids"][0]) - 3 for i in range(5)] == [17, 3, 3, 9, 22]
+    stats = _build(folder, rows=subset)
+    assert (stats.parts_written, stats.sequences_scored, stats.run_sequences) == (0, 0, 4)
+    assert _shard_bytes(folder) == before
+
+
+def test_run_needing_more_sequences_is_refused_or_appended(tmp_path: Path) -> None:
+    folder = tmp_path / "cache"
+    _build(folder)
+    before = _shard_bytes(folder)
+    more = cache_rows(CACHE_SEQUENCES + 5)
+    with pytest.raises(CacheMissingError, match=r"29 distinct sequences and 5 of them are not"):
+        open_cached_rows(more, folder, _wanted())
+    stats = _build(folder, rows=more)  # --target_outputs cache: scores only the 5
+    assert (stats.parts_written, stats.sequences_scored, stats.num_sequences) == (3, 5, 29)
+    after = _shard_bytes(folder)
+    assert {name: after[name] for name in before} == before  # the old shards untouched
+    assert len(after) == PARTS + 3
+    joined = open_cached_rows(more, folder, _wanted())
+    assert [int(joined[i]["input_ids"][0]) - 3 for i in range(29)] == list(range(29))
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x01  # in the tensors, after the header: only the checksum can tell
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    ("damage", "said"),
+    [
+        (_truncate, "bytes where the manifest says"),
+        (_flip_byte, "failing its SHA-256 checksum"),
+        (Path.unlink, "missing"),
+    ],
+)
+def test_damaged_shard_is_refused_by_name_and_only_it_is_rebuilt(
+    tmp_path: Path, damage, said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / "cache"
+    _build(folder)
+    before = _shard_bytes(folder)
+    damage(folder / "shard-00005.safetensors")
+    with pytest.raises(
+        CacheShardError, match=rf"shard-00005.safetensors is[^.]*{said}.*same flags"
+    ):
+        open_cached_rows(cache_rows(), folder, _wanted())
+    reader = TargetCache(folder)  # any reader refuses it on first read, by name
+    with pytest.raises(CacheShardError, match=r"shard-00005\.safetensors"):
+        reader[10]
+    assert reader[0]["input_ids"].shape[0] > 0  # the other shards still read
+    capsys.readouterr()
+    stats = _build(folder)  # the same flags again: only the damaged shard is rescored
+    assert stats.shards_rebuilt == ["shard-00005.safetensors"]
+    assert (stats.parts_written, stats.sequences_scored) == (1, 2)
+    assert "1 damaged shards rescored" in capsys.readouterr().out
+    after = _shard_bytes(folder)
+    rebuilt, original = after.pop("shard-00005.safetensors"), before.pop("shard-00005.safetensors")
+    assert after == before  # every other shard's bytes unchanged
+    rebuilt, original = load(rebuilt), load(original)  # the same tensors (header order may vary)
+    assert rebuilt.keys() == original.keys()
+    assert all(torch.equal(rebuilt[name], original[name]) for name in original)
+    open_cached_rows(cache_rows(), folder, _wanted())
+
+
+def _edit_manifest(folder: Path, edit) -> None:
+    meta = json.loads((folder / CACHE_FILE).read_text())
+    edit(meta)
+    (folder / CACHE_FILE).write_text(json.dumps(meta))
+
+
+def test_manifest_edited_against_its_shards_is_refused_by_name(tmp_path: Path) -> None:
+    folder = tmp_path / "cache"
+    _build(folder)
+
+    def bump_k(meta):
+        meta["k"] += 7
+
+    _edit_manifest(folder, bump_k)  # the issue's edit: cache.json's k alone
+    with pytest.raises(ValueError, match=r"cache.json disagrees with itself \(k 15, expected 8"):
+        open_cached_rows(cache_rows(), folder, _wanted())
+
+    def k_everywhere(meta):
+        meta["key"]["k"] = meta["k"]  # now consistent with itself, not with its shards
+
+    _edit_manifest(folder, k_everywhere)
+    with pytest.raises(CacheShardError, match=r"shard-00000.safetensors is disagreeing with "
+                       r"cache.json \(k: cache.json 15, shard 8\)"):  # fmt: skip
+        open_cached_rows(cache_rows(), folder, _wanted(k=15))
+
+    def retype(meta):
+        meta["k"] = meta["key"]["k"] = 8
+        meta["dtype"] = meta["key"]["dtype"] = "bfloat16"
+
+    _edit_manifest(folder, retype)
+    with pytest.raises(CacheShardError, match=r"dtype: cache.json 'bfloat16', shard 'float16'"):
+        open_cached_rows(cache_rows(), folder, _wanted(dtype="bfloat16"))
+
+    def relayer(meta):
+        meta["dtype"] = meta["key"]["dtype"] = "float16"
+        meta["hidden_layer_ids"] = meta["key"]["hidden_layer_ids"] = [0, 1]
+
+    _edit_manifest(folder, relayer)
+    with pytest.raises(CacheShardError, match=r"hidden_layer_ids: cache.json \[0, 1\], shard"):
+        open_cached_rows(cache_rows(), folder, _wanted(layers=(0, 1)))
+
+    def recount(meta):
+        meta["hidden_layer_ids"] = meta["key"]["hidden_layer_ids"] = [0, 2]
+        meta["shards"][4]["num_tokens"] += 1
+        meta["num_tokens"] += 1
+
+    _edit_manifest(folder, recount)
+    with pytest.raises(CacheShardError, match=r"shard-00004.safetensors is disagreeing.*num_tok"):
+        open_cached_rows(cache_rows(), folder, _wanted())
 
 
 def test_cache_states_its_bytes_per_token_at_8b_and_70b(tmp_path: Path) -> None:

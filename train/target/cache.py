@@ -1,4 +1,4 @@
-"""Score the training sequences with the target once, into the offline top-k cache.
+"""Score sequences with the target once, into the offline top-k cache, and serve any run from it.
 
 Online distillation runs the target on every batch of every epoch; the offline cache
 (``draftsmith.data.cache``) runs it once and keeps, per token, the top-k log-probabilities, their ids and
@@ -6,16 +6,33 @@ the log of the remaining mass (about ``6k + 12`` bytes per token against ``2V`` 
 logits), plus the hidden states a head drafter reads. Training rows then carry those fields
 and the objective rebuilds ``p`` from them.
 
-Every process of a launch writes its share into one folder: the sequences fall into parts of
-``part_sequences``, part ``p`` goes to process ``p mod N`` and is written atomically as
-``shard-p`` (``draftsmith.data.cache.save_shard``). A build killed at any moment leaves whole parts and
-no half-written one; run again, it keeps the finished parts and scores only the missing ones,
-so no sequence is lost or written twice. When every part exists the main process writes
-``cache.json``, which carries the run's key (target, k, the number of sequences and a digest
-of their tokens, hidden layers, dtype). A folder whose key differs from the run's is refused
-by name (:class:`CacheKeyError`), never reused or silently overwritten. A sharded target
-(``draftsmith.train.target.sharding``) takes part in collective forwards, so every process runs the same
-number of them (a process with fewer sequences runs one-token passes).
+The cache is data, not a run. Its key (:func:`cache_key`) is what makes a cached value true:
+the target and its dtype, the tokenizer, k, the stored hidden layers and the cache dtype; a
+folder of another key is refused by name (:class:`CacheKeyError`), never reused or
+overwritten. Within a key, every sequence is named by its tokens
+(``draftsmith.data.cache.sequence_digest``) and the manifest lists the sequences of each shard,
+so a run finds the sequences it reads whatever its steps, batch, learning rate, loss or drafter
+settings. A build (:func:`build_or_reuse_cache`) plans once from the manifest and the run's rows
+(:func:`plan_build`):
+
+- sequences the run reads that the cache lacks are scored and appended as new shards;
+- shards holding sequences the run reads that are missing, truncated or fail their checksum
+  are rescored under the same names; every other shard's bytes stay as they were;
+- nothing else is scored (a complete, sound cache costs no forward pass).
+
+A run that only reads (``cache_only``) opens it with :func:`open_cached_rows`, which refuses
+missing sequences and damaged shards by name, with the fix (:class:`CacheMissingError`,
+``draftsmith.data.cache.CacheShardError``).
+
+Every process of a launch writes its share into one folder: the planned parts go to process
+``p mod N`` and each is written atomically (``draftsmith.data.cache.save_shard``) with its
+manifest entry (size, SHA-256, sequences) beside it as ``shard-NNNNN.entry.json``. The main
+process folds the entries into ``cache.json`` once every part exists. A build killed at any
+moment leaves whole parts; run again, it makes the same plan (the manifest is unchanged until
+the end), keeps the parts whose entries match and scores only the others, so no sequence is lost
+or written twice. A sharded target (``draftsmith.train.target.sharding``) takes part in
+collective forwards, so every process runs the same number of them (a process with fewer
+sequences runs one-token passes).
 """
 
 from __future__ import annotations
@@ -30,20 +47,28 @@ from typing import Any
 
 import torch
 
-BUILD_FILE = "cache_build.json"  # the key of a build under way, written before any part
-PART_SEQUENCES = 64  # sequences per part (one shard file each)
+PART_SEQUENCES = 64  # sequences per new part (one shard file each)
+_ENTRY_SUFFIX = ".entry.json"  # a finished part's manifest entry, until cache.json holds it
+_REBUILD = (
+    "rerun the build with the same flags and --target_outputs cache: it rescores only the "
+    "damaged shards and leaves the others as they are"
+)
 
 # (hidden size, vocabulary) of the shapes the cache states its cost for (bf16 hidden states).
 SCALE_SHAPES = {"llama-3-8b": (4096, 128_256), "llama-3-70b": (8192, 128_256)}
 
 
 class CacheKeyError(ValueError):
-    """The cache folder holds outputs of another run (its key differs)."""
+    """The cache folder holds outputs of another target, tokenizer or layout (its key differs)."""
+
+
+class CacheMissingError(ValueError):
+    """A run that only reads the cache needs sequences the cache does not hold."""
 
 
 @dataclass
 class CacheStats:
-    """What the cache costs, for the run summary and the model card."""
+    """What the cache costs and what this run did with it, for the summary and the model card."""
 
     folder: str
     k: int
@@ -53,101 +78,117 @@ class CacheStats:
     full_fp16_bytes_per_token: int
     parts_written: int = 0  # parts this process scored in this run (0: all reused)
     at_scale: dict[str, dict[str, int]] = field(default_factory=dict)
+    run_sequences: int = 0  # distinct sequences this run reads from the cache
+    sequences_scored: int = 0  # of them, scored by this build (missing or in a damaged shard)
+    shards_rebuilt: list[str] = field(default_factory=list)  # damaged shards rewritten
 
     @property
     def compression(self) -> float:
         return self.full_fp16_bytes_per_token / self.bytes_per_token
 
 
-class CachedRows(Sequence):
-    """Training rows joined with their cached target outputs (same order, same tokens)."""
+@dataclass
+class BuildPlan:
+    """What a build scores: ``parts`` are (shard index, row indices) in scoring order; the
+    first ``len(rebuilt)`` rewrite the damaged shards, the rest append."""
 
-    def __init__(self, rows: Sequence[dict[str, Any]], cache: Any) -> None:
-        if len(rows) != len(cache):
-            raise ValueError(
-                f"the target cache in {cache.folder} holds {len(cache)} sequences but the "
-                f"training set has {len(rows)}; delete the cache folder to rebuild it"
-            )
+    parts: list[tuple[int, list[int]]]
+    rebuilt: dict[int, str]  # shard index -> what was wrong with it
+    missing: int  # distinct sequences the run reads that no shard holds
+    needed: int  # distinct sequences the run reads
+    dropped: int  # sequences of damaged shards this run cannot rescore (not among its rows)
+
+
+class CachedRows(Sequence):
+    """Training rows joined with their cached target outputs (row i: cache sequence
+    ``positions[i]``, the same tokens)."""
+
+    def __init__(self, rows: Sequence[dict[str, Any]], cache: Any, positions: list[int]) -> None:
         self.rows = rows
         self.cache = cache
+        self.positions = positions
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def __getitem__(self, index: int) -> dict[str, Any]:  # type: ignore[override]
         row = self.rows[index]
-        cached = self.cache[index]
+        cached = self.cache[self.positions[index]]
         if cached["input_ids"].shape[0] != len(row["input_ids"]):
             raise ValueError(
-                f"cached sequence {index} has {cached['input_ids'].shape[0]} tokens but the "
-                f"training row has {len(row['input_ids'])}; delete {self.cache.folder} to rebuild"
+                f"cached sequence {self.positions[index]} has {cached['input_ids'].shape[0]} "
+                f"tokens but the training row has {len(row['input_ids'])}; delete "
+                f"{self.cache.folder} to rebuild"
             )
         return {**cached, "loss_mask": row["loss_mask"]}
 
 
 def cache_key(
-    key: dict[str, Any],
-    k: int,
-    rows: Sequence[dict[str, Any]],
-    hidden_layer_ids: list[int] | None,
-    dtype: str,
+    key: dict[str, Any], k: int, hidden_layer_ids: list[int] | None, dtype: str
 ) -> dict[str, Any]:
-    """The full key a cache folder must carry to serve a run: the caller's fields (the target),
-    the settings, and the rows themselves (:func:`rows_digest`), so a cache serves exactly the
-    token sequences it scored, whatever recipe made them."""
-    return {
-        **key,
-        "k": k,
-        "num_sequences": len(rows),
-        "tokens": rows_digest(rows),
-        "hidden_layer_ids": hidden_layer_ids,
-        "dtype": dtype,
-    }
+    """The key a cache folder must carry to serve a run: the caller's fields (the target, its
+    dtype, the tokenizer) and the layout (k, hidden layers, cache dtype). The sequences are not
+    part of it: the manifest lists them, and a run reads whichever it needs."""
+    return {**key, "k": k, "hidden_layer_ids": hidden_layer_ids, "dtype": dtype}
 
 
-def rows_digest(rows: Sequence[dict[str, Any]]) -> str:
-    """SHA-256 (first 16 hex digits) of the rows' token ids in order, each row's length first.
+def tokenizer_digest(tokenizer: Any) -> str:
+    """SHA-256 (first 16 hex digits) of the tokenizer's vocabulary (token -> id, added tokens
+    included): two tokenizers share it only when every token has the same id."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: (item[1], item[0]))
+    return hashlib.sha256(json.dumps(vocab).encode()).hexdigest()[:16]
 
-    Two row sets share a digest only when every sequence is the same, so a cache is reused
-    across seeds and recipes that produce the same tokens, and refused (not silently reused)
-    for rows of the same count and length but other tokens. Loss masks are not part of it: they
-    come from the run's rows, never from the cache."""
-    digest = hashlib.sha256()
-    for row in rows:
-        ids = torch.as_tensor(row["input_ids"], dtype=torch.int64).reshape(-1)
-        digest.update(ids.numel().to_bytes(8, "little"))
-        digest.update(ids.numpy().tobytes())
-    return digest.hexdigest()[:16]
+
+def row_digests(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Each row's sequence digest (``draftsmith.data.cache.sequence_digest``), in order. Loss
+    masks are not part of it: they come from the run's rows, never from the cache."""
+    from draftsmith.data.cache import sequence_digest
+
+    return [sequence_digest(row["input_ids"]) for row in rows]
 
 
 def check_key(folder: Path, found: dict[str, Any] | None, wanted: dict[str, Any]) -> None:
     """Raise :class:`CacheKeyError` naming every field where ``found`` differs from ``wanted``."""
     found = found or {}
     fields = sorted(set(found) | set(wanted))
-    differ = [f"{name}: cache {found.get(name)!r}, run {wanted.get(name)!r}" for name in fields]
     differ = [
-        d for d, name in zip(differ, fields, strict=True) if found.get(name) != wanted.get(name)
+        f"{name}: cache {found.get(name)!r}, run {wanted.get(name)!r}"
+        for name in fields
+        if found.get(name) != wanted.get(name)
     ]
     if differ:
         raise CacheKeyError(
-            f"the target cache in {folder} was built for another run ({'; '.join(differ)}); it "
-            "is not reused: delete that folder to rebuild it, or pass another --cache_dir"
+            f"the target cache in {folder} was built for another target, tokenizer or layout "
+            f"({'; '.join(differ)}); it is not reused: delete that folder to rebuild it, or pass "
+            "another --cache_dir"
         )
 
 
-def cache_state(folder: Path, wanted: dict[str, Any]) -> str:
-    """``complete`` (cache.json with this key), ``partial`` (a build of this key under way) or
-    ``empty``; raise :class:`CacheKeyError` for a folder of another key."""
-    from draftsmith.data.cache import CACHE_FILE
-
-    manifest, build = folder / CACHE_FILE, folder / BUILD_FILE
-    if manifest.is_file():
-        check_key(folder, json.loads(manifest.read_text()).get("key"), wanted)
-        return "complete"
-    if build.is_file():
-        check_key(folder, json.loads(build.read_text()), wanted)
-        return "partial"
-    return "empty"
+def plan_build(cache: Any, digests: list[str], part_sequences: int = PART_SEQUENCES) -> BuildPlan:
+    """What a build of the rows named ``digests`` must score in ``cache`` (a
+    ``draftsmith.data.cache.TargetCache``, or None for an empty folder): the damaged shards
+    holding sequences of the run, rewritten with the rows they held, then the missing
+    sequences in new parts of ``part_sequences``. Every process makes the same plan."""
+    if part_sequences < 1:
+        raise ValueError(f"part_sequences must be >= 1, got {part_sequences}")
+    first_row: dict[str, int] = {}
+    for row, digest in enumerate(digests):
+        first_row.setdefault(digest, row)
+    shards = [] if cache is None else cache.shards
+    held = {d: i for i, shard in enumerate(shards) for d in shard["sequences"]}
+    needed_shards = sorted({held[d] for d in first_row if d in held})
+    damaged = {} if cache is None else cache.damaged_shards(needed_shards)
+    parts, dropped = [], 0
+    for shard_index in damaged:
+        stored = shards[shard_index]["sequences"]
+        rows = [first_row[d] for d in stored if d in first_row]
+        dropped += len(stored) - len(rows)
+        parts.append((_shard_number(shards[shard_index]["file"]), rows))
+    missing = [row for d, row in first_row.items() if d not in held]
+    start = 1 + max((_shard_number(s["file"]) for s in shards), default=-1)
+    for offset in range(0, len(missing), part_sequences):
+        parts.append((start + offset // part_sequences, missing[offset : offset + part_sequences]))
+    return BuildPlan(parts, damaged, len(missing), len(first_row), dropped)
 
 
 @torch.no_grad()
@@ -166,51 +207,52 @@ def build_or_reuse_cache(
     dtype: str = "float16",
     part_sequences: int = PART_SEQUENCES,
 ) -> CacheStats:
-    """Write (or reuse, or finish) the cache of ``target``'s outputs on ``rows`` in ``folder``.
+    """Make the cache in ``folder`` hold ``target``'s outputs on every one of ``rows``: reuse
+    what it holds, rewrite its damaged shards, append what it lacks (module docstring).
 
-    Every process of ``accelerator`` calls it with the same rows; each scores its parts (module
-    docstring). Without an accelerator one process writes them all.
+    Every process of ``accelerator`` calls it with the same rows; each scores its parts.
+    Without an accelerator one process writes them all.
     """
-    from draftsmith.data.atomic_io import write_json_atomic
+    from draftsmith.data.cache import CACHE_FILE, TargetCache, read_manifest, write_manifest
 
     folder = Path(folder)
-    wanted = cache_key(key, k, rows, hidden_layer_ids, dtype)
+    wanted = cache_key(key, k, hidden_layer_ids, dtype)
     rank, world = _rank_world(accelerator)
-    state = cache_state(folder, wanted)
-    written = 0
-    if state != "complete":
-        if rank == 0:
+    if rank == 0:
+        if (folder / CACHE_FILE).is_file():
+            check_key(folder, read_manifest(folder).get("key"), wanted)
+        else:  # a new cache: its key first, so a killed first build is continued, not lost
             folder.mkdir(parents=True, exist_ok=True)
-            if state == "empty":
-                _remove_stray_parts(folder)
-                write_json_atomic(folder / BUILD_FILE, wanted)
-        _barrier(accelerator)
-        parts = _parts(len(rows), part_sequences)
-        mine = [p for p in range(len(parts)) if p % world == rank]
+            _remove_unlisted(folder)
+            vocab = _vocab_size(target)
+            write_manifest(folder, [], k, vocab, dtype, hidden_layer_ids, None, key=wanted)
+    _barrier(accelerator)
+    cache = TargetCache(folder)
+    check_key(folder, cache.meta.get("key"), wanted)
+    plan = plan_build(cache, row_digests(rows), part_sequences)
+    if rank == 0:
+        print(_plan_line(folder, plan), flush=True)
+    written = 0
+    if plan.parts:
+        mine = [part for index, part in enumerate(plan.parts) if index % world == rank]
+        layout = {"k": k, "dtype": dtype, "hidden_layer_ids": hidden_layer_ids}
         written = _score_parts(
-            target,
-            rows,
-            folder,
-            parts,
-            mine,
-            k,
-            pad_token_id,
-            device,
-            batch_size,
-            hidden_layer_ids,
-            dtype,
-            accelerator,
+            target, rows, folder, mine, layout, pad_token_id, device, batch_size, accelerator,
             progress,
-        )
+        )  # fmt: skip
         _barrier(accelerator)
         if rank == 0:
-            _finish(folder, parts, k, dtype, hidden_layer_ids, target, wanted)
+            _fold_entries(folder, cache, plan)
         _barrier(accelerator)
-    return cache_stats(folder, written)
+    stats = cache_stats(folder, written)
+    stats.run_sequences = plan.needed
+    stats.sequences_scored = sum(len(part) for _, part in plan.parts)
+    stats.shards_rebuilt = [cache.shards[i]["file"] for i in plan.rebuilt]
+    return stats
 
 
 def cache_stats(folder: Path, written: int = 0) -> CacheStats:
-    """Sizes of the complete cache in ``folder``, and its cost per token at 8 B and 70 B."""
+    """Sizes of the cache in ``folder``, and its cost per token at 8 B and 70 B."""
     from draftsmith.data.cache import (
         TargetCache,
         cache_bytes_per_token,
@@ -244,21 +286,69 @@ def cache_stats(folder: Path, written: int = 0) -> CacheStats:
 def open_cached_rows(
     rows: Sequence[dict[str, Any]], folder: Path, wanted: dict[str, Any] | None = None
 ) -> CachedRows:
-    """The training rows joined with the cache in ``folder`` (its key checked when given)."""
+    """The rows joined with the cache in ``folder``: its key checked when ``wanted`` is given,
+    every row's sequence found by its tokens, and every shard they lie in checked (size,
+    checksum, header). Missing sequences are :class:`CacheMissingError`, damaged shards
+    ``CacheShardError``, both naming the fix."""
     from draftsmith.data.cache import CACHE_FILE, TargetCache
 
     folder = Path(folder)
+    if not (folder / CACHE_FILE).is_file():
+        raise FileNotFoundError(
+            f"--target_outputs cache_only: {folder} holds no target cache; build it first with "
+            "--target_outputs cache (the same data, target and --cache_dir)"
+        )
+    cache = TargetCache(folder)
     if wanted is not None:
-        if not (folder / CACHE_FILE).is_file():
-            raise FileNotFoundError(
-                f"--target_outputs cache_only: {folder} holds no complete target cache; build "
-                "it first with --target_outputs cache (the same data, target and --cache_dir)"
-            )
-        cache_state(folder, wanted)
-    return CachedRows(rows, TargetCache(folder))
+        check_key(folder, cache.meta.get("key"), wanted)
+    digests = row_digests(rows)
+    positions = [cache.position(digest) for digest in digests]
+    absent = {d for d, p in zip(digests, positions, strict=True) if p is None}
+    if absent:
+        raise CacheMissingError(
+            f"the run reads {len(set(digests))} distinct sequences and {len(absent)} of them are "
+            f"not in the target cache in {folder} (it holds {len(cache)}); score them with "
+            "--target_outputs cache and the same flags, which appends only the missing ones"
+        )
+    cache.check_shards([cache.shard_of(p) for p in positions], _fix_line(folder))
+    return CachedRows(rows, cache, positions)
 
 
 # --------------------------------------------------------------------------- internals
+
+
+def _fix_line(folder: Path) -> str:
+    return f"To repair it, {_REBUILD} (--cache_dir {folder})."
+
+
+def _plan_line(folder: Path, plan: BuildPlan) -> str:
+    """The build's plan in one log line: what is reused, scored and rewritten."""
+    reused = (
+        plan.needed - plan.missing - sum(len(rows) for _, rows in plan.parts[: len(plan.rebuilt)])
+    )
+    line = (
+        f"target cache {folder}: the run reads {plan.needed} sequences; {reused} reused, "
+        f"{plan.missing} missing (scored into {len(plan.parts) - len(plan.rebuilt)} new parts), "
+        f"{len(plan.rebuilt)} damaged shards rescored"
+    )
+    if plan.rebuilt:
+        line += " (" + ", ".join(f"shard {i}: {why}" for i, why in plan.rebuilt.items()) + ")"
+    if plan.dropped:
+        line += f"; {plan.dropped} sequences of those shards are not among this run's rows: dropped"
+    return line
+
+
+def _shard_number(file: str) -> int:
+    """``shard-00012.safetensors`` -> 12."""
+    return int(file.split("-", 1)[1].split(".", 1)[0])
+
+
+def _vocab_size(target: torch.nn.Module) -> int:
+    vocab = int(target.config.vocab_size)
+    output = target.get_output_embeddings() if hasattr(target, "get_output_embeddings") else None
+    if output is not None and hasattr(output, "out_features"):
+        vocab = int(output.out_features)
+    return vocab
 
 
 def _rank_world(accelerator: Any) -> tuple[int, int]:
@@ -272,65 +362,89 @@ def _barrier(accelerator: Any) -> None:
         accelerator.wait_for_everyone()
 
 
-def _parts(num_sequences: int, part_sequences: int) -> list[range]:
-    if part_sequences < 1:
-        raise ValueError(f"part_sequences must be >= 1, got {part_sequences}")
-    return [
-        range(start, min(start + part_sequences, num_sequences))
-        for start in range(0, num_sequences, part_sequences)
-    ]
-
-
-def _remove_stray_parts(folder: Path) -> None:
-    """Shards with neither a manifest nor a build key: of no known run, so not reusable."""
-    for stray in folder.glob("shard-*.safetensors"):
+def _remove_unlisted(folder: Path) -> None:
+    """Shards and entries with no manifest: of no known build, so not reusable."""
+    for stray in [*folder.glob("shard-*.safetensors"), *folder.glob(f"shard-*{_ENTRY_SUFFIX}")]:
         stray.unlink()
+
+
+def _entry_path(folder: Path, shard_index: int) -> Path:
+    from draftsmith.data.cache import shard_name
+
+    return folder / (shard_name(shard_index) + _ENTRY_SUFFIX)
+
+
+def _finished_entry(folder: Path, shard_index: int, digests: list[str]) -> dict[str, Any] | None:
+    """The entry of part ``shard_index`` when a build killed earlier finished it with exactly
+    ``digests`` and its bytes still match; None otherwise."""
+    from draftsmith.data.cache import file_sha256, shard_name
+
+    path = _entry_path(folder, shard_index)
+    try:
+        entry = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    shard = folder / shard_name(shard_index)
+    if (
+        not isinstance(entry, dict)
+        or entry.get("sequences") != digests
+        or not shard.is_file()
+        or shard.stat().st_size != entry.get("bytes")
+        or file_sha256(shard) != entry.get("sha256")
+    ):
+        return None
+    return entry
 
 
 def _score_parts(
     target: torch.nn.Module,
     rows: Sequence[dict[str, Any]],
     folder: Path,
-    parts: list[range],
-    mine: list[int],
-    k: int,
+    parts: list[tuple[int, list[int]]],
+    layout: dict[str, Any],
     pad_token_id: int,
     device: torch.device,
     batch_size: int,
-    hidden_layer_ids: list[int] | None,
-    dtype: str,
     accelerator: Any,
     progress: bool,
 ) -> int:
-    """Score this process's missing parts; return how many it wrote."""
-    from draftsmith.data.cache import TargetCacheWriter, read_shard_entry, save_shard
+    """Score this process's parts (those not finished by an earlier, killed build); each is
+    written as its shard, then its manifest entry. Return how many it wrote."""
+    from draftsmith.data.atomic_io import write_json_atomic
+    from draftsmith.data.cache import TargetCacheWriter, save_shard
     from draftsmith.data.packing import collate
     from tqdm.auto import tqdm
 
-    todo = []
-    for p in mine:
-        done = read_shard_entry(folder, p)
-        if done is None or done["num_sequences"] != len(parts[p]):
-            todo.append(p)
+    digests = row_digests(rows)
+    todo = [
+        (index, part)
+        for index, part in parts
+        if _finished_entry(folder, index, [digests[i] for i in part]) is None
+    ]
     batches = [
-        (p, range(start, min(start + batch_size, parts[p].stop)))
-        for p in todo
-        for start in range(parts[p].start, parts[p].stop, batch_size)
+        (index, part[start : start + batch_size], start + batch_size >= len(part))
+        for index, part in todo
+        for start in range(0, len(part), batch_size)
     ]
     passes = _common_pass_count(len(batches), target, accelerator)
+    hidden_layer_ids = layout["hidden_layer_ids"]
     was_training = target.training
     target.eval()
     # The writer checks and compresses each sequence; parts are taken from it, so it never
     # writes a shard of its own (its scratch folder stays empty and is removed).
     scratch = folder / f".scratch-{_rank_world(accelerator)[0]}"
     writer = TargetCacheWriter(
-        scratch, k, shard_tokens=2**62, hidden_layer_ids=hidden_layer_ids, dtype=dtype
+        scratch,
+        layout["k"],
+        shard_tokens=2**62,
+        hidden_layer_ids=hidden_layer_ids,
+        dtype=layout["dtype"],
     )
-    for index in tqdm(range(passes), desc="target cache", disable=not progress):
-        if index >= len(batches):
+    for number in tqdm(range(passes), desc="target cache", disable=not progress):
+        if number >= len(batches):
             target(input_ids=torch.full((1, 1), pad_token_id, device=device), use_cache=False)
             continue
-        part, span = batches[index]
+        index, span, last = batches[number]
         batch = collate([rows[i] for i in span], pad_token_id)
         outputs = target(
             input_ids=batch["input_ids"].to(device),
@@ -345,8 +459,9 @@ def _score_parts(
                     [outputs.hidden_states[i][row, :length] for i in hidden_layer_ids]
                 )
             writer.add(batch["input_ids"][row, :length], outputs.logits[row, :length], hidden)
-        if span.stop == parts[part].stop:
-            save_shard(folder, part, writer.take(), hidden_layer_ids is not None)
+        if last:
+            entry = save_shard(folder, index, writer.take(), hidden_layer_ids is not None, layout)
+            write_json_atomic(_entry_path(folder, index), entry)
     target.train(was_training)
     shutil.rmtree(scratch, ignore_errors=True)
     return len(todo)
@@ -364,39 +479,50 @@ def _common_pass_count(own: int, target: torch.nn.Module, accelerator: Any) -> i
     return max(int(n) for n in gather_object([own]))
 
 
-def _finish(
-    folder: Path,
-    parts: list[range],
-    k: int,
-    dtype: str,
-    hidden_layer_ids: list[int] | None,
-    target: torch.nn.Module,
-    wanted: dict[str, Any],
-) -> None:
-    """Check every part is there with its count of sequences, then write ``cache.json``."""
-    from draftsmith.data.cache import read_shard_entry, write_manifest
+def _fold_entries(folder: Path, cache: Any, plan: BuildPlan) -> None:
+    """Put every planned part's entry in ``cache.json`` (rewritten shards in their place, new
+    ones at the end), then remove the entries and any half-written leftovers."""
+    from draftsmith.data.cache import shard_name, write_manifest
 
-    shards = []
-    for p, span in enumerate(parts):
-        entry = read_shard_entry(folder, p)
-        if entry is None or entry["num_sequences"] != len(span):
+    entries = {}
+    for index, _ in plan.parts:
+        path = _entry_path(folder, index)
+        if not path.is_file():
             raise RuntimeError(
-                f"part {p} of the target cache in {folder} is missing after every process "
-                "finished scoring; run the build again (finished parts are kept)"
+                f"part {shard_name(index)} of the target cache in {folder} is missing after "
+                "every process finished scoring; run the build again (finished parts are kept)"
             )
-        shards.append(entry)
-    hidden_shape = None
-    if hidden_layer_ids is not None:
-        from safetensors import safe_open
-
-        with safe_open(str(folder / shards[0]["file"]), framework="pt") as handle:
-            layers, _, width = handle.get_slice("hidden_states").get_shape()
-        hidden_shape = (int(layers), int(width))
-    vocab = int(target.config.vocab_size)
-    output = target.get_output_embeddings() if hasattr(target, "get_output_embeddings") else None
-    if output is not None and hasattr(output, "out_features"):
-        vocab = int(output.out_features)
-    write_manifest(folder, shards, k, vocab, dtype, hidden_layer_ids, hidden_shape, key=wanted)
-    for leftover in folder.glob(".shard-*.tmp-*"):  # a part being written when a process died
+        entries[index] = json.loads(path.read_text(encoding="utf-8"))
+    shards = [entries.pop(_shard_number(s["file"]), s) for s in cache.shards]
+    shards = [s for s in shards if s["num_sequences"] > 0] + list(entries.values())
+    meta = cache.meta
+    hidden_shape = _hidden_shape(folder, shards) if meta["hidden_layer_ids"] is not None else None
+    write_manifest(
+        folder,
+        shards,
+        meta["k"],
+        meta["vocab_size"],
+        meta["dtype"],
+        meta["hidden_layer_ids"],
+        hidden_shape,
+        key=meta["key"],
+    )
+    listed = {shard["file"] for shard in shards}
+    unlisted = [p for p in folder.glob("shard-*.safetensors") if p.name not in listed]
+    for leftover in [  # entries now in cache.json, parts of an abandoned plan, half-written parts
+        *folder.glob(f"shard-*{_ENTRY_SUFFIX}"),
+        *unlisted,
+        *folder.glob(".shard-*.tmp-*"),
+    ]:
         leftover.unlink()
-    (folder / BUILD_FILE).unlink(missing_ok=True)
+
+
+def _hidden_shape(folder: Path, shards: list[dict[str, Any]]) -> tuple[int, int] | None:
+    """(layers, width) of the stored hidden states, read from the first shard's header."""
+    from safetensors import safe_open
+
+    if not shards:
+        return None
+    with safe_open(str(folder / shards[0]["file"]), framework="pt") as handle:
+        layers, _, width = handle.get_slice("hidden_states").get_shape()
+    return int(layers), int(width)
