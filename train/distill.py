@@ -180,7 +180,7 @@ def _load(
             target,
             target_name,
             train_rows,
-            tokenizer.pad_token_id,
+            tokenizer,
             plan.output_dir,
         )
     eval_rows = evaluation_rows(config, target, tokenizer, sets.held_out, accelerator)
@@ -192,7 +192,7 @@ def _load(
             target_name,
             eval_rows,
             objective,
-            tokenizer.pad_token_id,
+            tokenizer,
             plan.output_dir,
         )
     return _Run(
