@@ -78,10 +78,15 @@ from typing import Any, Literal
 
 import torch
 from draftsmith.data.atomic_io import atomic_folder
-from draftsmith.decode.drafters.eagle.config import eagle3_values_from_layer
+from draftsmith.decode.drafters.eagle.config import (
+    VARIANT_FLAGS,
+    check_layer_kinds,
+    eagle3_values_from_layer,
+    eagle3_variant_flags,
+)
 from draftsmith.decode.drafters.eagle.head import EAGLE3_ARCHITECTURE, Eagle3Config, Eagle3Head
 from draftsmith.decode.drafters.eagle.peagle import PEagleConfig, PEagleHead
-from draftsmith.decode.drafters.folder import check_weights_fit_config, config_from_fields
+from draftsmith.decode.drafters.folder import check_weights_fit_config
 from draftsmith.decode.drafters.medusa import MEDUSA_ARCHITECTURE, MedusaHeads
 from draftsmith.decode.loading import LoadError, load_safetensors, read_json_object
 from draftsmith.train.config import EXPORT_FORMATS_BY_KIND, LossConfig
@@ -150,7 +155,7 @@ def _llama_layer_config(config: Eagle3Config, dtype: torch.dtype) -> dict[str, A
         "num_hidden_layers": config.num_hidden_layers,
         "rms_norm_eps": config.rms_norm_eps,
         "rope_theta": config.rope_theta,
-        "rope_scaling": None,
+        "rope_scaling": config.rope_scaling,
         "max_position_embeddings": config.max_position_embeddings,
         "vocab_size": config.target_vocab_size,
         "tie_word_embeddings": False,
@@ -170,6 +175,8 @@ def eagle3_engine_config(head: Eagle3Head, fmt: EngineFormat, dtype: torch.dtype
         **_llama_layer_config(config, dtype),
         "draft_vocab_size": config.draft_vocab_size,
         "target_hidden_size": config.hidden_size,
+        # the layer's variants, as vLLM's llama_eagle3.py reads them (absent: false)
+        **{flag: getattr(config, flag) for flag in VARIANT_FLAGS},
         "target_num_hidden_layers": config.target_num_hidden_layers,  # ours; engines ignore it
         "num_aux_hidden_states": len(ids["vllm"]),
         "eagle_aux_hidden_state_layer_ids": ids["vllm"],  # vLLM: layer inputs
@@ -214,10 +221,10 @@ def eagle3_speculators_config(
         "transformer_layer_config": layer,
         "draft_vocab_size": config.draft_vocab_size,
         "target_hidden_size": config.hidden_size,
-        "norm_before_residual": False,
+        "norm_before_residual": config.norm_before_residual,
         "norm_before_fc": False,
-        "fc_norm": False,
-        "norm_output": False,
+        "fc_norm": config.fc_norm,  # EAGLE-3.1's flags, read by vLLM's llama_eagle3.py
+        "norm_output": config.norm_output,
         "eagle_aux_hidden_state_layer_ids": ids["vllm"],
         "target_num_hidden_layers": config.target_num_hidden_layers,  # ours; vLLM ignores it
         "speculators_config": {
@@ -397,11 +404,7 @@ def _read_speculators(
     layer = raw.get("transformer_layer_config")
     if raw.get("speculators_model_type") != model_type or not isinstance(layer, dict):
         raise ValueError(f"{folder} is not a speculators-format {model_type} folder")
-    if raw.get("norm_before_residual", True) or raw.get("norm_before_fc") or raw.get("fc_norm"):
-        raise ValueError(
-            f"{folder} uses norm_before_residual/norm_before_fc/fc_norm, variants this head "
-            "does not implement"
-        )
+    check_layer_kinds(layer)  # a sliding window or a Qwen3 layer is refused by name
     ids = raw.get("eagle_aux_hidden_state_layer_ids")
     if not ids or not isinstance(ids, list):
         raise ValueError(f"{folder} names no eagle_aux_hidden_state_layer_ids")
@@ -411,7 +414,9 @@ def _read_speculators(
         depth = raw.get("target_num_hidden_layers", max(ids) + 1)
         draft_vocab = raw.get("draft_vocab_size") or layer["vocab_size"]
         values = eagle3_values_from_layer(layer, depth, ids, draft_vocab)
-        config = config_from_fields(Eagle3Config, values)
+        # vLLM reads a missing norm_before_residual as true for eagle3, false for peagle
+        values.update(eagle3_variant_flags(raw, norm_before_residual=model_type == "eagle3"))
+        config = Eagle3Config.from_dict(values)
     state = {
         ("midlayer." + k.removeprefix("layers.0.") if k.startswith("layers.0.") else k): v
         for k, v in weights.items()
@@ -462,6 +467,13 @@ _CHECK = (
 
 def rope_statement(config: Eagle3Config) -> str:
     """The head's rope and context in one sentence, for the folder cards and model card."""
+    if config.rope_scaling is not None:
+        return (
+            f"Rope: `rope_scaling` {json.dumps(config.rope_scaling)} with theta "
+            f"{config.rope_theta:g}, head dim {config.head_dim}, `max_position_embeddings` "
+            f"{config.max_position_embeddings}, the same float32 tables in draftsmith's decoder "
+            "and the engines."
+        )
     return (
         f"Rope: plain rope (`rope_type` default, `rope_scaling` null) with theta "
         f"{config.rope_theta:g}, head dim {config.head_dim}, `max_position_embeddings` "

@@ -216,6 +216,7 @@ def config_from_engine_dict(
     vLLM's top-level ``eagle_aux_hidden_state_layer_ids`` are hidden-state indices (ours);
     SGLang's ``eagle_config.eagle_aux_hidden_state_layer_ids`` count layer outputs (ours - 1).
     """
+    check_layer_kinds(raw)
     missing = [key for key in _ENGINE_REQUIRED if key not in raw]
     if missing:
         raise LoadError(
