@@ -370,9 +370,13 @@ def read_speculators_peagle(folder: str | Path) -> PEagleHead:
         return PEagleHead.from_state(head_config, state)
 
 
-def read_speculators_eagle3(folder: str | Path) -> Eagle3Head:
-    """Load a speculators-format EAGLE-3 folder (as written by :func:`export_eagle3`)."""
-    _, config, state = _read_speculators(folder, "eagle3")
+def read_speculators_eagle3(
+    folder: str | Path, target_num_hidden_layers: int | None = None
+) -> Eagle3Head:
+    """Load a speculators-format EAGLE-3 folder (as written by :func:`export_eagle3`, or
+    published); a folder naming no aux ids reads EAGLE-3's default ids of the target's depth
+    ``target_num_hidden_layers``, as vLLM does."""
+    _, config, state = _read_speculators(folder, "eagle3", target_num_hidden_layers)
     with _named_errors(folder, "eagle3"):
         return Eagle3Head.from_state(config, state)
 
@@ -394,7 +398,7 @@ def _named_errors(folder: str | Path, model_type: str) -> Iterator[None]:
 
 
 def _read_speculators(
-    folder: str | Path, model_type: str
+    folder: str | Path, model_type: str, target_num_hidden_layers: int | None = None
 ) -> tuple[dict[str, Any], Eagle3Config, dict[str, torch.Tensor]]:
     """A speculators folder's raw config, its EAGLE-3 layer config and its tensors (names as
     in our heads, ``layers.0.*`` back to ``midlayer.*``); every file checked
@@ -406,12 +410,18 @@ def _read_speculators(
         raise ValueError(f"{folder} is not a speculators-format {model_type} folder")
     check_layer_kinds(layer)  # a sliding window or a Qwen3 layer is refused by name
     ids = raw.get("eagle_aux_hidden_state_layer_ids")
-    if not ids or not isinstance(ids, list):
-        raise ValueError(f"{folder} names no eagle_aux_hidden_state_layer_ids")
+    if ids is None and target_num_hidden_layers is not None:
+        depth = target_num_hidden_layers  # the default ids of this depth, as vLLM reads them
+    elif not ids or not isinstance(ids, list):
+        raise ValueError(
+            f"{folder} names no eagle_aux_hidden_state_layer_ids: pass the target's depth "
+            "(target_num_hidden_layers) to use EAGLE-3's default ids"
+        )
+    else:
+        depth = raw.get("target_num_hidden_layers", target_num_hidden_layers or max(ids) + 1)
     weights = load_safetensors(folder / "model.safetensors", _REWRITE)
     check_weights_fit_config(layer, weights, folder / "config.json")
     with _named_errors(folder, model_type):
-        depth = raw.get("target_num_hidden_layers", max(ids) + 1)
         draft_vocab = raw.get("draft_vocab_size") or layer["vocab_size"]
         values = eagle3_values_from_layer(layer, depth, ids, draft_vocab)
         # vLLM reads a missing norm_before_residual as true for eagle3, false for peagle
