@@ -129,7 +129,7 @@ def read_json_object(file: str | Path, fix: str) -> dict[str, Any]:
     file = Path(file)
     try:
         data = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
         raise LoadError(f"{file} is not valid JSON ({error}); {fix}") from error
     if not isinstance(data, dict):
         raise LoadError(f"{file} holds a JSON {type(data).__name__}, not an object; {fix}")

@@ -20,7 +20,6 @@ blocks (commands, example output) and text between ``<!-- quoted -->`` and ``<!-
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import shutil
 import sys
@@ -113,7 +112,12 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def _read(path: Path) -> dict[str, Any]:
-    return json.loads((REPO / path).read_text())
+    """The record at ``path`` (under the repository, or absolute); ``ValueError`` naming it
+    when it is not a JSON object."""
+    from draftsmith.decode.loading import read_json_object
+
+    fix = "restore it from git (git checkout -- FILE) or rewrite it with the tool that wrote it"
+    return read_json_object(REPO / path, fix)
 
 
 # --------------------------------------------------------------------------- the main job

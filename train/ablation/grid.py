@@ -560,7 +560,9 @@ def remeasure_tau(path: Path, prompts: int, log: Callable[[str], None] = print) 
             raise FileNotFoundError(
                 f"run {key}: {run_dir} lacks summary.json or drafter/ (moved or deleted?)"
             )
-        summary = json.loads(summary_file.read_text())
+        from draftsmith.decode.loading import read_json_object
+
+        summary = read_json_object(summary_file, f"run {key} again (delete {run_dir})")
         recipe = Path(record["argv"][record["argv"].index("--config") + 1])
         source = read_recipe(recipe).get("speed_eval_prompt_source", "demo")
         log(f"[ablate] tau with {prompts} prompts: {key}")
