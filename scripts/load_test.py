@@ -12,6 +12,11 @@ text), the mean per-request tau when the server reports ``usage.speculative`` (d
 acceptance: tokens per target pass), and errors (any non-200 answer, an ``error`` event, a
 stream without ``[DONE]``; expected: 0). Exit status 1 when there were errors or no request
 completed. Only loopback servers unless ``--allow-remote``.
+
+``--sweep`` runs 1, 4, 8 and 16 clients at T = 0 and T = 1 against one or more servers,
+running or started here (vLLM's OpenAI server too, given ``--vllm-python``), and writes the
+runs with the machine record as JSON and a plot of tokens/s and TTFT against clients
+(scripts/load_sweep.py; ``draftsmith-report`` renders the serving guide's table from it).
 """
 
 from __future__ import annotations
@@ -83,6 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         http_url_problem,
     )
     from draftsmith.decode.measure.side_by_side import at_least_one, temperature_value
+    from draftsmith.scripts.load_sweep import add_sweep_flags, check_sweep_flags
 
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -107,7 +113,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--allow-remote", action="store_true", help="allow a server that is not on loopback"
     )
+    add_sweep_flags(parser)
     args = parser.parse_args(argv)
+    check_sweep_flags(parser, args, max_clients())
     # A run that never ends (inf) or never starts (NaN) is refused, not timed.
     try:
         check_positive_finite(args.duration, "--duration", "seconds")
@@ -126,9 +134,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     problem = http_url_problem(args.url, "--url", "http://127.0.0.1:8000")
     if problem:
         parser.error(problem)
-    host = urlparse(args.url).hostname or ""
-    if not args.allow_remote and not _is_loopback(host):
-        parser.error(f"{args.url} is not a loopback address; pass --allow-remote to load it")
+    for url in [args.url, *(entry.partition("=")[2].strip() for entry in args.server)]:
+        problem = http_url_problem(url, "--server" if url != args.url else "--url", url)
+        if problem:
+            parser.error(problem)
+        host = urlparse(url).hostname or ""
+        if not args.allow_remote and not _is_loopback(host):
+            parser.error(f"{url} is not a loopback address; pass --allow-remote to load it")
     if args.json is not None:
         try:
             check_output_file(args.json, "--json")
@@ -344,11 +356,17 @@ def report(summary: Summary, args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from draftsmith.data.atomic_io import write_json_atomic
+
     args = parse_args(argv)
+    if args.sweep:
+        from draftsmith.scripts.load_sweep import main_sweep
+
+        return main_sweep(args, run)
     summary = asyncio.run(run(args))
     print(report(summary, args), flush=True)
     if args.json is not None:
-        args.json.write_text(json.dumps(asdict(summary), indent=2) + "\n")
+        write_json_atomic(args.json, asdict(summary))
     if not summary.completed and not summary.errors:  # nothing measured: not a passing run
         print(
             f"no request completed in {summary.duration_s:g} s (+ {args.grace:g} s grace): "

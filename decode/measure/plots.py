@@ -64,6 +64,26 @@ def plot_speedup_against_draft_length(
     return _save(figure, path)
 
 
+def plot_against_clients(
+    panels: Mapping[str, Mapping[str, Mapping[int, float]]], path: str | Path, title: str = ""
+) -> Path:
+    """One panel per measure (tokens/s, TTFT, ...) against concurrent clients, one line per
+    server and setting (a load test's sweep)."""
+    plt = _pyplot()
+    figure, axes_row = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    for axes, (measure, curves) in zip(axes_row[0], panels.items(), strict=True):
+        for name, curve in curves.items():
+            clients = sorted(curve)
+            axes.plot(clients, [curve[c] for c in clients], marker="o", label=name)
+        axes.set_xscale("log", base=2)
+        axes.set_xlabel("concurrent clients")
+        axes.set_ylabel(measure)
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize=7)
+    figure.suptitle(title or "Serving under load")
+    return _save(figure, path)
+
+
 def _save(figure, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,218 @@
+"""Where serving time goes: the offline decoder against the same decoder behind the server.
+
+    python scripts/profile_serve.py --target DIR [--drafter DIR] [--clients 1 8] \\
+        [--max-tokens 128] [--draft-policy fixed load-aware] [--num-threads 2]
+
+The same prompts (scripts/load_test.py's) are decoded three ways in one process: by the
+offline decoder (``SpeculativeDecoder.generate``, one prompt at a time, fixed N), then by an
+in-process ``OpenAIServer`` (uvicorn on a loopback port) for each ``--draft-policy``, with
+``--clients`` streaming clients sending the prompts back to back. Printed per run: completion
+tokens/s, the served/offline ratio, and for each batch size the server's rounds ran at, the
+mean time of a round by phase (``draftsmith_round_seconds_total``: draft, verify, commit,
+handoff, other) and the decoder thread's busy share of the wall time (the rest is the event
+loop, tokenising, streaming and waiting for requests). Ratios within one run are what it
+measures; absolute speeds depend on the machine and its load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+PHASES = ("draft", "verify", "commit", "handoff", "other")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from draftsmith.decode.measure.side_by_side import at_least_one
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", required=True, help="target model folder")
+    parser.add_argument("--drafter", default=None, help="drafter folder (none: plain)")
+    parser.add_argument("--drafter-kind", default=None)
+    parser.add_argument("--num-draft-tokens", type=at_least_one, default=4)
+    parser.add_argument("--max-tokens", type=at_least_one, default=128)
+    parser.add_argument("--clients", type=at_least_one, nargs="+", default=[1, 8])
+    parser.add_argument(
+        "--draft-policy", nargs="+", default=["fixed", "load-aware"], help="server policies"
+    )
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--num-threads", type=int, default=None)
+    parser.add_argument("--seconds", type=float, default=20.0, help="per served run")
+    return parser.parse_args(argv)
+
+
+def offline_tokens_per_s(decoder: Any, prompts: list[list[int]], max_tokens: int) -> float:
+    """The offline decoder on each prompt alone (batch 1, no EOS), after one warm-up pass."""
+    import torch
+
+    def one(ids: list[int]) -> int:
+        out = decoder.generate(
+            torch.tensor([ids]), max_new_tokens=max_tokens, eos_token_id=[], temperature=0.0
+        )
+        return out.sequences.shape[1] - len(ids)
+
+    one(prompts[0])
+    start, tokens = time.perf_counter(), 0
+    for ids in prompts:
+        tokens += one(ids)
+    return tokens / (time.perf_counter() - start)
+
+
+@contextlib.contextmanager
+def running(server: Any) -> Iterator[str]:
+    """``server`` under uvicorn in a thread on a free loopback port; yields its URL."""
+    import uvicorn
+    from draftsmith.scripts.load_sweep import free_port
+
+    port = free_port()
+    instance = uvicorn.Server(server.uvicorn_config("127.0.0.1", port, log_level="warning"))
+    thread = threading.Thread(target=instance.run, daemon=True)
+    thread.start()
+    while not instance.started:
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        instance.should_exit = True
+        thread.join(30)
+
+
+async def served_run(
+    url: str, prompts: list[list[int]], clients: int, max_tokens: int, seconds: float
+) -> tuple[float, float]:
+    """(completion tokens/s, wall seconds): ``clients`` streaming clients, each sending the
+    prompts (as token ids) back to back with ``ignore_eos`` until ``seconds`` pass."""
+    import httpx
+    from draftsmith.scripts.load_test import one_request
+
+    async def client(index: int, deadline: float, counts: list[int]) -> None:
+        sent = 0
+        while time.monotonic() < deadline:
+            body = {
+                "model": "m",
+                "prompt": prompts[(index + sent * clients) % len(prompts)],
+                "max_tokens": max_tokens,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            sent += 1
+            result = await one_request(http, "/v1/completions", body)
+            if not result.ok:
+                raise RuntimeError(result.error)
+            counts.append(result.completion_tokens)
+
+    async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+        counts: list[int] = []
+        start = time.monotonic()
+        await asyncio.gather(*(client(i, start + seconds, counts) for i in range(clients)))
+        wall = time.monotonic() - start
+    return sum(counts) / wall, wall
+
+
+def round_breakdown(before: dict, after: dict) -> dict[str, dict[str, float]]:
+    """Per batch bucket: rounds, mean ms per phase, busy seconds (between two /metrics)."""
+    rows: dict[str, dict[str, float]] = {}
+    for (name, labels), value in after.items():
+        labels = dict(labels)
+        delta = value - before.get((name, frozenset(labels.items())), 0.0)
+        if name == "draftsmith_rounds_total":
+            rows.setdefault(labels["batch"], {}).setdefault("rounds", 0.0)
+            rows[labels["batch"]]["rounds"] += delta
+            width = float(labels["drafted"])
+            rows[labels["batch"]]["drafted"] = (
+                rows[labels["batch"]].get("drafted", 0.0) + delta * width
+            )
+        elif name == "draftsmith_round_seconds_total":
+            rows.setdefault(labels["batch"], {})[labels["phase"]] = delta
+    return {batch: row for batch, row in rows.items() if row.get("rounds")}
+
+
+def metrics_of(url: str) -> dict:
+    import httpx
+
+    return parse_metrics(httpx.get(f"{url}/metrics", timeout=30).text)
+
+
+def parse_metrics(text: str) -> dict:
+    """Prometheus samples as {(name, frozenset(labels)): value} (our own exposition)."""
+    import re
+
+    samples = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line:
+            continue
+        head, value = line.rsplit(" ", 1)
+        name, _, rest = head.partition("{")
+        labels = frozenset(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', rest))
+        samples[(name, labels)] = float(value)
+    return samples
+
+
+def main(argv: list[str] | None = None) -> int:
+    from draftsmith.decode.engine import SpeculativeDecoder
+    from draftsmith.decode.serve import build_server
+    from draftsmith.decode.serving.config import ServeConfig
+    from draftsmith.decode.serving.loading import load_components
+    from draftsmith.scripts.load_test import PROMPTS
+
+    args = parse_args(argv)
+    config = ServeConfig(
+        target=args.target,
+        drafter=args.drafter,
+        drafter_kind=args.drafter_kind,
+        num_draft_tokens=args.num_draft_tokens,
+        dtype=args.dtype,
+        num_threads=args.num_threads,
+        served_model_name="m",
+        max_tokens_limit=max(args.max_tokens, 16),
+        log_level="warning",
+    )
+    config.validate()
+    target, tokenizer, drafter = load_components(config)
+    prompts = [list(tokenizer(text)["input_ids"]) or [0] for text in PROMPTS]
+    decoder = SpeculativeDecoder(target, drafter, args.num_draft_tokens)
+    offline = offline_tokens_per_s(decoder, prompts, args.max_tokens)
+    print(f"offline decoder, batch 1, fixed N={args.num_draft_tokens}: {offline:.1f} tokens/s")
+    for policy in args.draft_policy:
+        config.draft_policy = policy
+        server = build_server(config)
+        with running(server) as url:
+            asyncio.run(served_run(url, prompts, 1, args.max_tokens, 1e-3))  # a warm-up
+            for clients in args.clients:
+                before = metrics_of(url)
+                rate, wall = asyncio.run(
+                    served_run(url, prompts, clients, args.max_tokens, args.seconds)
+                )
+                breakdown = round_breakdown(before, metrics_of(url))
+                print(
+                    f"served, {policy}, {clients} client(s): {rate:.1f} tokens/s "
+                    f"({rate / offline:.2f} of offline at batch 1)"
+                )
+                for batch, row in sorted(breakdown.items(), key=lambda item: item[1]["rounds"]):
+                    rounds = row["rounds"]
+                    busy = sum(row.get(phase, 0.0) for phase in PHASES)
+                    parts = ", ".join(
+                        f"{phase} {1000 * row.get(phase, 0.0) / rounds:.2f}" for phase in PHASES
+                    )
+                    print(
+                        f"  batch {batch:>5}: {int(rounds)} rounds, "
+                        f"{row.get('drafted', 0.0) / rounds:.2f} drafts/row, ms per round: "
+                        f"{parts}; rounds {busy / wall:.0%} of the wall time"
+                    )
+        server.worker.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    from draftsmith.decode.command_line import run_command
+
+    sys.exit(run_command(main))
