@@ -6,20 +6,27 @@
     draftsmith-report --main-job outputs/distill-demo --into main_job_amd.json  # the AMD record
 
 A section is the text between ``<!-- report:NAME -->`` and ``<!-- /report:NAME -->`` in
-README.md or a file of docs/guides/; ``SECTIONS`` says which function writes each one from
-which file under docs/results/. The tables are written from what the tools saved: the main
+README.md or a file of docs/ or docs/guides/; ``SECTIONS`` says which function writes each one
+from which record under docs/results/ (``RECORDS``). The tables are written from what the tools saved: the main
 job's ``summary.json`` (copied to ``docs/results/main_job.json``, or the record ``--into``
 names, by ``--main-job``), the
 benchmark's ``--json`` file and the ablation tool's ``ablation.json`` files (their Markdown is
-``draftsmith.train.ablation.report``'s own). ``--check`` also lists result figures (speedups, tau,
-spreads, gains) typed outside the marked sections, so every figure has a source file; fenced
-blocks (commands, example output) and text between ``<!-- quoted -->`` and ``<!-- /quoted -->``
-(figures quoted from a published source the text names) are exempt.
+``draftsmith.train.ablation.report``'s own). ``--check`` also lists
+
+- result figures (a number followed by ``x``, ``%``, ``ms``, ``tokens/s``, a tau, a spread, a
+  table cell holding a measurement) typed outside the marked sections, so every figure has a
+  source record. Code blocks (``bash``, ``python``, ``yaml``, ``json``), text between
+  ``<!-- quoted -->`` and ``<!-- /quoted -->`` (figures quoted from a published source the
+  text names), between ``<!-- projection -->`` and ``<!-- /projection -->`` (a projection the
+  text labels so) and the worked examples of ``ARITHMETIC`` are exempt;
+- records under docs/results/ that name no ``machine`` (the machine a figure was measured on,
+  ``draftsmith.decode.measure.machine``), and files there that no document cites.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import shutil
 import sys
@@ -34,15 +41,9 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path("docs/results")
 MAIN_JOB = RESULTS / "main_job.json"
 BENCH_DEMO = RESULTS / "bench_demo.json"
-BENCH_BENCH = RESULTS / "bench" / "bench_bench.json"
 BENCH_NO_AMX = RESULTS / "bench_no_amx" / "bench.json"
 BENCH_AMD = RESULTS / "bench_amd" / "bench.json"
 MAIN_JOB_AMD = RESULTS / "main_job_amd.json"
-ABLATION60 = RESULTS / "ablation" / "ablation.json"
-ABLATION150 = RESULTS / "ablation150" / "ablation.json"
-ABLATION_PEAGLE = RESULTS / "ablation_peagle" / "ablation.json"
-ABLATION_PEAGLE_WEIGHTS = RESULTS / "ablation_peagle_weights" / "ablation.json"
-ABLATION_PEAGLE_LAYERS = RESULTS / "ablation_peagle_layers" / "ablation.json"
 ABLATION_PEAGLE_NO_AMX = RESULTS / "ablation_peagle_no_amx" / "ablation.json"
 ABLATION_PEAGLE_AMD = RESULTS / "ablation_peagle_amd" / "ablation.json"
 ABLATION_VOCAB_NO_AMX = RESULTS / "ablation_vocab_no_amx" / "ablation.json"
@@ -53,20 +54,25 @@ ABLATION_SCHEDULE_NO_AMX = RESULTS / "ablation_schedule_no_amx" / "ablation.json
 ABLATION_STEPS_AMX = RESULTS / "ablation_steps_amx" / "ablation.json"
 ABLATION_PEAGLE_450_AMX = RESULTS / "ablation_peagle_450_amx" / "ablation.json"
 ABLATION_PEAGLE_LAYERS_450_AMX = RESULTS / "ablation_peagle_layers_450_amx" / "ablation.json"
-ABLATION_RETUNE = RESULTS / "ablation_retune" / "ablation.json"
-PARALLEL_CEILING = RESULTS / "parallel_ceiling_demo.json"
-FOLLOW_UPS = (  # the 150-step runs after the grid, each its own results file
-    "learning_rate0.002",
-    "regenerated4000",
-    "regenerated_defs",
-    "regenerated_defs_response_only",
-    "align_topk3",
-    "recipe_eagle3_old_samples",
-    "recipe_eagle3",
-    "recipe_draft_lm_t1",
-    "recipe_draft_lm",
+RECORDS = (
+    MAIN_JOB,
+    MAIN_JOB_AMD,
+    BENCH_DEMO,
+    BENCH_NO_AMX,
+    BENCH_AMD,
+    ABLATION_PEAGLE_NO_AMX,
+    ABLATION_PEAGLE_AMD,
+    ABLATION_VOCAB_NO_AMX,
+    ABLATION_VOCAB_NO_AMX_8MIN,
+    ABLATION_CACHE_NO_AMX,
+    ABLATION_CACHE256_NO_AMX,
+    ABLATION_SCHEDULE_NO_AMX,
+    ABLATION_STEPS_AMX,
+    ABLATION_PEAGLE_450_AMX,
+    ABLATION_PEAGLE_LAYERS_450_AMX,
 )
-DOCUMENTS = ("README.md", "docs/guides/*.md")
+"""The records the sections read: cited by the documents through their sections."""
+DOCUMENTS = ("README.md", "docs/*.md", "docs/guides/*.md")
 HEADLINE = (
     "plain (HF generate)",
     "HF prompt lookup",
@@ -81,15 +87,26 @@ method and best trained drafter; a saved benchmark must hold all of them."""
 
 MARKER = re.compile(r"(<!-- report:([\w-]+) -->\n)(.*?)(<!-- /report:\2 -->)", re.DOTALL)
 FIGURE = re.compile(
-    r"\d\.\d+x\b"  # a speedup
+    r"(?<![\w.])\d+(\.\d+)?x\b"  # a speedup or a ratio: 1.54x, 3x (not a shape: 8 x 512)
+    r"|\d\s?%"  # a share or a gain
     r"|\d ± \d"  # a spread over seeds
-    r"|(?<![\w.])[+-]\d+(\.\d+)?%"  # a gain
-    r"|\btau (of |=)?\d\.\d"  # a tau
-    r"|\d+(\.\d+)? tok(ens)?/s\b"  # a throughput
+    r"|\btau (of |= |was |at )?\d+\.\d"  # a tau
+    r"|\d\.\d+ tau\b"
+    r"|\d\s?(ms|milliseconds?|microseconds?|µs)\b"  # a time
+    r"|\d\s?tok(ens)?/s\b"  # a throughput
+    r"|^\|.*\|\s*[+-]?\d+\.\d+\s*x?\s*\|"  # a table cell holding a measured figure
 )
 """A result figure: these belong inside marked sections only."""
-EXEMPT = re.compile(r"<!-- quoted -->\n.*?<!-- /quoted -->|^```.*?^```", re.DOTALL | re.MULTILINE)
-"""Quoted published figures and fenced blocks, where the figure check does not look."""
+EXEMPT = re.compile(
+    r"<!-- (quoted|projection) -->\n.*?<!-- /\1 -->"
+    r"|^```(bash|python|yaml|json)\n.*?^```",
+    re.DOTALL | re.MULTILINE,
+)
+"""Where the figure check does not look: figures quoted from a published source the text
+names, a projection the text labels so, and code."""
+ARITHMETIC: tuple[str, ...] = ()
+"""Worked arithmetic the documents may type (each one exactly as written): an example of a
+formula, not a measurement. ``check`` fails on an entry no document holds any more."""
 
 
 # --------------------------------------------------------------------------- small formats
@@ -178,6 +195,8 @@ def main_job_run(summary: dict[str, Any]) -> str:
     ]
     minutes = summary.get("minutes")  # absent from results transcribed by hand
     length = f" in {minutes:.1f} min" if minutes is not None else ""
+    peak = summary.get("peak_rss_bytes")  # recorded since the run measured it
+    length += f" (peak memory of the process {peak / 1e9:.1f} GB)" if peak else ""
     mass = held.get("draftable_mass")  # pruned draft vocabularies, recorded since it existed
     cap = (
         f" (the target's probability on the draft vocabulary, which caps each overlap: {_f(mass)})"
@@ -204,10 +223,13 @@ def _trained_in(summary: dict[str, Any]) -> str:
 
 
 def _machine(record: dict[str, Any]) -> str:
-    """`` Machine: ...`` for a record that names its machine; records made before the field
-    existed name none."""
+    """`` Machine: ...``: the machine (or, for merged ablation grids, the machines) a record
+    names; ``check`` refuses a record under docs/results/ without one."""
     machine = record.get("machine")
-    return f" Machine: {describe_machine(machine)}." if machine else ""
+    if not machine:
+        return ""
+    machines = machine if isinstance(machine, list) else [machine]  # merged grids: several
+    return f" Machine: {'; '.join(describe_machine(m) for m in machines)}."
 
 
 def _position(key: str) -> int:
@@ -253,16 +275,6 @@ def _adaptive_clause(bench: dict[str, Any]) -> str:
     )
 
 
-def prompt_set(bench: dict[str, Any], source: str) -> dict[str, Any]:
-    """The benchmark as if ``source`` (a ``--prompts`` set other than the headline one) were
-    its headline: that set's rows and best methods under the usual keys."""
-    measured = bench["prompt_sets"][source]
-    return bench | {
-        "by_temperature": measured["by_temperature"],
-        "best_against_hf": measured["best_against_hf"],
-    }
-
-
 def _repeats_clause(bench: dict[str, Any]) -> str:
     """How the benchmark timed each prompt when it ran the prompts more than once (records
     before ``unreproduced_timing`` kept a non-reproducing method's first pass)."""
@@ -280,11 +292,6 @@ def _repeats_clause(bench: dict[str, Any]) -> str:
         " (a pass that decoded other tokens is not timed: rows whose policy adapts to "
         "measured times, the adaptive and hybrid ones, often keep their first pass when sampling)"
     )
-
-
-def ood_bench_table(bench: dict[str, Any]) -> str:
-    """``bench_table`` of a run's out-of-distribution (``--prompts ood``) set."""
-    return bench_table(prompt_set(bench, "ood"), "out-of-distribution (`ood`)")
 
 
 def bench_table(bench: dict[str, Any], prompts: str = "held-out") -> str:
@@ -330,14 +337,6 @@ def bench_table(bench: dict[str, Any], prompts: str = "held-out") -> str:
     return "\n".join(
         [f"{_setting(bench, prompts)} {SPEEDUPS}", "", *_table(header, rows), "", *best]
     )
-
-
-def bench_sweep(bench: dict[str, Any]) -> str:
-    """Speedup over HF ``generate`` against the draft length, at temperature 0."""
-    sweep = bench.get("sweep") or {}
-    lengths = sorted({int(n) for curve in sweep.values() for n in curve})
-    rows = [[kind, *(_x(curve.get(str(n))) for n in lengths)] for kind, curve in sweep.items()]
-    return "\n".join(_table(["drafter", *(f"N={n}" for n in lengths)], rows))
 
 
 def cost_model(bench: dict[str, Any], method: str = "draftsmith EAGLE-3 chain") -> str:
@@ -399,6 +398,32 @@ def headline_table(bench: dict[str, Any], summary: dict[str, Any]) -> str:
     return "\n".join([caption, "", *_table(header, rows)])
 
 
+KEY_ROWS = (
+    *HEADLINE,
+    "draftsmith P-EAGLE chain",
+    "draftsmith hybrid: lookup + EAGLE-3",
+    "draftsmith EAGLE-3 tree",
+    "draftsmith EAGLE-3 tree (sampled)",
+)
+"""The rows a machine's short benchmark table keeps (those the record has), beside each
+temperature's best draftsmith method."""
+
+
+def key_rows_table(bench: dict[str, Any]) -> str:
+    """``bench_table``'s setting and a short table: the references, the chains, the hybrid
+    and the tree of ``KEY_ROWS``, and each temperature's best draftsmith method."""
+    best = {b["draftsmith"] for b in bench["best_against_hf"].values()}
+    temperatures = list(bench["by_temperature"])
+    columns = ("vs fastest plain", "vs HF", "tau", "4-grams")
+    header = ["method"] + [f"T={t} {c}" for t in temperatures for c in columns]
+    rows = [
+        [method, *_speed_tau(by_t, temperatures)]
+        for method, by_t in _by_method(bench).items()
+        if method in KEY_ROWS or method in best
+    ]
+    return "\n".join([f"{_setting(bench)} {SPEEDUPS}", "", *_table(header, rows)])
+
+
 def _speed_tau(by_t: dict[str, dict[str, Any]], temperatures: list[str]) -> list[str]:
     cells = []
     for t in temperatures:
@@ -416,6 +441,106 @@ def _speed_tau(by_t: dict[str, dict[str, Any]], temperatures: list[str]) -> list
     return cells
 
 
+# --------------------------------------------------------------------------- machines, greedy ties
+
+
+def _kernels(machine: dict[str, Any]) -> str:
+    kernels = machine.get("cpu_kernels") or []
+    amx = " (no AMX)" if "AVX512-BF16" in kernels and "AMX" not in kernels else ""
+    return (" + ".join(kernels) or "none detected") + amx
+
+
+def machines_table(records: tuple[Path, ...] = RECORDS) -> str:
+    """Every machine the records name, with its kernels and the records measured there."""
+    machines: dict[str, tuple[dict[str, Any], list[str]]] = {}
+    for path in records:
+        named = _read(path)["machine"]
+        for machine in named if isinstance(named, list) else [named]:
+            key = json.dumps({k: machine.get(k) for k in ("cpu", "cpu_kernels")}, sort_keys=True)
+            machines.setdefault(key, (machine, []))[1].append(f"`{path.relative_to(RESULTS)}`")
+    rows = [
+        [
+            str(machine.get("accelerator") or machine.get("cpu")),
+            _kernels(machine),
+            str(machine.get("logical_cpus")),
+            str(machine.get("torch")),
+            ", ".join(names),
+        ]
+        for machine, names in machines.values()
+    ]
+    header = ["machine", "CPU kernels", "logical CPUs", "torch", "records (docs/results/)"]
+    return "\n".join(_table(header, rows))
+
+
+GREEDY_RECORDS = (BENCH_DEMO, BENCH_NO_AMX, BENCH_AMD)
+"""The benchmark records whose greedy agreement the benchmarks guide shows."""
+
+
+def greedy_agreement_table(records: tuple[Path, ...] = GREEDY_RECORDS) -> str:
+    """Per benchmark record, the prompts at T = 0 whose greedy output equals plain HF
+    ``generate``'s in the record's dtype, token for token (docs/theory.md §7), for the rows of
+    ``KEY_ROWS`` but HF ``generate`` itself."""
+    methods = [m for m in KEY_ROWS if m != "plain (HF generate)" and "sampled" not in m]
+    rows = []
+    for path in records:
+        bench = _read(path)
+        greedy = {row["method"]: row for row in bench["by_temperature"].get("0", [])}
+        rows.append(
+            [
+                f"{bench['machine']['cpu']} ({_kernels(bench['machine'])}), {bench['dtype']}",
+                *(
+                    f"{greedy[m]['greedy_equal_to_plain']}/{bench['num_prompts']}"
+                    if m in greedy
+                    else "-"
+                    for m in methods
+                ),
+            ]
+        )
+    return "\n".join(_table(["record", *methods], rows))
+
+
+CHAIN, PARALLEL = "draftsmith EAGLE-3 chain", "draftsmith P-EAGLE chain"
+
+
+def chains_by_machine(records: tuple[Path, ...] = GREEDY_RECORDS) -> str:
+    """The EAGLE-3 and P-EAGLE chains of each benchmark record over draftsmith's plain
+    decoding, per temperature, and P-EAGLE's speed as a share of the chain's."""
+    temperatures = ("0", "1")
+    header = ["machine", "dtype"]
+    header += [f"T={t} EAGLE-3 chain" for t in temperatures]
+    header += [f"T={t} P-EAGLE chain" for t in temperatures]
+    header += [f"T={t} P-EAGLE / EAGLE-3" for t in temperatures]
+    rows = []
+    for path in records:
+        bench = _read(path)
+        methods = _by_method(bench)
+        speed = {
+            (m, t): methods.get(m, {}).get(t, {}).get("speedup_over_fastest_plain")
+            for m in (CHAIN, PARALLEL)
+            for t in temperatures
+        }
+        ratio = [
+            _f(speed[PARALLEL, t] / speed[CHAIN, t])
+            if speed[PARALLEL, t] and speed[CHAIN, t]
+            else "-"
+            for t in temperatures
+        ]
+        rows.append(
+            [
+                f"{bench['machine']['cpu']} ({_kernels(bench['machine'])})",
+                bench["dtype"],
+                *(_x(speed[CHAIN, t]) for t in temperatures),
+                *(_x(speed[PARALLEL, t]) for t in temperatures),
+                *ratio,
+            ]
+        )
+    intro = (
+        "Each benchmark record's held-out prompts: speed over draftsmith's fastest plain "
+        "decoding on the same machine (ratios within one run; the machines' plain speeds differ)."
+    )
+    return "\n".join([intro, "", *_table(header, rows)])
+
+
 # --------------------------------------------------------------------------- the ablation
 
 
@@ -424,7 +549,8 @@ def ablation_tables(path: Path) -> str:
     from draftsmith.train.ablation.report import format_markdown
     from draftsmith.train.ablation.results import read_results
 
-    return format_markdown(read_results(REPO / path)).rstrip("\n")
+    results = read_results(REPO / path)
+    return (_machine(results).strip() + "\n\n" + format_markdown(results)).rstrip("\n")
 
 
 def depth_overlaps_table(path: Path) -> str:
@@ -489,7 +615,7 @@ def depth_overlaps_table(path: Path) -> str:
             else "."
         )
     )
-    return "\n".join([intro, "", *_table(header, rows)])
+    return "\n".join([intro + _machine(results), "", *_table(header, rows)])
 
 
 def decoding_table(path: Path) -> str:
@@ -499,9 +625,10 @@ def decoding_table(path: Path) -> str:
     from draftsmith.train.ablation.report import _mean_std, temperatures_of
     from draftsmith.train.ablation.results import read_results, summarize
 
+    results = read_results(REPO / path)
     cells = [
         entry
-        for entry in summarize(read_results(REPO / path)["runs"])
+        for entry in summarize(results["runs"])
         if "draft_ms_per_round" in entry and "tokens_per_s" in entry
     ]
     if not cells:
@@ -535,7 +662,7 @@ def decoding_table(path: Path) -> str:
         " draft ms/round: the drafter's time per round; tokens/s: the speculative decoder's"
         " speed (one pass per prompt); the last rows divide each cell's means by the first's."
     )
-    return "\n".join([intro, "", *_table(header, rows)])
+    return "\n".join([intro + _machine(results), "", *_table(header, rows)])
 
 
 def _ratio(value: dict[str, float] | None, base: dict[str, float] | None) -> str:
@@ -544,92 +671,25 @@ def _ratio(value: dict[str, float] | None, base: dict[str, float] | None) -> str
     return f"{value['mean'] / base['mean']:.2f}"
 
 
-def follow_ups_table(folder: Path = RESULTS / "ablation150") -> str:
-    """One row per cell of each follow-up results file: overlap@1 and tau, mean ± std."""
-    from draftsmith.train.ablation.report import _mean_std, tau_source, temperatures_of
-    from draftsmith.train.ablation.results import read_results
-
-    header = ["results file", "cell", "seeds", "overlap@1"]
-    rows: list[list[str]] = []
-    temperatures: list[str] = []
-    for name in FOLLOW_UPS:
-        cells = read_results(REPO / folder / f"{name}.json")["cells"]
-        source = tau_source(cells)
-        temperatures = temperatures or temperatures_of(cells)
-        for entry in cells:
-            taus = entry[source]["tau"] if source == "tau_check" else entry["tau"]
-            overlap = entry["overlap"][0] if entry["overlap"] else None
-            rows.append(
-                [
-                    f"`{name}.json`",
-                    entry["key"],
-                    str(len(entry["seeds"])),
-                    _mean_std(overlap, 3),
-                    *(_mean_std(taus.get(t), 2) for t in temperatures),
-                ]
-            )
-    return "\n".join(_table(header + [f"tau T={t}" for t in temperatures], rows))
-
-
-# --------------------------------------------------------------------------- P-EAGLE's cap
-
-
-def ceiling_table(result: dict[str, Any]) -> str:
-    """``draftsmith-parallel-ceiling``'s figures: the cap per depth and per chain length."""
-    rows = [
-        [
-            str(d["depth"]),
-            _f(d["ceiling"], 3),
-            f"[{d['lower']:.3f}, {d['upper']:.3f}]",
-            _f(d["mixture"], 3),
-            _f(d["coverage"], 3),
-        ]
-        for d in result["depths"]
-    ]
-    header = ["depth", "cap", "cap over all paths", "forward-KL optimum", "beam coverage"]
-    caps = ", ".join(
-        f"N = {n}: {tau:.2f} (a chain: {int(n) + 1})" for n, tau in result["tau_cap"].items()
-    )
-    intro = (
-        f"Target `{result['target']}` in {result['dtype']}, {result['contexts']} contexts of T = 1 text "
-        f"({result['prompts']} prompts), paths extended by their top {result['top_k']} tokens, "
-        f"{result['beam']} kept per depth."
-    )
-    return "\n".join(
-        [intro, "", *_table(header, rows), "", f"Tokens per verify pass at the caps: {caps}."]
-    )
-
-
 # --------------------------------------------------------------------------- sections
 
 SECTIONS: dict[str, Callable[[], str]] = {
+    "machines": machines_table,
+    "greedy-agreement": greedy_agreement_table,
+    "chains-by-machine": chains_by_machine,
     "headline": lambda: headline_table(_read(BENCH_DEMO), _read(MAIN_JOB)),
     "main-job-run": lambda: main_job_run(_read(MAIN_JOB)),
     "main-job": lambda: main_job_table(_read(MAIN_JOB)),
     "bench-demo": lambda: bench_table(_read(BENCH_DEMO)),
-    "bench-demo-sweep": lambda: bench_sweep(_read(BENCH_DEMO)),
     "cost-model": lambda: cost_models(_read(BENCH_DEMO)),
-    "bench-bench": lambda: bench_table(_read(BENCH_BENCH)),
-    "bench-no-amx": lambda: bench_table(_read(BENCH_NO_AMX)),
-    "bench-no-amx-ood": lambda: ood_bench_table(_read(BENCH_NO_AMX)),
-    "bench-no-amx-sweep": lambda: bench_sweep(_read(BENCH_NO_AMX)),
-    "cost-model-no-amx": lambda: cost_models(_read(BENCH_NO_AMX)),
+    "bench-no-amx": lambda: key_rows_table(_read(BENCH_NO_AMX)),
+    "cost-model-no-amx": lambda: cost_model(_read(BENCH_NO_AMX)),
     "main-job-amd-run": lambda: main_job_run(_read(MAIN_JOB_AMD)),
-    "main-job-amd": lambda: main_job_table(_read(MAIN_JOB_AMD)),
-    "bench-amd": lambda: bench_table(_read(BENCH_AMD)),
-    "bench-amd-ood": lambda: ood_bench_table(_read(BENCH_AMD)),
-    "cost-model-amd": lambda: cost_models(
-        _read(BENCH_AMD),
-        (*CHAIN_COST_MODELS, "draftsmith EAGLE-3 tree", "draftsmith EAGLE-3 tree (sampled)"),
-    ),
-    "ablation60": lambda: ablation_tables(ABLATION60),
-    "ablation150": lambda: ablation_tables(ABLATION150),
-    "ablation-peagle": lambda: ablation_tables(ABLATION_PEAGLE),
-    "ablation-peagle-weights": lambda: ablation_tables(ABLATION_PEAGLE_WEIGHTS),
+    "bench-amd": lambda: key_rows_table(_read(BENCH_AMD)),
+    "cost-model-amd": lambda: cost_model(_read(BENCH_AMD)),
     "ablation-peagle-no-amx": lambda: ablation_tables(ABLATION_PEAGLE_NO_AMX),
     "ablation-peagle-amd": lambda: ablation_tables(ABLATION_PEAGLE_AMD),
     "ablation-peagle-amd-depths": lambda: depth_overlaps_table(ABLATION_PEAGLE_AMD),
-    "ablation-peagle-layers": lambda: depth_overlaps_table(ABLATION_PEAGLE_LAYERS),
     "ablation-vocab-no-amx": lambda: depth_overlaps_table(ABLATION_VOCAB_NO_AMX),
     "ablation-vocab-no-amx-8min": lambda: depth_overlaps_table(ABLATION_VOCAB_NO_AMX_8MIN),
     "ablation-cache-no-amx": lambda: depth_overlaps_table(ABLATION_CACHE_NO_AMX),
@@ -642,9 +702,6 @@ SECTIONS: dict[str, Callable[[], str]] = {
     "ablation-peagle-layers-450-amx-decoding": lambda: decoding_table(
         ABLATION_PEAGLE_LAYERS_450_AMX
     ),
-    "ablation-retune": lambda: ablation_tables(ABLATION_RETUNE),
-    "parallel-ceiling": lambda: ceiling_table(_read(PARALLEL_CEILING)),
-    "ablation-follow-ups": follow_ups_table,
 }
 """Section name -> the function that writes its text from docs/results/."""
 
@@ -668,15 +725,48 @@ def rewrite(text: str, cache: dict[str, str]) -> str:
 
 
 def unmarked_figures(text: str) -> list[str]:
-    """Lines holding a result figure outside every marked section and every exempt block."""
+    """Lines holding a result figure outside every marked section, every exempt block and
+    every worked example of ``ARITHMETIC``."""
     outside = EXEMPT.sub("", MARKER.sub("", text))
+    for example in ARITHMETIC:
+        outside = outside.replace(example, "")
     return [line.strip() for line in outside.splitlines() if FIGURE.search(line)]
 
 
+def record_problems(texts: list[str]) -> list[str]:
+    """Files under docs/results/ that name no machine (JSON records) or that no document
+    cites: by a section reading it (``RECORDS``), by its path or by its folder's."""
+    problems = []
+    for path in sorted((REPO / RESULTS).rglob("*")):
+        if not path.is_file():
+            continue
+        name = path.relative_to(REPO)
+        under = path.relative_to(REPO / RESULTS).as_posix()
+        if path.suffix == ".json" and not _read(path).get("machine"):
+            problems.append(
+                f"{name}: names no machine; add the `machine` of the computer it was measured "
+                "on (draftsmith.decode.measure.machine.machine_record), or remove the record"
+            )
+        cited = name in RECORDS or any(
+            f"results/{under}" in text or f"results/{path.parent.name}/" in text for text in texts
+        )
+        if not cited:
+            problems.append(f"{name}: no document cites it; git rm it (history keeps it)")
+    return problems
+
+
 def check(paths: list[Path]) -> list[str]:
-    """Problems: sections that differ from what the JSON says, figures typed outside them."""
+    """Problems: sections that differ from what the JSON says, figures typed outside them,
+    arithmetic examples no document holds, records without a machine or a citation."""
     problems = []
     cache: dict[str, str] = {}
+    texts = [path.read_text() for path in paths]
+    problems += [
+        f"report.ARITHMETIC: no document holds {example!r} any more; remove the entry"
+        for example in ARITHMETIC
+        if not any(example in text for text in texts)
+    ]
+    problems += record_problems(texts)
     for path in paths:
         text = path.read_text()
         name = path.relative_to(REPO)
