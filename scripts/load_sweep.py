@@ -274,3 +274,34 @@ def main_sweep(args: argparse.Namespace, run_once: Any) -> int:
     failed = [run for run in record["runs"] if run["errors"] or not run["completed"]]
     unstarted = [name for name, server in record["servers"].items() if "error" in server]
     return 1 if failed or unstarted or not record["runs"] else 0
+
+
+def sweep_table(record: dict[str, Any]) -> str:
+    """The serving guide's table (``draftsmith-report``'s ``serving-sweep`` section): per
+    server and temperature, tokens/s and TTFT p50 / p99 at each client count, then the
+    machine and the settings."""
+    from draftsmith.decode.measure.machine import describe_machine
+
+    clients = record["settings"]["clients"]
+    header = ["server", "T", *(f"{c} clients: tokens/s, TTFT p50 / p99 (s)" for c in clients)]
+    cells: dict[tuple[str, float], dict[int, str]] = {}
+    for run in record["runs"]:
+        cell = f"{run['tokens_per_s']:.1f}, {run['ttft_p50_s']:.3f} / {run['ttft_p99_s']:.3f}"
+        if run["errors"]:
+            cell += f" ({run['errors']} errors)"
+        cells.setdefault((run["server"], run["temperature"]), {})[int(run["clients"])] = cell
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for (server, temperature), row in cells.items():
+        values = [row.get(c, "-") for c in clients]
+        lines.append(f"| {server} | {temperature:g} | " + " | ".join(values) + " |")
+    settings = record["settings"]
+    lines += [
+        "",
+        f"{settings['max_tokens']} tokens per request, streamed ({settings['endpoint']}), "
+        f"{settings['duration_s']:g} s per point; {describe_machine(record['machine'])}.",
+    ]
+    failed = {
+        name: s["error"].splitlines()[-1] for name, s in record["servers"].items() if "error" in s
+    }
+    lines += [f"Not measured: {name} ({error})." for name, error in failed.items()]
+    return "\n".join(lines)

