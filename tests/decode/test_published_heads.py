@@ -352,3 +352,51 @@ def test_unsupported_rope_is_refused_with_the_reason(scaling, reason) -> None:
 
     with pytest.raises(ValueError, match=reason):
         checked_rope_scaling(scaling)
+
+
+_VLLM_TABLES = """
+import json, sys, torch
+from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.model_executor.layers.rotary_embedding import get_rope
+args = json.loads(sys.argv[1])
+with set_current_vllm_config(VllmConfig()):
+    rope = get_rope(args["dim"], args["context"], True, args["parameters"], torch.float32)
+print(json.dumps(rope.cos_sin_cache[: args["context"]].tolist()))
+"""
+
+
+def _engine_python() -> str | None:
+    import importlib.util
+    import os
+    import sys
+
+    if os.environ.get("DRAFTSMITH_ENGINE_PYTHON"):
+        return os.environ["DRAFTSMITH_ENGINE_PYTHON"]
+    return sys.executable if importlib.util.find_spec("vllm") else None
+
+
+@pytest.mark.engines
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["specforge-llama3.3-70b", "linear"])
+def test_rope_tables_equal_vllm(name: str) -> None:
+    """vLLM's own rotary embedding (``get_rope``, run in the engine's Python) builds the same
+    float32 cos/sin cache as our head for every fixture with scaling: max difference 0.0."""
+    import subprocess
+
+    from draftsmith.decode.drafters.eagle.rope import checked_rope_scaling
+
+    python = _engine_python()
+    if python is None:
+        pytest.skip("set DRAFTSMITH_ENGINE_PYTHON to a Python with vLLM")
+    scaling, theta, dim, context = SCALINGS[name], 500000.0, 128, 4096
+    args = {"dim": dim, "context": context, "parameters": {**scaling, "rope_theta": theta}}
+    done = subprocess.run(
+        [python, "-c", _VLLM_TABLES, json.dumps(args)], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    cache = torch.tensor(json.loads(done.stdout.strip().splitlines()[-1]))  # [P, D]: cos, sin
+    positions = torch.arange(context)[None]
+    cos, sin = rope_tables(positions, dim, theta, torch.float32, checked_rope_scaling(scaling))
+    half = dim // 2
+    assert (cos[0, 0, :, :half] - cache[:, :half]).abs().max().item() == 0.0
+    assert (sin[0, 0, :, :half] - cache[:, half:]).abs().max().item() == 0.0
