@@ -406,3 +406,39 @@ def test_drafter_trained_from_a_full_cache_reproduces_online_training(
     memory = only["target_memory"]
     assert memory["layers_loaded"] is False and memory["ratio"] < 1.0
     assert only["peak_rss_bytes"] > 0
+
+
+@pytest.mark.slow
+def test_one_cache_serves_runs_of_other_steps_batches_and_losses(tmp_path: Path, tiny_argv) -> None:
+    """Built once, trained from with three step counts, two batch sizes and two losses: no
+    part is scored again and no shard changes; a truncated shard then stops the next run by
+    name before any step."""
+    cache = ("--cache_dir", str(tmp_path / "c"), "--eval_source", "data")
+    cap = ("--max_train_sequences", "16", "--speed_eval_prompts", "0")
+    build = ("--target_outputs", "cache", "--cache_build_only", "true")
+    built = main(tiny_argv(tmp_path / "build", *cache, *cap, *build))
+    assert built["cache"]["num_sequences"] == 16
+    before = _shard_bytes(tmp_path / "c")
+    for steps, batch, loss in (("2", "2", "tv"), ("3", "4", "fkl"), ("5", "2", "fkl")):
+        summary = main(
+            tiny_argv(
+                tmp_path / f"run-{steps}",
+                *cache,
+                *cap,
+                "--target_outputs",
+                "cache_only",
+                "--max_steps",
+                steps,
+                "--per_device_batch_size",
+                batch,
+                "--loss",
+                loss,
+            )
+        )
+        assert summary["steps"] == int(steps) and summary["cache"]["parts_written"] == 0
+        assert summary["cache"]["run_sequences"] == min(16, int(steps) * int(batch))
+    assert _shard_bytes(tmp_path / "c") == before
+    _truncate(next((tmp_path / "c").glob("shard-*.safetensors")))
+    with pytest.raises(CacheShardError, match=r"shard-00000\.safetensors is .* bytes"):
+        main(tiny_argv(tmp_path / "damaged", *cache, *cap, "--target_outputs", "cache_only"))
+    assert not (tmp_path / "damaged" / "drafter").exists()

@@ -93,7 +93,7 @@ class BuildPlan:
     first ``len(rebuilt)`` rewrite the damaged shards, the rest append."""
 
     parts: list[tuple[int, list[int]]]
-    rebuilt: dict[int, str]  # shard index -> what was wrong with it
+    rebuilt: dict[str, str]  # damaged shard file -> what was wrong with it
     missing: int  # distinct sequences the run reads that no shard holds
     needed: int  # distinct sequences the run reads
     dropped: int  # sequences of damaged shards this run cannot rescore (not among its rows)
@@ -188,7 +188,8 @@ def plan_build(cache: Any, digests: list[str], part_sequences: int = PART_SEQUEN
     start = 1 + max((_shard_number(s["file"]) for s in shards), default=-1)
     for offset in range(0, len(missing), part_sequences):
         parts.append((start + offset // part_sequences, missing[offset : offset + part_sequences]))
-    return BuildPlan(parts, damaged, len(missing), len(first_row), dropped)
+    rebuilt = {shards[i]["file"]: why for i, why in damaged.items()}
+    return BuildPlan(parts, rebuilt, len(missing), len(first_row), dropped)
 
 
 @torch.no_grad()
@@ -247,7 +248,7 @@ def build_or_reuse_cache(
     stats = cache_stats(folder, written)
     stats.run_sequences = plan.needed
     stats.sequences_scored = sum(len(part) for _, part in plan.parts)
-    stats.shards_rebuilt = [cache.shards[i]["file"] for i in plan.rebuilt]
+    stats.shards_rebuilt = list(plan.rebuilt)
     return stats
 
 
@@ -332,7 +333,7 @@ def _plan_line(folder: Path, plan: BuildPlan) -> str:
         f"{len(plan.rebuilt)} damaged shards rescored"
     )
     if plan.rebuilt:
-        line += " (" + ", ".join(f"shard {i}: {why}" for i, why in plan.rebuilt.items()) + ")"
+        line += " (" + "; ".join(f"{file} is {why}" for file, why in plan.rebuilt.items()) + ")"
     if plan.dropped:
         line += f"; {plan.dropped} sequences of those shards are not among this run's rows: dropped"
     return line
