@@ -5,7 +5,7 @@
         [--benchmark mtbench=question.jsonl --benchmark gsm8k=test.jsonl ...]
 
 ``D`` is a folder written by ``--export_format vllm|sglang|speculators`` (EAGLE-3), ``speculators``
-(P-EAGLE) or ``vllm`` (Medusa). On the same seeded prompts, greedy, the engine decodes plainly and
+(P-EAGLE), ``vllm|speculators`` (DFlash) or ``vllm`` (Medusa). On the same seeded prompts, greedy, the engine decodes plainly and
 speculatively and draftsmith's own decoder decodes speculatively with the same folder. The report
 shows, side by side: whether each output equals the engine's plain decoding, and the accepted
 tokens per draft position from the engine's metrics (vLLM:
@@ -44,6 +44,13 @@ from pathlib import Path
 from typing import Any
 
 ENGINES = ("vllm",)
+# The architecture name of a DFlash export (draftsmith.decode.drafters.dflash.head's
+# DFLASH_ARCHITECTURE, z-lab's name); written out here because the engine side runs this file
+# without draftsmith installed.
+DFLASH_ARCHITECTURE = "DFlashDraftModel"
+# speculators_model_type -> this script's method for a speculators-format folder (vLLM is given
+# the folder itself: it names its verifier).
+SPECULATORS_METHODS = {"eagle3": "speculators", "peagle": "peagle", "dflash": "dflash_speculators"}
 RESULT_MARKER = "CHECK_ENGINE_RESULT "
 
 
@@ -69,24 +76,28 @@ def read_config(path: Path, flag: str) -> dict[str, Any]:
 
 
 def drafter_method(folder: str | Path) -> str:
-    """``eagle3``, ``medusa``, ``speculators`` (an EAGLE-3 head in vLLM's speculators format)
-    or ``peagle`` (a P-EAGLE head in that format)."""
+    """``eagle3``, ``medusa``, ``dflash`` (a block drafter in vLLM's qwen3_dflash layout),
+    ``speculators`` (an EAGLE-3 head in the speculators format), ``peagle`` or
+    ``dflash_speculators`` (a P-EAGLE or DFlash head in that format)."""
     config_path = Path(folder) / "config.json"
     if not config_path.is_file():
         raise SystemExit(f"--drafter {folder}: no config.json; pass an exported engine folder")
     config = read_config(config_path, "--drafter")
     if config.get("speculators_config") is not None:
         kind = config.get("speculators_model_type")
-        if kind not in ("eagle3", "peagle"):
+        if kind not in SPECULATORS_METHODS:
             raise SystemExit(
-                f"--drafter {folder}: speculators type {kind!r}; only eagle3 and peagle are checked"
+                f"--drafter {folder}: speculators type {kind!r}; only "
+                f"{', '.join(SPECULATORS_METHODS)} are checked"
             )
-        return "speculators" if kind == "eagle3" else "peagle"
+        return SPECULATORS_METHODS[kind]
     architectures = config.get("architectures") or []
     if "LlamaForCausalLMEagle3" in architectures:
         return "eagle3"
     if "MedusaModel" in architectures:
         return "medusa"
+    if DFLASH_ARCHITECTURE in architectures:
+        return "dflash"
     raise SystemExit(
         f"--drafter {folder}: architectures {architectures} is not an engine export; pass the "
         "<drafter>/vllm, <drafter>/sglang or <drafter>/speculators folder written by "
@@ -203,7 +214,7 @@ def counter_difference(now: dict[str, Any], before: dict[str, Any]) -> dict[str,
 
 def vllm_speculative_config(job: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """The model vLLM is given and its speculative config for ``job``'s folder."""
-    if job["method"] in ("speculators", "peagle"):  # vLLM finds the verifier itself
+    if job["method"] in SPECULATORS_METHODS.values():  # vLLM finds the verifier itself
         return job["drafter"], {"num_speculative_tokens": job["k"]}
     return job["target"], {
         "method": job["method"],
@@ -478,6 +489,12 @@ def build_job(args: argparse.Namespace) -> dict[str, Any]:
         heads = read_config(Path(args.drafter) / "config.json", "--drafter").get("num_heads")
         if isinstance(heads, int) and args.k > heads:
             raise SystemExit(f"--k {args.k}: these Medusa heads draft at most {heads} tokens")
+    if method in ("dflash", "dflash_speculators"):
+        block = read_config(Path(args.drafter) / "config.json", "--drafter").get("block_size")
+        if isinstance(block, int) and args.k > block - 1:
+            raise SystemExit(
+                f"--k {args.k}: this DFlash block of {block} rows drafts at most {block - 1} tokens"
+            )
     prompts = make_prompts(vocab, args.num_prompts, args.prompt_len, args.seed)
     groups = None
     if args.benchmark:

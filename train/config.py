@@ -69,7 +69,7 @@ EXPORT_FORMATS_BY_KIND = {  # drafter kind -> the --export_format layouts it wri
     "eagle3": ("vllm", "sglang", "speculators"),
     "medusa": ("vllm",),
     "peagle": ("speculators",),
-    "dflash": ("vllm",),
+    "dflash": ("vllm", "speculators"),
 }
 # Every engine layout some kind writes.
 EXPORT_FORMATS = tuple(dict.fromkeys(f for fs in EXPORT_FORMATS_BY_KIND.values() for f in fs))

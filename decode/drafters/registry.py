@@ -29,7 +29,15 @@ DRAFTER_LOADERS: dict[str, str] = {
 }
 
 # Architectures written by other engines' export formats.
-_EXPORT_ARCHITECTURES = {"LlamaForCausalLMEagle3": "eagle3", "MedusaModel": "medusa"}
+# z-lab's and vLLM's DFlash name and speculators' (draftsmith.decode.drafters.dflash.head's
+# DFLASH_ENGINE_ARCHITECTURES), spelled out so that detecting a kind imports no drafter module
+# (tests/decode/test_dflash.py keeps them equal).
+_EXPORT_ARCHITECTURES = {
+    "LlamaForCausalLMEagle3": "eagle3",
+    "MedusaModel": "medusa",
+    "DFlashDraftModel": "dflash",
+    "DFlashSpeculator": "dflash",
+}
 
 
 def detect_drafter_kind(path: str | Path) -> str:

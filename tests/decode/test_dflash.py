@@ -7,16 +7,24 @@ batch in test_engine_session.py and the hybrid in test_hybrid.py."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from decode_helpers import hf_greedy
 from draftsmith.decode import SpeculativeDecoder
 from draftsmith.decode.drafters.base import TreeSpec
 from draftsmith.decode.drafters.dflash.drafter import DFlashDrafter, load_runtime_drafter
-from draftsmith.decode.drafters.dflash.head import DFlashConfig, DFlashHead, block_visibility
+from draftsmith.decode.drafters.dflash.head import (
+    DFLASH_ARCHITECTURE,
+    DFlashConfig,
+    DFlashHead,
+    block_visibility,
+)
 from draftsmith.decode.drafters.eagle.head import build_vocab_maps
-from draftsmith.decode.drafters.registry import load_drafter
+from draftsmith.decode.drafters.registry import detect_drafter_kind, load_drafter
 from draftsmith.decode.sampling import SamplingConfig, logits_to_probs
+from draftsmith.train.export.dflash import export_dflash
 from engine_models import fit_dflash, greedy_corpus
 from head_helpers import (
     check_needs_prefill_and_hidden_states,
@@ -209,4 +217,22 @@ def test_folder_round_trip_registry_and_refusals(tmp_path) -> None:
         DFlashConfig.for_target(target.config, block_size=1)
     with pytest.raises(ValueError, match="markov_rank"):
         DFlashConfig.for_target(target.config, markov_rank=-1)
+    for variant in ({"fc_norm": True}, {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}):
+        with pytest.raises(ValueError, match="does not implement"):
+            DFlashConfig.for_target(target.config, **variant)
     check_needs_prefill_and_hidden_states(DFlashDrafter(head, target))
+
+
+def test_a_vllm_export_loads_by_its_architecture(tmp_path) -> None:
+    """The registry finds a qwen3_dflash folder by its architecture (no drafter.json), and the
+    loaded drafter proposes what the trained head proposes."""
+    target = tiny_llama(num_layers=4)
+    head = _head(target)
+    folder = export_dflash(head, tmp_path / "vllm")
+    assert DFLASH_ARCHITECTURE in json.loads((folder / "config.json").read_text())["architectures"]
+    assert detect_drafter_kind(folder) == "dflash"
+    drafter = load_drafter(folder, target)
+    assert isinstance(drafter, DFlashDrafter)
+    for name, tensor in head.state_dict().items():
+        if name != "t2d":
+            assert torch.equal(tensor, drafter.head.state_dict()[name]), name

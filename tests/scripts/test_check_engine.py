@@ -12,11 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from draftsmith.decode.drafters.dflash.head import DFLASH_ARCHITECTURE, DFlashConfig, DFlashHead
 from draftsmith.decode.drafters.eagle.head import Eagle3Config, Eagle3Head
 from draftsmith.decode.drafters.eagle.peagle import PEagleConfig, PEagleHead
+from draftsmith.train.export.dflash import export_dflash
 from draftsmith.train.export.formats import export_eagle3, export_medusa, export_peagle
 from engine_models import (
     engine_llama,
+    fit_dflash,
     fit_eagle3,
     fit_medusa,
     fit_peagle,
@@ -38,6 +41,20 @@ def _job(target: Path, drafter: Path, *extra: str) -> dict:
     return check_engine.build_job(args)
 
 
+def assert_draftsmith_side_is_plain_greedy(target: torch.nn.Module, job: dict) -> None:
+    """The script's draftsmith side decodes the job's prompts exactly as greedy ``generate``,
+    drafting 3 tokens a round."""
+    ours = check_engine.run_draftsmith(job)
+    with torch.no_grad():
+        for ids, out in zip(job["prompts"], ours["speculative"], strict=True):
+            ref = target.generate(
+                torch.tensor([ids]), max_new_tokens=job["max_tokens"], do_sample=False,
+                eos_token_id=None,
+            )  # fmt: skip
+            assert out == ref[0, len(ids) :].tolist()
+    assert ours["drafts"] > 0 and len(ours["accepted_per_position"]) == 3
+
+
 def test_folders_are_recognised_by_what_they_declare(tmp_path) -> None:
     target = engine_llama(2)
     head = Eagle3Head(Eagle3Config.for_target(target.config))
@@ -49,6 +66,10 @@ def test_folders_are_recognised_by_what_they_declare(tmp_path) -> None:
     embed = target4.get_input_embeddings().weight
     folder = export_peagle(parallel, embed, tmp_path / "p", verifier="t")
     assert check_engine.drafter_method(folder) == "peagle"
+    block = DFlashHead(DFlashConfig.for_target(target4.config, block_size=4))
+    assert check_engine.drafter_method(export_dflash(block, tmp_path / "d")) == "dflash"
+    # The engine side runs without draftsmith, so the script spells the name out: keep it equal.
+    assert check_engine.DFLASH_ARCHITECTURE == DFLASH_ARCHITECTURE
     (tmp_path / "x").mkdir()
     (tmp_path / "x" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     with pytest.raises(SystemExit, match="not an engine export"):
@@ -114,14 +135,7 @@ def test_draftsmith_side_equals_plain_greedy(tmp_path) -> None:
     head = Eagle3Head(Eagle3Config.for_target(target.config, draft_vocab_size=128))
     folder = export_eagle3(head, tmp_path / "e", "speculators", verifier=str(target_dir))
     job = _job(target_dir, folder, "--num-prompts", "2", "--max-tokens", "12")
-    ours = check_engine.run_draftsmith(job)
-    with torch.no_grad():
-        for ids, out in zip(job["prompts"], ours["speculative"], strict=True):
-            ref = target.generate(
-                torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None
-            )
-            assert out == ref[0, len(ids) :].tolist()
-    assert ours["drafts"] > 0 and len(ours["accepted_per_position"]) == 3
+    assert_draftsmith_side_is_plain_greedy(target, job)
 
 
 def test_draftsmith_side_of_a_peagle_folder_equals_plain_greedy(tmp_path) -> None:
@@ -133,14 +147,20 @@ def test_draftsmith_side_of_a_peagle_folder_equals_plain_greedy(tmp_path) -> Non
     folder = export_peagle(head, embed, tmp_path / "p", verifier=str(target_dir))
     job = _job(target_dir, folder, "--num-prompts", "2", "--max-tokens", "12")
     assert job["method"] == "peagle"
-    ours = check_engine.run_draftsmith(job)
-    with torch.no_grad():
-        for ids, out in zip(job["prompts"], ours["speculative"], strict=True):
-            ref = target.generate(
-                torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None
-            )
-            assert out == ref[0, len(ids) :].tolist()
-    assert ours["drafts"] > 0 and len(ours["accepted_per_position"]) == 3
+    assert_draftsmith_side_is_plain_greedy(target, job)
+
+
+def test_draftsmith_side_of_a_dflash_folder_equals_plain_greedy(tmp_path) -> None:
+    target = engine_llama(4)
+    target_dir = save_target(target, tmp_path / "t")
+    corpus = greedy_corpus(target, rows=8, length=24)
+    head = fit_dflash(target, corpus, block_size=4, steps=20, draft_vocab_size=128)
+    folder = export_dflash(head, tmp_path / "d")
+    with pytest.raises(SystemExit, match="drafts at most 3 tokens"):
+        _job(target_dir, folder, "--k", "4")
+    job = _job(target_dir, folder, "--num-prompts", "2", "--max-tokens", "12")
+    assert job["method"] == "dflash"
+    assert_draftsmith_side_is_plain_greedy(target, job)
 
 
 # ------------------------------------------------------------------ the engine itself
@@ -157,7 +177,17 @@ def fitted(tmp_path_factory):
     head = fit_eagle3(target, corpus, draft_vocab_size=128, steps=40)
     medusa = fit_medusa(target, corpus, num_heads=3, steps=40)
     two_layers = fit_eagle3(target, corpus, draft_vocab_size=128, steps=40, num_layers=2)
+    # The block drafter is fitted on the check's own prompts continued greedily: a head this
+    # small accepts almost nothing on prompts it never saw, and then nothing would be checked.
+    seen = torch.tensor(check_engine.make_prompts(target.config.vocab_size, 2, 16, seed=0))
+    with torch.no_grad():
+        seen = target.generate(seen, max_new_tokens=32, do_sample=False, eos_token_id=None)
+    block = fit_dflash(target, seen, block_size=4, steps=150, draft_vocab_size=128)
     return {
+        "dflash": export_dflash(block, root / "dflash" / "vllm"),
+        "dflash_speculators": export_dflash(
+            block, root / "dflash" / "speculators", "speculators", verifier=str(target_dir)
+        ),
         "target": target_dir,
         "vllm": export_eagle3(head, root / "eagle3" / "vllm", "vllm"),
         "speculators": export_eagle3(
@@ -183,7 +213,11 @@ def fitted(tmp_path_factory):
 @pytest.mark.engines
 @pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not importable (set DRAFTSMITH_ENGINE_PYTHON)")
 @pytest.mark.parametrize(
-    "layout", ["vllm", "speculators", "medusa", "peagle", "vllm_two_layers", "peagle_two_layers"]
+    "layout",
+    [
+        *("vllm", "speculators", "medusa", "peagle", "vllm_two_layers", "peagle_two_layers"),
+        *("dflash", "dflash_speculators"),
+    ],
 )
 def test_exports_run_in_vllm_exactly_as_in_draftsmith(fitted, layout: str, tmp_path) -> None:
     argv = ["--target", str(fitted["target"]), "--drafter", str(fitted[layout])]

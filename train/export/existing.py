@@ -206,7 +206,7 @@ def write_layout(
         return export_medusa(head, out, dtype=dtype, overwrite=overwrite)
     from draftsmith.train.export.dflash import export_dflash
 
-    return export_dflash(head, out, fmt, dtype=dtype, overwrite=overwrite)
+    return export_dflash(head, out, fmt, dtype=dtype, overwrite=overwrite, verifier=facts.target)
 
 
 def export_existing(

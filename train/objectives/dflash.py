@@ -140,14 +140,15 @@ class DFlashObjective(Eagle3Objective):
         if bad:
             raise ValueError(
                 f"--export_format {','.join(bad)}: a dflash drafter exports as "
-                f"{' or '.join(DFLASH_FORMATS)} (vLLM's qwen3_dflash layout)"
+                f"{' or '.join(DFLASH_FORMATS)} (vLLM's qwen3_dflash and speculators' dflash "
+                "layouts)"
             )
         if settings.get("export_formats") and (
             head.config.markov_rank or head.config.confidence_head
         ):
             raise ValueError(
-                "--export_format vllm: vLLM's qwen3_dflash layout has no DSpark Markov or "
-                "confidence head; drop --markov_rank/--confidence_head or the export"
+                "--export_format: vLLM's and speculators' DFlash layouts have no DSpark Markov "
+                "or confidence head; drop --markov_rank/--confidence_head or the export"
             )
         super().__init__(head, target, loss, **settings)
         self.blocks = BlockTrainer(head, target.get_input_embeddings())
@@ -274,7 +275,8 @@ class DFlashObjective(Eagle3Objective):
         }
 
     def _export(self, drafter: torch.nn.Module, folder: Path, fmt: str) -> None:
-        """vLLM's ``qwen3_dflash`` layout (``draftsmith.train.export.dflash``)."""
+        """vLLM's ``qwen3_dflash`` or the speculators ``dflash`` layout, which names the target
+        as its verifier (``draftsmith.train.export.dflash``)."""
         from draftsmith.train.export.dflash import export_dflash
 
-        export_dflash(drafter, folder, fmt, overwrite=True)
+        export_dflash(drafter, folder, fmt, overwrite=True, **self._verifier())

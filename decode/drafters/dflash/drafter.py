@@ -145,7 +145,7 @@ class DFlashDrafter(Eagle3Drafter):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, target: nn.Module) -> DFlashDrafter:
-        """Load a native ``dflash`` folder for ``target``."""
+        """Load a native ``dflash`` folder, or a vLLM ``qwen3_dflash`` export, for ``target``."""
         return cls(DFlashHead.from_pretrained(path), target)
 
     @property

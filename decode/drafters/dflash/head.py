@@ -59,6 +59,8 @@ from draftsmith.decode.loading import LoadError
 from torch import nn
 
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
+SPECULATORS_DFLASH_ARCHITECTURE = "DFlashSpeculator"  # speculators 0.9's name; vLLM ignores it
+DFLASH_ENGINE_ARCHITECTURES = (DFLASH_ARCHITECTURE, SPECULATORS_DFLASH_ARCHITECTURE)
 
 
 @dataclass
@@ -86,6 +88,17 @@ class DFlashConfig(Eagle3Config):
             )
         if isinstance(self.markov_rank, bool) or self.markov_rank < 0:
             raise ValueError(f"markov_rank must be an integer >= 0, got {self.markov_rank!r}")
+        variants = [
+            f for f in ("norm_before_residual", "fc_norm", "norm_output") if getattr(self, f)
+        ]
+        if self.rope_scaling is not None:
+            variants.append(f"rope_scaling {self.rope_scaling.get('rope_type')}")
+        if variants:
+            raise ValueError(
+                f"{', '.join(variants)}: EAGLE-3 options the DFlash block drafter does not "
+                "implement (its layers are Qwen3's with plain rope); train or export the head "
+                "without them"
+            )
 
     @property
     def draft_tokens(self) -> int:
@@ -332,9 +345,9 @@ class DFlashHead(FeatureHead):
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> DFlashHead:
-        """Load a native ``dflash`` folder, or a vLLM ``qwen3_dflash`` export
-        (``draftsmith.train.export.dflash``)."""
-        raw, native, state = read_folder(path, cls.kind, DFLASH_ARCHITECTURE)
+        """Load a native ``dflash`` folder, or a vLLM ``qwen3_dflash`` or speculators
+        ``dflash`` export (``draftsmith.train.export.dflash``)."""
+        raw, native, state = read_folder(path, cls.kind, DFLASH_ENGINE_ARCHITECTURES)
         config = DFlashConfig.from_dict(raw) if native else config_from_engine_dict(raw)
         head = cls(config)
         head.load_checked_weights(state)
@@ -344,7 +357,10 @@ class DFlashHead(FeatureHead):
 def config_from_engine_dict(raw: dict[str, Any]) -> DFlashConfig:
     """A vLLM ``qwen3_dflash`` config.json as a :class:`DFlashConfig`: the captured layers from
     ``eagle_aux_hidden_state_layer_ids`` (our indices), else ``dflash_config.target_layer_ids``
-    plus one, as vLLM reads them; a missing ``rope_theta`` is vLLM's DFlash default, 1e6."""
+    plus one, as vLLM reads them; a missing ``rope_theta`` is vLLM's DFlash default, 1e6. A
+    speculators ``dflash`` config is first read the way vLLM converts it."""
+    if raw.get("speculators_model_type") is not None:
+        raw = vllm_dict_from_speculators(raw)
     nested = raw.get("dflash_config") or {}
     if not isinstance(nested, dict):
         raise LoadError("config.json: dflash_config must be an object; export the head again")
@@ -365,3 +381,39 @@ def config_from_engine_dict(raw: dict[str, Any]) -> DFlashConfig:
 
 
 _ENGINE_REQUIRED = ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
+
+
+def vllm_dict_from_speculators(raw: dict[str, Any]) -> dict[str, Any]:
+    """A speculators ``dflash`` config.json as the vLLM config it stands for (vLLM 0.32's
+    ``update_dflash``: the layer config, plus the drafter's fields), refusing the variants
+    this head does not implement by name."""
+    if raw.get("speculators_model_type") != "dflash":
+        raise LoadError(
+            f"config.json: speculators_model_type {raw.get('speculators_model_type')!r} is "
+            "not dflash; pass a DFlash folder"
+        )
+    layer = raw.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise LoadError("config.json: a speculators dflash folder needs transformer_layer_config")
+    refused = {
+        "sample_from_anchor": (raw.get("sample_from_anchor", False), False),
+        "projector_type": (raw.get("projector_type", "dflash"), "dflash"),
+        "shift_label": (bool(raw.get("shift_label", False)), False),
+        "sliding_window_non_causal": (raw.get("sliding_window_non_causal", True), True),
+    }
+    for key, (value, ours) in refused.items():
+        if value != ours:
+            raise LoadError(
+                f"config.json: {key} {value!r} is a DFlash variant this head does not implement "
+                f"(it drafts with {key} {ours!r}); decode it in the engine it was trained for"
+            )
+    ids = raw.get("aux_hidden_state_layer_ids")
+    if not isinstance(ids, list) or not ids:
+        raise LoadError("config.json: a speculators dflash folder needs aux_hidden_state_layer_ids")
+    fields = ("draft_vocab_size", "block_size", "target_num_hidden_layers", "target_hidden_size")
+    return {
+        **layer,
+        **{key: raw[key] for key in fields if raw.get(key) is not None},
+        "eagle_aux_hidden_state_layer_ids": ids,
+        "dflash_config": {"mask_token_id": raw.get("mask_token_id")},
+    }
