@@ -109,7 +109,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=["loss=ce,tv"],
         metavar="AXIS=V1,V2",
         help="axes of the grid: loss=..., data=corpus,regenerated,samples,onpolicy, "
-        "kind=draft_lm,eagle3,medusa,peagle, or any recipe field",
+        "kind=draft_lm,eagle3,medusa,peagle,dflash, or any recipe field",
     )
     parser.add_argument("--seeds", nargs="+", type=seed_value, default=[0, 1, 2])
     parser.add_argument("--preset", default="demo", choices=sorted(RECIPES))

@@ -58,6 +58,7 @@ RECIPES: dict[str, dict[str, str]] = {
         "eagle3": f"configs/{preset}_eagle3.yaml",
         "medusa": f"configs/{preset}_medusa.yaml",
         "peagle": f"configs/{preset}_peagle.yaml",
+        "dflash": f"configs/{preset}_dflash.yaml",
     }
     for preset in ("demo", "bench", "tiny")
 }
