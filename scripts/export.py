@@ -6,8 +6,8 @@
 Each layout goes to ``<out>/<format>/`` (``--out`` defaults to the drafter folder, where
 ``draftsmith-distill --export_format`` puts them), written atomically by the writers training
 uses (``draftsmith.train.export.existing``); the layouts a kind writes are
-``EXPORT_FORMATS_BY_KIND``'s (EAGLE-3: vllm, sglang, speculators; Medusa and DFlash: vllm;
-P-EAGLE: speculators). The draft length and the target come from the folder's
+``EXPORT_FORMATS_BY_KIND``'s (EAGLE-3: vllm, sglang, speculators; DFlash: vllm, speculators;
+Medusa: vllm; P-EAGLE: speculators). The draft length and the target come from the folder's
 ``provenance.json`` unless given. For each folder the command prints the vLLM line (``vllm
 serve``, and the CPU build's server module) or SGLang's launch line
 (``draftsmith.train.export.launch``). A missing folder, a layout the kind cannot take or an
@@ -27,6 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="draftsmith-export",
         description="Write vLLM / SGLang / speculators layouts of a trained drafter folder and "
         "print the lines that serve them.",
+        epilog="example: draftsmith-export outputs/distill-demo/drafter --format "
+        "vllm,speculators --dtype bfloat16",
     )
     parser.add_argument("drafter", help="the drafter folder train/distill.py wrote")
     parser.add_argument(
