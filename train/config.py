@@ -65,6 +65,7 @@ REPORTERS = ("wandb", "tensorboard", "none")
 MIXED_PRECISION = ("auto", "no", "bf16", "fp16")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LR_SCHEDULERS = ("cosine", "linear", "constant")  # draftsmith.train.loop.SCHEDULES
+HIDDEN_STATE_NOISE_SHAPES = ("uniform", "gaussian")  # draftsmith.train.objectives.heads
 EXPORT_FORMATS_BY_KIND = {  # drafter kind -> the --export_format layouts it writes
     "eagle3": ("vllm", "sglang", "speculators"),
     "medusa": ("vllm",),
@@ -299,6 +300,16 @@ class LossConfig:
         0,
         "draft_lm: positions per chunk of the loss, the draft and target heads applied per chunk "
         "and recomputed in the backward pass, so no [B, T, V] float32 tensor exists (0: off)",
+    )
+    hidden_state_noise: float = _f(
+        0.0,
+        "eagle3/peagle/medusa/dflash: scale s of the noise added to the target's hidden states "
+        "the drafter reads, in training only (speculators' recipe: 0.05; 0: off)",
+    )
+    hidden_state_noise_shape: str = _f(
+        "uniform",
+        "uniform: U(-s, s) per value (speculators' train.py, AddUniformNoise); gaussian: N(0, s^2) "
+        "(its AddGaussianNoise)",
     )
 
 
@@ -609,6 +620,7 @@ class DistillConfig:
             raise ValueError(
                 f"--lora_rank must be >= 0 (0 disables LoRA), got {self.drafter.lora_rank}"
             )
+        self._validate_hidden_state_noise()
         if self.loss.loss_chunk_size < 0:
             raise ValueError(
                 f"--loss_chunk_size must be >= 0 (0: off), got {self.loss.loss_chunk_size}"
@@ -617,6 +629,26 @@ class DistillConfig:
         self._validate_run_folder()
         self._validate_export_format()
         self._validate_large_target()
+
+    def _validate_hidden_state_noise(self) -> None:
+        """Noise on the target's hidden states: a scale >= 0, a known shape, a kind that reads
+        hidden states."""
+        loss = self.loss
+        if loss.hidden_state_noise < 0:
+            raise ValueError(
+                f"--hidden_state_noise must be >= 0 (0: off), got {loss.hidden_state_noise}"
+            )
+        if loss.hidden_state_noise_shape not in HIDDEN_STATE_NOISE_SHAPES:
+            raise ValueError(
+                f"--hidden_state_noise_shape must be one of {', '.join(HIDDEN_STATE_NOISE_SHAPES)}, "
+                f"got {loss.hidden_state_noise_shape!r}"
+            )
+        if loss.hidden_state_noise and self.drafter.drafter_kind not in EXPORT_FORMATS_BY_KIND:
+            raise ValueError(
+                f"--hidden_state_noise perturbs the target's hidden states a head reads "
+                f"({', '.join(EXPORT_FORMATS_BY_KIND)}); --drafter_kind "
+                f"{self.drafter.drafter_kind} reads none, so leave it at 0"
+            )
 
     def _validate_schedule(self) -> None:
         """The loop's settings (``draftsmith.train.loop.LoopConfig``), checked before any model loads."""

@@ -154,6 +154,10 @@ def _load(
     sets = load_sequences(config.data, tokenizer, config.optim.seed)  # data errors before the model
     target = _load_target(config, location, accelerator)
     objective = plan.objective_cls.from_config(config, target, tokenizer, plan.loss)
+    if config.loss.hidden_state_noise:  # head kinds only (DistillConfig.validate)
+        objective.set_hidden_state_noise(
+            config.loss.hidden_state_noise, config.loss.hidden_state_noise_shape, config.optim.seed
+        )
     train_rows = sets.train
     description = sets.description
     if config.data.train_source == "target_samples":

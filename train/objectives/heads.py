@@ -53,7 +53,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from draftsmith.train.config import EXPORT_FORMATS, parse_export_formats
+from draftsmith.train.config import (
+    EXPORT_FORMATS,
+    HIDDEN_STATE_NOISE_SHAPES,
+    parse_export_formats,
+)
 from draftsmith.train.losses import Loss, draftable_mass, overlap
 from draftsmith.train.objectives import Batch, MetricSums, Objective
 
@@ -285,6 +289,7 @@ class HeadObjective(Objective):
 
     def compute_loss(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         features, target = self._target_outputs(batch)
+        features = self._noisy(features)  # training only: evaluate reads them clean
         drafts = self._draft_logits(batch, features)
         auxiliary, metrics = self._auxiliary_loss(batch, drafts, target)
         if self.loss.needs_target:  # into the draft vocabulary once: each position reads a slice
@@ -412,6 +417,40 @@ class HeadObjective(Objective):
             "exports": list(self.export_formats),
             "align_topk": self.align_topk,
         }
+
+    # ------------------------------------------------------------------ hidden-state noise
+
+    hidden_state_noise: float = 0.0
+    hidden_state_noise_shape: str = "uniform"
+    _noise_seed: int = 0
+    _noise_generator: torch.Generator | None = None
+
+    def set_hidden_state_noise(self, scale: float, shape: str = "uniform", seed: int = 0) -> None:
+        """Add noise of scale ``scale`` to the target's hidden states the head reads, in
+        training only, as speculators' EAGLE-3 recipe does to its dataset's hidden states:
+        ``h + s * u`` with ``u ~ U(-1, 1)`` (``uniform``) or ``u ~ N(0, 1)`` (``gaussian``),
+        drawn from a generator seeded with ``seed``, so a run is reproducible. The head then
+        learns to draft from features a little off the target's own, as its own drafts (and
+        another precision's target) give it at decoding time."""
+        if scale < 0 or shape not in HIDDEN_STATE_NOISE_SHAPES:
+            raise ValueError(
+                f"hidden-state noise needs a scale >= 0 and uniform or gaussian, got {scale}, {shape!r}"
+            )
+        self.hidden_state_noise, self.hidden_state_noise_shape = float(scale), shape
+        self._noise_seed, self._noise_generator = seed, None
+
+    def _noisy(self, features: torch.Tensor) -> torch.Tensor:  # [B, T, F] -> [B, T, F]
+        """``features`` plus the configured noise (unchanged, no draw, when it is off)."""
+        if not self.hidden_state_noise:
+            return features
+        if self._noise_generator is None or self._noise_generator.device != features.device:
+            self._noise_generator = torch.Generator(features.device).manual_seed(self._noise_seed)
+        generator = self._noise_generator
+        if self.hidden_state_noise_shape == "gaussian":
+            draw = torch.randn(features.shape, generator=generator, device=features.device)
+        else:
+            draw = torch.rand(features.shape, generator=generator, device=features.device) * 2 - 1
+        return features + (self.hidden_state_noise * draw).to(features.dtype)
 
     # ------------------------------------------------------------------ shared internals
 
