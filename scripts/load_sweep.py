@@ -73,6 +73,13 @@ def add_sweep_flags(parser: argparse.ArgumentParser) -> None:
     sweep.add_argument("--vllm-draft-tokens", type=at_least_one, default=4)
     sweep.add_argument("--vllm-dtype", default="bfloat16")
     sweep.add_argument("--vllm-max-model-len", type=at_least_one, default=2048)
+    sweep.add_argument(
+        "--vllm-memory-fraction",
+        type=float,
+        default=0.25,
+        help="vLLM's --gpu-memory-utilization: on its CPU backend, the share of the machine's "
+        "memory it reserves (its default, 0.92, fails when other processes hold memory)",
+    )
     sweep.add_argument("--plot", type=Path, default=None, help="PNG of tokens/s and TTFT")
 
 
@@ -125,6 +132,7 @@ def vllm_command(args: argparse.Namespace, with_head: bool) -> list[str]:
         args.vllm_python, "-m", VLLM_SERVER, "--model", args.vllm_target,
         "--dtype", args.vllm_dtype, "--max-model-len", str(args.vllm_max_model_len),
         "--enforce-eager", "--host", "127.0.0.1",
+        "--gpu-memory-utilization", str(args.vllm_memory_fraction),
     ]  # fmt: skip
     if with_head:
         config = {
@@ -171,8 +179,10 @@ def started_server(name: str, command: list[str], log_folder: Path) -> Iterator[
         deadline = time.monotonic() + STARTUP_SECONDS
         while True:
             if process.poll() is not None:
-                tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
-                raise RuntimeError(f"server {name} exited with {process.returncode}:\n{tail}")
+                lines = log.read_text(errors="replace").splitlines()
+                causes = [line for line in lines if "Error:" in line and "File " not in line]
+                shown = "\n".join([*causes[:5], *lines[-10:]])
+                raise RuntimeError(f"server {name} exited with {process.returncode}:\n{shown}")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                     break
