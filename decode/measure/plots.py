@@ -76,6 +76,8 @@ def plot_against_clients(
             clients = sorted(curve)
             axes.plot(clients, [curve[c] for c in clients], marker="o", label=name)
         axes.set_xscale("log", base=2)
+        ticks = sorted({c for curve in curves.values() for c in curve})
+        axes.set_xticks(ticks, [str(c) for c in ticks])
         axes.set_xlabel("concurrent clients")
         axes.set_ylabel(measure)
         axes.grid(alpha=0.3)
