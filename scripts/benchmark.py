@@ -11,6 +11,8 @@ control: our decoder with no drafter), and draftsmith with the n-gram drafter, t
 network, each tree also adaptive (every round's shape chosen by ``draftsmith.decode.trees.policy``), at
 each temperature. Adaptive rows pick each round's length in 0..``--adaptive-draft-tokens``
 (room above the fixed N, which prices the fixed rows).
+With ``--vllm`` (and ``--vllm-head``), vLLM's plain decoding and the same exported head run on
+the same prompts at batch 1 (``draftsmith.scripts.engine_rows``).
 Reports tokens/s, speedup over plain, tau, predicted tau, acceptance per position, held-out
 overlap per position (from each drafter folder's ``eval_results.json``), and the peak resident
 memory of each method (Linux: the process's high-water mark, reset before each call; on a GPU,
@@ -58,6 +60,14 @@ from draftsmith.decode.measure.side_by_side import (
     tree_from_arguments,
 )
 from draftsmith.decode.precision import add_dtype_argument
+from draftsmith.scripts.engine_rows import (
+    add_engine_arguments,
+    engine_problem,
+    engine_summary,
+    format_engine_summary,
+    measure_engine_rows,
+    wants_engine,
+)
 
 # Plain decoding through our own decoder (no drafter): the control that separates what the
 # decoder's forward adds from what drafting adds.
@@ -141,10 +151,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="comma-separated dtypes in which draftsmith's plain decoding runs too: every "
         "speedup is also stated over the fastest plain decoding ('' for none)",
     )
+    add_engine_arguments(parser)
     parser.add_argument("--json", required=True)
     parser.add_argument("--plots", required=True)
     args = parser.parse_args(argv)
-    problem = flags_problem(args)
+    problem = flags_problem(args) or engine_problem(args)
     if problem:
         parser.error(problem)
     args.adaptive_draft_tokens = adaptive_draft_bound(
@@ -600,6 +611,7 @@ def main(argv: list[str] | None = None) -> dict:
         measured = report["prompt_sets"].setdefault(
             source, {"by_temperature": {}, "best_against_hf": {}}
         )
+        engine = measure_engine_rows(args, choice.name, encoded) if wants_engine(args) else None
         for temperature in args.temperatures:
             settings = EvalSettings(
                 num_draft_tokens=args.num_draft_tokens,
@@ -621,6 +633,17 @@ def main(argv: list[str] | None = None) -> dict:
             measured["best_against_hf"][f"{temperature:g}"] = best
             print(f"prompts: {source}")
             print(format_rows(rows, temperature, best), flush=True)
+            if engine is not None:
+                control = results[CONTROL]
+                plain_outputs = [
+                    sequence[0, length:].tolist()
+                    for sequence, length in zip(
+                        control.outputs, control.prompt_lengths, strict=True
+                    )
+                ]
+                summary = engine_summary(engine, temperature, rows, plain_outputs)
+                measured.setdefault("engine", {})[f"{temperature:g}"] = summary
+                print(format_engine_summary(summary, temperature), flush=True)
             suffix = f"t{temperature:g}" + ("" if source == headline else f"_{Path(source).stem}")
             plot_acceptance_by_position(
                 {r["method"]: r["alpha_per_position"] for r in rows if r["alpha_per_position"]},

@@ -40,6 +40,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -148,28 +149,15 @@ def vllm_decode(
     Runs the engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), eager, without a
     tokenizer (prompts are token ids; EOS ignored so every row runs its full length).
     """
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import vllm
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]]
     params = SamplingParams(
         temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True, detokenize=False
     )
-    llm = LLM(
-        model=model,
-        speculative_config=speculative,
-        dtype=job["dtype"],
-        enforce_eager=True,
-        max_model_len=job["max_model_len"],
-        skip_tokenizer_init=True,
-        disable_log_stats=False,
-        max_num_seqs=max(1, len(prompts)),
-        gpu_memory_utilization=STARTUP_MEMORY_SHARE,
-        kv_cache_memory_bytes=KV_CACHE_BYTES,
-        seed=0,
-    )
+    llm = _vllm_engine(job, model, speculative, max_num_seqs=max(1, len(prompts)))
     tokens: list[list[int]] = []
     groups: list[dict[str, Any]] = []
     start, before = 0, _vllm_counters(llm)
@@ -182,6 +170,95 @@ def vllm_decode(
         before = now
     _vllm_release(llm)
     return {"engine": f"vllm {vllm.__version__}", "tokens": tokens, **before, "groups": groups}
+
+
+def _vllm_engine(
+    job: dict[str, Any], model: str, speculative: dict[str, Any] | None, max_num_seqs: int
+) -> Any:
+    """One in-process vLLM engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), eager, without a
+    tokenizer (prompts are token ids), its statistics on, its KV cache sized explicitly."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM
+
+    return LLM(
+        model=model,
+        speculative_config=speculative,
+        dtype=job["dtype"],
+        enforce_eager=True,
+        max_model_len=job["max_model_len"],
+        skip_tokenizer_init=True,
+        disable_log_stats=False,
+        max_num_seqs=max_num_seqs,
+        gpu_memory_utilization=STARTUP_MEMORY_SHARE,
+        kv_cache_memory_bytes=KV_CACHE_BYTES,
+        seed=0,
+    )
+
+
+def vllm_benchmark(job: dict[str, Any]) -> dict[str, Any]:
+    """Timed batch-1 decoding in vLLM on ``job["prompts"]``: plain, and with ``job["drafter"]``
+    when there is one, at each of ``job["temperatures"]``; the best of ``job["repeats"]``
+    passes (tokens/s over the whole pass), with tau (``1 + accepted / drafts``) and the
+    accepted tokens per position from the engine's counters, and each prompt's output.
+
+    Every prompt runs alone (batch 1, as draftsmith's benchmark decodes), ``max_tokens`` tokens
+    with EOS ignored; sampling is seeded per prompt. One unmeasured request first warms each
+    engine up."""
+    import vllm
+
+    engines = [("plain", job["target"], None)]
+    if job.get("drafter"):
+        engines.append(("head", *vllm_speculative_config(job)))
+    rows = []
+    for label, model, speculative in engines:
+        # One engine at a time, released before the next starts (a vLLM engine dropped after
+        # the next one is built tears down the process groups that one set up).
+        rows += _vllm_timed_rows(job, label, model, speculative)
+    return {"engine": f"vllm {vllm.__version__}", "rows": rows}
+
+
+def _vllm_timed_rows(
+    job: dict[str, Any], label: str, model: str, speculative: dict[str, Any] | None
+) -> list[dict[str, Any]]:
+    """:func:`vllm_benchmark`'s rows of one engine (plain or with the head)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]]
+    llm = _vllm_engine(job, model, speculative, max_num_seqs=1)
+    warm = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False)
+    llm.generate(prompts[:1], warm, use_tqdm=False)
+    rows = []
+    for temperature in job["temperatures"]:
+        best: dict[str, Any] | None = None
+        for _ in range(job["repeats"]):
+            before, outputs, start = _vllm_counters(llm), [], time.perf_counter()
+            for index, prompt in enumerate(prompts):
+                params = SamplingParams(
+                    temperature=temperature,
+                    max_tokens=job["max_tokens"],
+                    ignore_eos=True,
+                    detokenize=False,
+                    seed=job["seed"] + index,
+                )
+                out = llm.generate([prompt], params, use_tqdm=False)
+                outputs.append(list(out[0].outputs[0].token_ids))
+            seconds = time.perf_counter() - start
+            counts = counter_difference(_vllm_counters(llm), before)
+            tokens = sum(map(len, outputs))
+            row = {
+                "engine_row": label,
+                "temperature": temperature,
+                "tokens_per_s": tokens / seconds,
+                "tau": 1.0 + counts["accepted"] / counts["drafts"] if counts["drafts"] else 1.0,
+                "accepted_per_position": counts["accepted_per_position"],
+                "outputs": outputs,
+            }
+            if best is None or row["tokens_per_s"] > best["tokens_per_s"]:
+                best = row
+        rows.append(best)
+    _vllm_release(llm)
+    return rows
 
 
 def _vllm_counters(llm: Any) -> dict[str, Any]:
@@ -232,7 +309,7 @@ def run_vllm(job: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-ENGINE_RUNNERS = {"vllm": run_vllm}
+ENGINE_RUNNERS = {"vllm": run_vllm, "vllm_benchmark": vllm_benchmark}
 
 
 def engine_importable(engine: str) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from draftsmith.decode.defaults import TREE_TOP_K, TREE_TOTAL_TOKENS
@@ -166,3 +167,100 @@ def test_a_broken_eval_results_file_is_a_clear_error(tmp_path) -> None:
         script.held_out_overlap(str(tmp_path))
     (tmp_path / "eval_results.json").write_text('{"overlap@x": 1, "overlap@2": 0.5}')
     assert script.held_out_overlap(str(tmp_path)) == [0.5]
+
+
+def test_engine_flags_are_refused_before_loading(tmp_path, capsys) -> None:
+    script = _load_script()
+    base = ["--target", str(tmp_path / "no-target"), "--json", str(tmp_path / "b.json"),
+            "--plots", str(tmp_path / "plots")]  # fmt: skip
+    python = tmp_path / "python"
+    python.write_text("")
+    for flags, message in (
+        (["--vllm", "--engine-python", str(tmp_path / "nope")], "no such file"),
+        (["--vllm-head", str(tmp_path / "nowhere"), "--engine-python", str(python)],
+         "--vllm-head"),
+    ):  # fmt: skip
+        with pytest.raises(SystemExit) as exit_info:
+            script.parse_args([*base, *flags])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err, flags
+
+
+def test_engine_summary_sets_vllm_beside_the_runs_own_rows() -> None:
+    from draftsmith.scripts.engine_rows import VLLM_HEAD, VLLM_PLAIN, engine_summary
+
+    engine = {
+        "engine": "vllm 0.32.0",
+        "rows": [
+            {"engine_row": "plain", "temperature": 0.0, "tokens_per_s": 100.0, "tau": 1.0,
+             "accepted_per_position": [], "outputs": [[1, 2], [3, 4]]},
+            {"engine_row": "head", "temperature": 0.0, "tokens_per_s": 200.0, "tau": 2.5,
+             "accepted_per_position": [5, 3], "outputs": [[1, 2], [3, 5]]},
+            {"engine_row": "head", "temperature": 1.0, "tokens_per_s": 1.0, "tau": 1.0,
+             "accepted_per_position": [], "outputs": [[9], [9]]},
+        ],
+    }  # fmt: skip
+    ours = [
+        {"method": "draftsmith plain (no drafter)", "tokens_per_s": 120.0},
+        {"method": "draftsmith plain, float32", "tokens_per_s": 80.0},
+        {"method": "draftsmith EAGLE-3 chain", "tokens_per_s": 300.0},
+        {"method": "plain (HF generate)", "tokens_per_s": 500.0},  # not draftsmith's
+    ]
+    summary = engine_summary(engine, 0.0, ours, [[1, 2], [3, 4]])
+    assert set(summary["rows"]) == {VLLM_PLAIN, VLLM_HEAD}
+    assert summary["rows"][VLLM_HEAD]["over_draftsmith_fastest_plain"] == pytest.approx(200 / 120)
+    assert summary["rows"][VLLM_PLAIN]["greedy_equal_to_draftsmith_plain"] == 2
+    assert summary["rows"][VLLM_HEAD]["greedy_equal_to_draftsmith_plain"] == 1
+    assert summary["draftsmith_best"] == "draftsmith EAGLE-3 chain"
+    assert summary["vllm_best"] == VLLM_HEAD
+    assert summary["draftsmith_best_over_vllm_best"] == pytest.approx(1.5)
+    sampled = engine_summary(engine, 1.0, ours, [])
+    assert set(sampled["rows"]) == {VLLM_HEAD}
+    assert "greedy_equal_to_draftsmith_plain" not in sampled["rows"][VLLM_HEAD]
+
+
+ENGINE_PYTHON = os.environ.get("DRAFTSMITH_ENGINE_PYTHON")
+
+
+@pytest.mark.engines
+@pytest.mark.slow
+@pytest.mark.skipif(not ENGINE_PYTHON, reason="set DRAFTSMITH_ENGINE_PYTHON to a Python with vLLM")
+def test_vllm_rows_run_on_the_same_prompts(tmp_path) -> None:
+    """vLLM's plain and head rows on the benchmark's prompts: float32 greedy output equals
+    draftsmith's plain output on every prompt, and the head drafts."""
+    import torch
+    from draftsmith.decode.drafters.eagle.head import Eagle3Config, Eagle3Head
+    from draftsmith.scripts.engine_rows import VLLM_HEAD, VLLM_PLAIN
+    from draftsmith.train.export.formats import export_eagle3
+    from tiny_models import tiny_causal_lm, tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    target = tiny_causal_lm(
+        "llama",
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        num_layers=2,
+        dtype=torch.float32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+    )  # fmt: skip  (vLLM's CPU attention refuses head_dim 16)
+    target.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    head = Eagle3Head(Eagle3Config.for_target(target.config))
+    head.save_pretrained(tmp_path / "eagle3")
+    folder = export_eagle3(head, tmp_path / "eagle3_vllm", "vllm")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def add(a, b):\nclass Point:\n")
+    report = _load_script().main(
+        ["--target", str(tmp_path / "target"), "--eagle3", str(tmp_path / "eagle3"),
+         "--vllm-head", str(folder), "--engine-python", ENGINE_PYTHON,
+         "--prompts", str(prompts), "--max-new-tokens", "8", "--num-draft-tokens", "3",
+         "--temperatures", "0", "1", "--sweep", "--dtype", "float32", "--plain-also", "",
+         "--repeats", "1", "--json", str(tmp_path / "r.json"), "--plots", str(tmp_path / "p")]
+    )  # fmt: skip
+    engine = report["prompt_sets"][str(prompts)]["engine"]
+    assert set(engine) == {"0", "1"}
+    greedy = engine["0"]["rows"]
+    assert greedy[VLLM_PLAIN]["greedy_equal_to_draftsmith_plain"] == 2
+    assert greedy[VLLM_HEAD]["greedy_equal_to_draftsmith_plain"] == 2
+    assert all(row["tokens_per_s"] > 0 for row in greedy.values())
