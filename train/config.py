@@ -45,6 +45,7 @@ from draftsmith.decode.defaults import (
     NUM_DRAFT_TOKENS,
     TREE_TOP_K,
 )
+from draftsmith.decode.drafters.eagle.config import VARIANT_FLAGS as HEAD_VARIANT_FLAGS
 from draftsmith.decode.precision import DtypeChoice, choose_training_dtype
 from draftsmith.decode.yaml_values import (
     describe_type,
@@ -159,6 +160,20 @@ class DrafterConfig:
     aux_hidden_state_layer_ids: list[int] | None = field(
         default=None,
         metadata={"help": "eagle3: target hidden-state ids fused by the head (default 2,L//2,L-3)"},
+    )
+    fc_norm: bool = _f(
+        False,
+        "eagle3, peagle: EAGLE-3.1's RMSNorm on each captured target state before fc "
+        "(fc_norm.{i}, as vLLM reads it)",
+    )
+    norm_output: bool = _f(
+        False,
+        "eagle3, peagle: EAGLE-3.1's normed head output fed to the next step (vLLM's norm_output)",
+    )
+    norm_before_residual: bool = _f(
+        False,
+        "eagle3, peagle: the residual stream starts from hidden_norm(fused features) "
+        "(speculators' norm_before_residual)",
     )
     medusa_num_heads: int = _f(4, "medusa: heads, head i guessing the token i+2 ahead")
     medusa_num_layers: int = _f(1, "medusa: residual blocks per head")
@@ -621,6 +636,7 @@ class DistillConfig:
                 f"--lora_rank must be >= 0 (0 disables LoRA), got {self.drafter.lora_rank}"
             )
         self._validate_hidden_state_noise()
+        self._validate_head_variants()
         if self.loss.loss_chunk_size < 0:
             raise ValueError(
                 f"--loss_chunk_size must be >= 0 (0: off), got {self.loss.loss_chunk_size}"
@@ -648,6 +664,25 @@ class DistillConfig:
                 f"--hidden_state_noise perturbs the target's hidden states a head reads "
                 f"({', '.join(EXPORT_FORMATS_BY_KIND)}); --drafter_kind "
                 f"{self.drafter.drafter_kind} reads none, so leave it at 0"
+            )
+
+    def _validate_head_variants(self) -> None:
+        """EAGLE-3.1's and speculators' layer variants belong to the EAGLE-3 head (eagle3,
+        peagle), and SGLang's layout has no place for them."""
+        drafter = self.drafter
+        chosen = [f"--{flag}" for flag in HEAD_VARIANT_FLAGS if getattr(drafter, flag)]
+        if not chosen:
+            return
+        if drafter.drafter_kind not in ("eagle3", "peagle"):
+            raise ValueError(
+                f"{', '.join(chosen)}: these change the EAGLE-3 head's layer (eagle3, peagle); "
+                f"--drafter_kind {drafter.drafter_kind} has no such layer, so leave them off"
+            )
+        if "sglang" in parse_export_formats(self.output.export_format):
+            raise ValueError(
+                f"--export_format sglang with {', '.join(chosen)}: vLLM's llama_eagle3.py reads "
+                "these, SGLang's EAGLE-3 layer is not known to (it would serve a different "
+                "head); export with --export_format vllm (or speculators)"
             )
 
     def _validate_schedule(self) -> None:

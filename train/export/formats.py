@@ -139,6 +139,13 @@ def engine_aux_ids(head: Eagle3Head, fmt: str) -> dict[str, list[int]]:
                 f"this head fuses {len(ids)} target states; SGLang builds fc over exactly 3: "
                 "export it with --export_format vllm, or retrain with 3 aux ids"
             )
+        variants = [flag for flag in VARIANT_FLAGS if getattr(head.config, flag)]
+        if variants:
+            raise ValueError(
+                f"this head's layer uses {', '.join(variants)}, which vLLM's llama_eagle3.py "
+                "reads and SGLang's EAGLE-3 layer is not known to (it would serve a different "
+                "head): export it with --export_format vllm (or speculators)"
+            )
     return {"vllm": ids, "sglang": [i - 1 for i in ids]}
 
 

@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+from draftsmith.decode.drafters.eagle.config import VARIANT_FLAGS
 from draftsmith.decode.drafters.eagle.head import Eagle3Config, Eagle3Head, build_vocab_maps
 from draftsmith.train.losses import Loss
 from draftsmith.train.objectives import Batch
@@ -108,6 +109,9 @@ def recipe_head(
     if drafter.drafter_intermediate_size is not None:
         overrides["intermediate_size"] = drafter.drafter_intermediate_size
     overrides["num_hidden_layers"] = drafter.drafter_num_layers
+    # EAGLE-3.1's and speculators' layer variants, set only when chosen (the config
+    # refuses them for kinds without the EAGLE-3 layer)
+    overrides.update({flag: True for flag in VARIANT_FLAGS if getattr(drafter, flag)})
     head_config = head_type.config_type.for_target(target.config, **overrides)
     # nn.Module initialises from the global RNG: fork it so that only the seed matters.
     with torch.random.fork_rng(devices=[]):
