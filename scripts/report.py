@@ -46,6 +46,7 @@ BENCH_NO_AMX = RESULTS / "bench_no_amx" / "bench.json"
 BENCH_AMD = RESULTS / "bench_amd" / "bench.json"
 MAIN_JOB_AMD = RESULTS / "main_job_amd.json"
 SERVING_SWEEP = RESULTS / "serving_sweep.json"  # draftsmith-load-test --sweep --json
+BENCH_DFLASH_AVX2 = RESULTS / "bench_dflash_avx2" / "bench.json"
 ABLATION_PEAGLE_NO_AMX = RESULTS / "ablation_peagle_no_amx" / "ablation.json"
 ABLATION_PEAGLE_AMD = RESULTS / "ablation_peagle_amd" / "ablation.json"
 ABLATION_VOCAB_NO_AMX = RESULTS / "ablation_vocab_no_amx" / "ablation.json"
@@ -62,6 +63,7 @@ RECORDS = (
     BENCH_DEMO,
     BENCH_NO_AMX,
     BENCH_AMD,
+    BENCH_DFLASH_AVX2,
     ABLATION_PEAGLE_NO_AMX,
     ABLATION_PEAGLE_AMD,
     ABLATION_VOCAB_NO_AMX,
@@ -358,6 +360,49 @@ def cost_model(bench: dict[str, Any], method: str = "draftsmith EAGLE-3 chain") 
             f"{r['speedup_over_draftsmith_plain']:.2f}; a free drafter: {free:.2f})"
         )
     return f"{method}, times in ms:\n\n" + "\n".join(lines)
+
+
+BLOCK_ROWS = (
+    "draftsmith plain (no drafter)",
+    "draftsmith EAGLE-3 chain",
+    "draftsmith DFlash block",
+)
+"""The rows that compare the block drafter with the chain on one run."""
+
+
+def block_drafter_table(bench: dict[str, Any]) -> str:
+    """The DFlash block beside the EAGLE-3 chain, per prompt set and temperature: tokens/s and
+    the ratio over plain decoding, tau, the round's parts (a round drafts N tokens at T_d each,
+    then verifies in T_v; both in ms and in target steps T_t) and the acceptance per
+    position (of position j given the ones before it accepted)."""
+    header = ["prompts", "T", "method", "tokens/s", "vs plain", "tau", "N", "draft ms (steps)"]
+    header += ["verify ms (steps)", "acceptance per position"]
+    rows = []
+    for prompts, record in bench["prompt_sets"].items():
+        for t, by_method in record["by_temperature"].items():
+            for r in by_method:
+                if r["method"] not in BLOCK_ROWS:
+                    continue
+                alpha = r["alpha_per_position"] or []
+                n, t_t = len(alpha), r["target_step_ms"]
+                draft = n * r["draft_step_ms"] if r["draft_step_ms"] is not None else None
+                rows.append(
+                    [
+                        prompts,
+                        t,
+                        r["method"],
+                        _f(r["tokens_per_s"], 1),
+                        _x(r["speedup_over_draftsmith_plain"]),
+                        _f(r["tau"]),
+                        str(n or "-"),
+                        "-" if draft is None else f"{draft:.1f} ({draft / t_t:.2f})",
+                        f"{r['verify_pass_ms']:.1f} ({r['verify_pass_ms'] / t_t:.2f})",
+                        " ".join(f"{a:.2f}" for a in alpha) or "-",
+                    ]
+                )
+    setting = _setting(bench, "held-out (demo) and out-of-distribution (ood)")
+    note = "Each row drafts its own N per round (a DFlash block: B - 1)."
+    return "\n".join([f"{setting} {note}", "", *_table(header, rows)])
 
 
 CHAIN_COST_MODELS = ("draftsmith EAGLE-3 chain", "draftsmith P-EAGLE chain")
@@ -705,6 +750,7 @@ SECTIONS: dict[str, Callable[[], str]] = {
         ABLATION_PEAGLE_LAYERS_450_AMX
     ),
     "serving-sweep": lambda: sweep_table(_read(SERVING_SWEEP)),
+    "bench-dflash-avx2": lambda: block_drafter_table(_read(BENCH_DFLASH_AVX2)),
 }
 """Section name -> the function that writes its text from docs/results/."""
 
