@@ -79,7 +79,7 @@ RESERVED = {
 
 
 # What measure_tau records per temperature besides tau, kept in each run's entry.
-DECODE_MEASURES = ("alpha", "draft_ms_per_round", "tokens_per_s")
+DECODE_MEASURES = ("alpha", "draft_ms_per_round", "tokens_per_s", "num_draft_tokens")
 
 
 class Skip(Exception):
@@ -475,7 +475,8 @@ def measure_tau(
     (``draft_ms_per_round``, what P-EAGLE's one pass saves over EAGLE-3's chain) and the
     drafter's own tokens/s.
 
-    Chains of ``settings.num_draft_tokens`` for every kind, ``settings.tau_prompts`` held-out
+    Chains of ``settings.num_draft_tokens`` for every chain kind and a DFlash block's whole
+    B - 1 drafts (``round_drafts``), ``settings.tau_prompts`` held-out
     prompts of ``settings.tau_new_tokens`` tokens, the decoder seeded once per temperature.
     The grid compares acceptance, so the drafter decodes alone: no plain or HF baselines are
     timed (tau = tokens per target pass, docs/theory.md §5); compare speeds between cells run
@@ -496,10 +497,11 @@ def measure_tau(
     prompts = [
         encode_prompt(tokenizer, p) for p in load_eval_prompts(prompt_source, settings.tau_prompts)
     ]
+    drafts = round_drafts(drafter, settings.num_draft_tokens)
     out: dict[str, dict[str, float]] = {}
     for temperature in settings.temperatures:
         decode_settings = EvalSettings(
-            num_draft_tokens=settings.num_draft_tokens,
+            num_draft_tokens=drafts,
             max_new_tokens=settings.tau_new_tokens,
             temperature=temperature,
         )
@@ -512,8 +514,16 @@ def measure_tau(
             "alpha": stats.alpha_per_position,
             "draft_ms_per_round": 1000 * stats.draft_seconds / max(stats.target_forward_passes, 1),
             "tokens_per_s": result["drafter"].tokens_per_s,
+            "num_draft_tokens": drafts,
         }
     return out
+
+
+def round_drafts(drafter, chain: int) -> int:
+    """Drafts per round a grid's run is measured with: a DFlash block verifies its whole
+    block (B - 1, so that a grid over ``dflash_block_size`` compares blocks, as the benchmark's
+    default does), every other kind a chain of ``chain``."""
+    return drafter.max_draft_tokens if drafter.kind == "dflash" else chain
 
 
 def _is_number(text: str) -> bool:
