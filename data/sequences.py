@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from draftsmith.data.cache import collate_cached
+from draftsmith.data.chat_context import with_system_prompt
 from draftsmith.data.packing import collate, map_to_rows, render_and_pad, tokenize_and_pack
 from draftsmith.data.sources import (
     conversation_field,
@@ -66,8 +67,10 @@ def load_sequences(
     messages_field: str = "messages",
     max_files: int | None = None,
     max_train_sequences: int | None = None,
+    system_prompt: str | None = None,
 ) -> SequenceSets:
-    """Read, tokenise and split ``source``; raise if it yields no sequence."""
+    """Read, tokenise and split ``source``; raise if it yields no sequence. Conversations
+    that open without a system turn get ``system_prompt`` (``draftsmith.data.chat_context``)."""
     if source == "stdlib":
         sets = _stdlib(tokenizer, block_size, max_files)
     else:
@@ -81,7 +84,7 @@ def load_sequences(
                     "text file or folder, stdlib, or a datasets name"
                 )
             records = path if path.suffix in (".jsonl", ".json") else source
-            fields = _Fields(data_format, text_field, messages_field)
+            fields = _Fields(data_format, text_field, messages_field, system_prompt)
             sets = _records(records, fields, tokenizer, block_size, validation_fraction, seed)
     if max_train_sequences is not None:
         sets.train = take(sets.train, max_train_sequences)
@@ -195,6 +198,7 @@ class _Fields:
     data_format: str
     text_field: str
     messages_field: str
+    system_prompt: str | None = None  # opens every conversation that has no system turn
 
     def detect(self, columns: list[str], source: str | Path) -> str:
         """The layout of records with ``columns`` (``data_format`` unless it is ``auto``)."""
@@ -249,6 +253,12 @@ def _records(
         )
     if fmt == "conversations":
         table = load_conversations(source, fields.messages_field)  # validates every message
+        if fields.system_prompt:
+            table = table.map(
+                lambda record: {
+                    "messages": with_system_prompt(record["messages"], fields.system_prompt)
+                }
+            )
     elif fmt == "text" and isinstance(source, Path):
         table = load_jsonl(source, fields.text_field)
     split = table.train_test_split(test_size=validation_fraction, seed=seed)

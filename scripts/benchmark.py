@@ -41,7 +41,11 @@ from draftsmith.decode.measure.plots import (
     plot_speedup_against_draft_length,
     plot_speedups,
 )
-from draftsmith.decode.measure.prompts import load_eval_prompts
+from draftsmith.decode.measure.prompts import (
+    add_system_prompt_argument,
+    drafters_system_prompt,
+    load_eval_prompts,
+)
 from draftsmith.decode.measure.side_by_side import (
     UNREPRODUCED_TIMING,
     EvalSettings,
@@ -103,6 +107,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="prompt sets, each measured in turn ('demo' held-out, 'ood' unseen code, files); "
         "the first is the headline",
     )
+    add_system_prompt_argument(parser, "the one the drafters were trained with, if any")
     parser.add_argument("--num-prompts", type=int, default=6)
     add_repeats_argument(parser)
     parser.add_argument("--max-new-tokens", type=at_least_one, default=128)
@@ -547,9 +552,6 @@ def main(argv: list[str] | None = None) -> dict:
     check_device(args.device)
     check_output_file(args.json, "--json")
     check_output_folder(args.plots, "--plots")
-    texts = {source: load_eval_prompts(source, args.num_prompts) for source in args.prompts}
-    choice, target, tokenizer, plain_copies = load_targets_for(args)
-    drafters = {kind: load_drafter(None, target, kind=kind) for kind in ("none", "ngram")}
     folders = {
         "draft_lm": args.draft_lm,
         "draft_lm_pruned": args.draft_lm_pruned,
@@ -558,6 +560,13 @@ def main(argv: list[str] | None = None) -> dict:
         "peagle": args.peagle,
         "dflash": args.dflash,
     }
+    system_prompt = drafters_system_prompt(args.system_prompt, [f for f in folders.values() if f])
+    texts = {
+        source: load_eval_prompts(source, args.num_prompts, system_prompt)
+        for source in args.prompts
+    }
+    choice, target, tokenizer, plain_copies = load_targets_for(args)
+    drafters = {kind: load_drafter(None, target, kind=kind) for kind in ("none", "ngram")}
     for kind, folder in folders.items():
         if folder:
             drafters[kind] = load_drafter(folder, target, kind=kind.removesuffix("_pruned"))
@@ -587,6 +596,7 @@ def main(argv: list[str] | None = None) -> dict:
         "target": args.target,
         **choice.record(),
         "machine": machine_record(args.device),
+        "system_prompt": system_prompt,
         "plain_also": list(plain_copies),
         "num_prompts": len(prompts),
         "repeats": args.repeats,

@@ -33,10 +33,12 @@ from typing import Any
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from draftsmith.decode.measure.prompts import add_system_prompt_argument
     from draftsmith.decode.measure.side_by_side import (
         at_least_one,
         at_least_zero,
         seed_value,
+        share_value,
         temperature_value,
         top_p_value,
     )
@@ -53,6 +55,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt-field", default="prompt")
     parser.add_argument("--messages-field", default="messages")
     parser.add_argument("--num-prompts", type=at_least_one, default=None, help="cap on prompts")
+    add_system_prompt_argument(
+        parser, "none; training and benchmarks reuse the recipe's data.system_prompt, so pass it"
+    )
+    parser.add_argument(
+        "--no-thinking-share",
+        type=share_value,
+        default=0.0,
+        help="chat prompts: the share answered with thinking off (Qwen3's enable_thinking=False), "
+        "a seeded choice (--seed); the rest think as the template's default. Default 0",
+    )
     parser.add_argument(
         "--prompt-tokens", type=int, default=32, help="stdlib prompts: length (>= 2)"
     )
@@ -105,6 +117,7 @@ CORPUS_FLAGS = {
     "--max-files": STDLIB_PROMPTS,
 }
 FILE_FLAGS = ("--prompt-field", "--messages-field")
+CHAT_FLAGS = ("--system-prompt", "--no-thinking-share")  # what a chat prompt is answered under
 ENDPOINT_FLAGS = ("--model", "--concurrency", "--max-retries", "--timeout", "--limit")
 LOCAL_FLAGS = ("--batch-size", "--dtype")  # the server runs the target with --endpoint
 
@@ -144,6 +157,12 @@ def flags_problem(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     for flag in FILE_FLAGS:
         if given(flag) and args.prompts in STDLIB_PROMPTS:
             return f"{flag} names a field of a prompts file: drop it with --prompts {args.prompts}"
+    for flag in CHAT_FLAGS:
+        if given(flag) and args.prompts in STDLIB_PROMPTS:
+            return (
+                f"{flag} applies to chat prompts, and --prompts {args.prompts} gives plain code "
+                "prompts: drop it, or pass a file of conversations"
+            )
     for flag in ENDPOINT_FLAGS:
         if given(flag) and args.endpoint is None:
             return f"{flag} only applies with --endpoint: add --endpoint URL, or drop {flag}"
@@ -181,7 +200,11 @@ def main(argv: list[str] | None = None) -> dict:
     if prompts is None:
         prompts = _prompts(args, tokenizer)
     # Every prompt encodes to tokens, and none runs past the target's context.
-    encoded = [torch.tensor([prompt_ids(tokenizer, prompt)]) for prompt in prompts]
+    thinking_off = _thinking_off(args, prompts)
+    encoded = [
+        torch.tensor([prompt_ids(tokenizer, prompt, i not in thinking_off)])
+        for i, prompt in enumerate(prompts)
+    ]
     check_context(target, encoded, args.max_new_tokens)
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     result = regenerate(
@@ -194,6 +217,7 @@ def main(argv: list[str] | None = None) -> dict:
         seed=args.seed,
         batch_size=args.batch_size,
         progress=not args.no_progress,
+        thinking_off=thinking_off,
     )
     print(
         f"{result['records']} responses ({result['response_tokens']:,} tokens) from {name} "
@@ -211,10 +235,29 @@ def _prompts(args: argparse.Namespace, tokenizer: Any) -> list:
         return corpus_prompts(tokenizer, args.prompt_tokens, count, args.max_files)
     if args.prompts == "stdlib-defs":
         return corpus_definition_prompts(count, args.max_files, args.prompt_chars)
+    from draftsmith.data.chat_context import prompts_with_system_prompt
     from draftsmith.data.sources import load_prompts
 
     prompts = load_prompts(args.prompts, args.prompt_field, args.messages_field)
-    return prompts[: args.num_prompts] if args.num_prompts else prompts
+    prompts = prompts[: args.num_prompts] if args.num_prompts else prompts
+    chat = any(not isinstance(p, str) for p in prompts)
+    for flag, given in (
+        ("--system-prompt", args.system_prompt is not None),
+        ("--no-thinking-share", args.no_thinking_share > 0),
+    ):
+        if given and not chat:
+            raise ValueError(
+                f"{flag} applies to chat prompts, and {args.prompts} holds plain text prompts "
+                f"(field {args.prompt_field!r}): drop {flag}, or pass conversations"
+            )
+    return prompts_with_system_prompt(prompts, args.system_prompt)
+
+
+def _thinking_off(args: argparse.Namespace, prompts: list) -> frozenset[int]:
+    """The prompts answered with thinking off (``--no-thinking-share``, seeded by ``--seed``)."""
+    from draftsmith.data.chat_context import thinking_off_indices
+
+    return thinking_off_indices(len(prompts), args.no_thinking_share, args.seed)
 
 
 def _through_endpoint(args: argparse.Namespace) -> dict:
@@ -247,6 +290,7 @@ def _through_endpoint(args: argparse.Namespace) -> dict:
         top_p=args.top_p,
         top_k=args.top_k,
         seed=args.seed,
+        thinking_off=_thinking_off(args, prompts),
     )
     report = regenerate_through_endpoint(
         prompts, args.output, settings, endpoint, limit=args.limit, progress=not args.no_progress

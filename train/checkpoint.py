@@ -40,7 +40,8 @@ import numpy as np
 import torch
 from accelerate import Accelerator
 from draftsmith.data.atomic_io import replace_folder, write_json_atomic
-from draftsmith.train.provenance import PROVENANCE_FILE, build_provenance
+from draftsmith.decode.drafters.folder import PROVENANCE_FILE
+from draftsmith.train.provenance import build_provenance
 from safetensors import safe_open
 from safetensors.torch import save_file
 

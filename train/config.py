@@ -205,6 +205,12 @@ class DataConfig:
     data_format: str = _f("auto", f"how rows are read: {', '.join(DATA_FORMATS)}")
     text_field: str = _f("text", "JSONL field holding text")
     messages_field: str = _f("messages", "JSONL field holding a conversation")
+    system_prompt: str | None = _f(
+        None,
+        "system turn of every training conversation that opens without one, recorded in the "
+        "drafter's provenance.json for draftsmith-evaluate and draftsmith-benchmark to send "
+        "with their chat prompts (draftsmith.data.chat_context)",
+    )
     block_size: int = _f(256, "tokens per training sequence")
     max_files: int | None = _f(None, "stdlib only: cap on corpus files (tests, quick runs)")
     max_train_sequences: int | None = _f(None, "cap on training sequences after packing")
@@ -523,6 +529,11 @@ class DistillConfig:
             raise ValueError(
                 f"--on_policy_prompt_tokens must lie in [1, block_size={self.data.block_size}), "
                 f"got {self.data.on_policy_prompt_tokens}"
+            )
+        if self.data.system_prompt is not None and not self.data.system_prompt.strip():
+            raise ValueError(
+                "--system_prompt is blank; write the system turn's text, or drop it (null) for "
+                "conversations without one"
             )
         if not 0.0 < self.data.validation_fraction < 1.0:
             raise ValueError(

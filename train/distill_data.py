@@ -46,6 +46,7 @@ def load_sequences(
         messages_field=config.messages_field,
         max_files=config.max_files,
         max_train_sequences=config.max_train_sequences,
+        system_prompt=config.system_prompt,
     )
 
 

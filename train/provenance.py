@@ -1,9 +1,9 @@
 """Where a trained artifact came from: the one record the export and every checkpoint carry.
 
-``provenance.json`` holds the resolved training config (every section, and the recipe file
-it came from), the git revision of the code (``{"commit", "dirty"}``, or null outside a
-checkout), the versions of the packages that shape the result, the Python version and
-platform, and the time it was written (UTC).
+``provenance.json`` (``draftsmith.decode.drafters.folder.PROVENANCE_FILE``) holds the resolved
+training config (every section, and the recipe file it came from), the git revision of the code
+(``{"commit", "dirty"}``, or null outside a checkout), the versions of the packages that shape
+the result, the Python version and platform, and the time it was written (UTC).
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 from typing import Any
-
-PROVENANCE_FILE = "provenance.json"
 
 PACKAGES = (
     "draftsmith",

@@ -117,7 +117,7 @@ def measure_and_report(
     from draftsmith.decode.measure.evaluate import load_target
     from draftsmith.decode.measure.machine import machine_record
     from draftsmith.decode.measure.plots import plot_acceptance_by_position, plot_speedups
-    from draftsmith.decode.measure.prompts import load_eval_prompts
+    from draftsmith.decode.measure.prompts import drafters_system_prompt, load_eval_prompts
     from draftsmith.decode.measure.side_by_side import encode_prompt
     from draftsmith.decode.precision import choose_dtype
     from tqdm.auto import tqdm
@@ -138,9 +138,11 @@ def measure_and_report(
         "hybrid": {},
     }
     sets = {"held_out": prompts} | ({"ood": ood_prompts} if ood_prompts else {})
+    system_prompt = drafters_system_prompt(None, [drafter_dir])  # the recipe's, as trained
     bar = tqdm(total=len(sets) * len(temperatures), desc="measure", dynamic_ncols=True)
     for name, source in sets.items():
-        encoded = [encode_prompt(tokenizer, p) for p in load_eval_prompts(source, num_prompts)]
+        texts = load_eval_prompts(source, num_prompts, system_prompt)
+        encoded = [encode_prompt(tokenizer, p) for p in texts]
         for temperature in temperatures:
             bar.set_postfix_str(f"{name} T={temperature:g}")
             results = _measure(

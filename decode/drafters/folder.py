@@ -27,6 +27,8 @@ from safetensors.torch import save_file
 FORMAT_VERSION = 1
 """The newest ``drafter.json`` format this code reads (and the one it writes)."""
 DRAFTER_FILE = "drafter.json"
+PROVENANCE_FILE = "provenance.json"
+"""Where a trained folder keeps its training record (``draftsmith.train.provenance``)."""
 _REEXPORT = "re-export the drafter with train/distill.py or use a folder written by it"
 _SIZE_KEYS = (
     "hidden_size",
@@ -84,6 +86,18 @@ def _checked_field(cls: type, name: str, hint: Any, value: Any) -> Any:
             f"config.json: {cls.__name__}.{name} must be positive, got {converted!r}; {_REEXPORT}"
         )
     return converted
+
+
+def trained_config(folder: str | Path) -> dict[str, Any] | None:
+    """The resolved training config of ``folder``'s ``provenance.json`` (section -> field ->
+    value), or None when the folder has no such record."""
+    file = Path(folder) / PROVENANCE_FILE
+    if not file.is_file():
+        return None
+    config = read_json_object(file, "restore the provenance.json train/distill.py wrote").get(
+        "config"
+    )
+    return config if isinstance(config, dict) else None
 
 
 def read_drafter_marker(folder: str | Path) -> dict[str, Any]:

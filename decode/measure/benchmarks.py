@@ -26,12 +26,16 @@ def run_benchmarks(
     num_prompts: int,
     encode: Any,  # prompt -> [1, T] token ids (draftsmith.decode.measure.side_by_side.encode_prompt with a tokenizer)
     evaluate: Any,  # list of [1, T] prompts -> the report of draftsmith.decode.measure.evaluate.evaluate_drafter
+    system_prompt: str | None = None,
 ) -> dict[str, Any]:
-    """One evaluation per benchmark file; returns ``{"benchmarks": {name: report}, ...}`` with
-    ``accept_length`` (= tau) in each report and their mean over benchmarks."""
+    """One evaluation per benchmark file, its questions opened by ``system_prompt``; returns
+    ``{"benchmarks": {name: report}, ...}`` with ``accept_length`` (= tau) in each report and
+    their mean over benchmarks."""
     reports: dict[str, dict[str, Any]] = {}
     for name, path in files.items():
-        prompts: list[torch.Tensor] = [encode(p) for p in file_prompts(path, num_prompts)]
+        prompts: list[torch.Tensor] = [
+            encode(p) for p in file_prompts(path, num_prompts, system_prompt)
+        ]
         report = evaluate(prompts)
         reports[name] = {
             "file": path,

@@ -349,6 +349,8 @@ def format_table(report: dict[str, object]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from draftsmith.decode.measure.prompts import add_system_prompt_argument
+
     parser = argparse.ArgumentParser(
         prog="python -m draftsmith.decode.measure.evaluate",
         description=__doc__.split("\n\n")[0],
@@ -382,6 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
         "test.jsonl, HumanEval.jsonl; draftsmith.decode.measure.benchmarks), evaluated on its own; repeat it: one "
         "accept length per benchmark, as SpecForge and speculators report (replaces --prompts)",
     )
+    add_system_prompt_argument(parser, "the one the drafter was trained with, if any")
     parser.add_argument("--num-prompts", type=int, default=8)
     add_repeats_argument(parser)
     parser.add_argument("--max-new-tokens", type=at_least_one, default=128)
@@ -456,7 +459,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         parse_benchmark_flags,
         run_benchmarks,
     )
-    from draftsmith.decode.measure.prompts import load_eval_prompts
+    from draftsmith.decode.measure.prompts import drafters_system_prompt, load_eval_prompts
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -469,7 +472,11 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     if args.json:
         check_output_file(args.json, "--json")
     # Prompt files are read before any model loads: a bad file costs no loading time.
-    texts = [] if args.benchmark else load_eval_prompts(args.prompts, args.num_prompts)
+    drafters = [args.drafter] if args.drafter is not None else []
+    system_prompt = drafters_system_prompt(args.system_prompt, drafters)
+    texts = (
+        [] if args.benchmark else load_eval_prompts(args.prompts, args.num_prompts, system_prompt)
+    )
     files = parse_benchmark_flags(args.benchmark) if args.benchmark else {}
     choice, target, tokenizer, plain_also = load_targets_for(args)
     check_same_tokenizer(tokenizer, args.drafter)
@@ -501,6 +508,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     setting = {
         "target": args.target,
         "drafter": args.drafter,
+        "system_prompt": system_prompt,
         **choice.record(),
         "machine": machine_record(args.device),
     }
@@ -511,7 +519,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             check_context(target, [ids], args.max_new_tokens)
             return ids
 
-        result = run_benchmarks(files, args.num_prompts, encode, measure)
+        result = run_benchmarks(files, args.num_prompts, encode, measure, system_prompt)
         report = {**setting, **result}
         print(format_benchmarks(result))
     else:

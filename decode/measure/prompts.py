@@ -9,6 +9,7 @@ The one module of ``decode/`` that imports ``data/`` (docs/architecture.md, the 
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import itertools
 from collections.abc import Iterable, Iterator, Sequence
@@ -16,9 +17,11 @@ from pathlib import Path
 from typing import TypeVar
 
 from draftsmith.data.benchmarks import load_benchmark_prompts
+from draftsmith.data.chat_context import prompts_with_system_prompt, system_prompt_argument
 from draftsmith.data.corpus import load_stdlib_corpus
 from draftsmith.data.sources import utf8_text
 from draftsmith.decode.defaults import DEMO_PROMPT_CHARS
+from draftsmith.decode.drafters.folder import trained_config
 
 T = TypeVar("T")
 
@@ -110,9 +113,13 @@ def demo_prompts(num_prompts: int) -> list[str]:
     return prompts
 
 
-def file_prompts(path: str, num_prompts: int) -> list[str | list[dict[str, str]]]:
+def file_prompts(
+    path: str, num_prompts: int, system_prompt: str | None = None
+) -> list[str | list[dict[str, str]]]:
     """Prompts from a JSONL/JSON file (``prompt`` or ``messages`` field, or a benchmark's own
-    shape: MT-Bench, GSM8K, HumanEval; ``draftsmith.data.benchmarks``) or a text file.
+    shape: MT-Bench, GSM8K, HumanEval; ``draftsmith.data.benchmarks``) or a text file. Chat
+    prompts open with ``system_prompt`` unless they hold a system turn of their own
+    (``draftsmith.data.chat_context``).
 
     Every problem with the file (a folder, unreadable, not UTF-8, JSON nested too deep to
     parse, a wrong shape) is a ``ValueError`` or ``FileNotFoundError`` naming it."""
@@ -122,7 +129,8 @@ def file_prompts(path: str, num_prompts: int) -> list[str | list[dict[str, str]]
         raise ValueError(f"prompt file {file} is a folder; pass a file in it, or 'demo'")
     try:
         if path.endswith((".jsonl", ".json")):
-            return load_benchmark_prompts(path, num_prompts)
+            prompts = load_benchmark_prompts(path, num_prompts)
+            return prompts_with_system_prompt(prompts, system_prompt)
         return _text_prompts(file, num_prompts)
     except RecursionError:
         raise ValueError(
@@ -158,11 +166,57 @@ def _text_prompts(file: Path, num_prompts: int) -> list[str | list[dict[str, str
 PROMPT_SETS = ("demo", "ood")
 
 
-def load_eval_prompts(spec: str, num_prompts: int) -> list[str | list[dict[str, str]]]:
-    """``demo`` (held-out stdlib code), ``ood`` (installed third-party code), or a file."""
+def load_eval_prompts(
+    spec: str, num_prompts: int, system_prompt: str | None = None
+) -> list[str | list[dict[str, str]]]:
+    """``demo`` (held-out stdlib code), ``ood`` (installed third-party code), or a file (its
+    chat prompts opened by ``system_prompt``: :func:`file_prompts`)."""
     _check_count(num_prompts)
     if spec == "demo":
         return list(demo_prompts(num_prompts))
     if spec == "ood":
         return list(ood_prompts(num_prompts))
-    return file_prompts(spec, num_prompts)
+    return file_prompts(spec, num_prompts, system_prompt)
+
+
+def drafters_system_prompt(given: str | None, drafter_dirs: Sequence[str | Path]) -> str | None:
+    """The system prompt an evaluation gives its chat prompts: ``--system-prompt`` when given
+    (``""``: none), else the one the drafters were trained with (``data.system_prompt`` of
+    their ``provenance.json``), so that a drafter is measured in the context it learned.
+    Drafters trained with different ones are refused: one run measures every method on the
+    same prompts."""
+    if given is not None:
+        return given or None
+    recorded = {}
+    for folder in drafter_dirs:
+        config = trained_config(folder) if Path(folder).is_dir() else None
+        data = (config or {}).get("data")
+        value = data.get("system_prompt") if isinstance(data, dict) else None
+        recorded[str(folder)] = value if isinstance(value, str) and value else None
+    if len(set(recorded.values())) > 1:
+        listing = "; ".join(f"{folder}: {value!r}" for folder, value in recorded.items())
+        raise ValueError(
+            f"the drafters were trained with different system prompts ({listing}); pass "
+            "--system-prompt TEXT (or none) to measure them on the same prompts"
+        )
+    return next(iter(recorded.values()), None)
+
+
+def add_system_prompt_argument(parser: argparse.ArgumentParser, default_help: str) -> None:
+    """``--system-prompt TEXT | @FILE | none`` (``draftsmith.data.chat_context``); its value
+    is None when not given, ``""`` for none."""
+
+    def value(text: str) -> str:
+        try:
+            return system_prompt_argument(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    parser.add_argument(
+        "--system-prompt",
+        type=value,
+        default=None,
+        metavar="TEXT|@FILE|none",
+        help="system turn opening every chat prompt that has none (@FILE: a text file's "
+        f"contents; none: no system turn); default: {default_help}",
+    )

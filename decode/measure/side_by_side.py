@@ -153,6 +153,11 @@ def temperature_value(text: str) -> float:
     )
 
 
+def share_value(text: str) -> float:
+    """An argparse type: a share of the whole, in [0, 1]."""
+    return _checked(text, float, lambda value: 0 <= value <= 1, "a number in [0, 1]")
+
+
 def top_p_value(text: str) -> float:
     """An argparse type: a nucleus mass in (0, 1] (1 disables it)."""
     return _checked(text, float, lambda value: 0 < value <= 1, "a number in (0, 1] (1 disables it)")

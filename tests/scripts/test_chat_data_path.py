@@ -196,3 +196,114 @@ def test_qwen3_past_turns_lose_their_think_and_a_plain_answer_skips_the_empty_bl
             assert "<think>\n\n</think>\n\nplain" in text
             assert trained == "plain<|im_end|>"
             assert ids[[j for j, m in enumerate(mask) if m][-1]] == im_end
+
+
+SYSTEM = "You answer in one line."
+
+
+def _mixed_modes(bodies: list[dict]):
+    """A reasoning server that honours ``enable_thinking=False`` from chat_template_kwargs."""
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/models"):
+            return httpx.Response(200, json={"data": [{"id": "qwen3"}]})
+        body = json.loads(request.content)
+        bodies.append(body)
+        question = body["messages"][-1]["content"]
+        message = {"role": "assistant", "content": f"Answer to {question}"}
+        if body.get("chat_template_kwargs", {}).get("enable_thinking", True):
+            message["reasoning_content"] = f"Thinking about {question}"
+        return httpx.Response(
+            200,
+            json={"choices": [{"message": message, "finish_reason": "stop"}],
+                  "usage": {"completion_tokens": 9}},
+        )  # fmt: skip
+
+    return answer
+
+
+def test_a_system_prompt_and_a_thinking_mix_reach_the_engine_and_the_training_rows(
+    tmp_path: Path,
+) -> None:
+    from draftsmith.data.chat_context import prompts_with_system_prompt, thinking_off_indices
+
+    prompts = [[{"role": "user", "content": f"question {i}"}] for i in range(6)]
+    prompts[5] = [{"role": "system", "content": "Its own system turn."}, *prompts[5]]
+    off = thinking_off_indices(len(prompts), 0.5, seed=0)
+    assert len(off) == 3 and off == thinking_off_indices(len(prompts), 0.5, seed=0)
+    bodies: list[dict] = []
+    output = tmp_path / "mixed.jsonl"
+    with httpx.Client(transport=httpx.MockTransport(_mixed_modes(bodies))) as client:
+        report = regenerate_through_endpoint(
+            prompts_with_system_prompt(prompts, SYSTEM), output,
+            GenerationSettings(max_tokens=32, thinking_off=off),
+            EndpointConfig(url="http://engine/v1", concurrency=1), progress=False, client=client,
+        )  # fmt: skip
+    assert report.written == 6
+    # The engine is asked to skip thinking for exactly the chosen prompts.
+    switched = {int(b["messages"][-1]["content"].split()[-1]) for b in bodies
+                if b.get("chat_template_kwargs") == {"enable_thinking": False}}  # fmt: skip
+    assert switched == set(off)
+    records = {r["index"]: r for r in map(json.loads, output.read_text().splitlines())}
+    for index, record in records.items():
+        system = record["messages"][0]
+        assert system["role"] == "system"
+        assert system["content"] == ("Its own system turn." if index == 5 else SYSTEM)
+        assert record.get("thinking", True) == (index not in off)
+        assert record["messages"][-1]["content"].startswith("<think>") == (index not in off)
+
+    # Training reads both modes: a thinking answer from its <think>, a plain one from its first
+    # word (the empty think block is the prompt an engine gives with thinking off); the system
+    # turn is context, never trained.
+    tokenizer = family_tokenizer(QWEN3)
+    think = tokenizer.convert_tokens_to_ids("<think>")
+    rows = _rows(output, tokenizer)
+    assert len(rows) == 6
+    for row in rows:
+        ids, mask = list(row["input_ids"]), list(row["loss_mask"])
+        text = tokenizer.decode(ids)
+        trained = tokenizer.decode([i for i, m in zip(ids, mask, strict=True) if m])
+        index = int(text.split("question ")[1].split("<")[0])
+        assert ("<think>" in trained) == (index not in off)
+        assert trained.startswith("<think>" if index not in off else "Answer to")
+        assert SYSTEM not in trained and "Its own" not in trained
+        assert (SYSTEM in text) == (index != 5)
+        assert ids[next(j for j, m in enumerate(mask) if m)] == think or index in off
+
+
+def test_the_recipes_system_prompt_opens_conversations_without_one(tmp_path: Path) -> None:
+    data = _jsonl(tmp_path / "openai.jsonl", [
+        {"messages": [{"role": "system", "content": "Be brief."},
+                      {"role": "user", "content": "Capital of France?"},
+                      {"role": "assistant", "content": "Paris."}]},
+        {"messages": [{"role": "user", "content": "Spell cat."},
+                      {"role": "assistant", "content": "c-a-t"}]},
+    ] * 2)  # fmt: skip
+    tokenizer = family_tokenizer(LLAMA31)
+    sets = load_sequences(
+        str(data), tokenizer, block_size=4096, validation_fraction=0.5, seed=0,
+        system_prompt=SYSTEM,
+    )  # fmt: skip
+    for row in [*sets.train, *sets.held_out]:
+        ids, mask = list(row["input_ids"]), list(row["loss_mask"])
+        text = tokenizer.decode(ids)
+        trained = tokenizer.decode([i for i, m in zip(ids, mask, strict=True) if m])
+        assert ("Be brief." in text) != (SYSTEM in text)  # its own system turn wins
+        assert ("Be brief." in text) == ("Paris." in text)
+        assert SYSTEM not in trained and trained.endswith("<|eot_id|>")
+
+
+def test_a_generation_prompt_with_thinking_off_holds_the_empty_think_block() -> None:
+    from draftsmith.train.regeneration.in_process import make_record, prompt_ids
+
+    tokenizer = family_tokenizer(QWEN3)
+    prompt = [{"role": "user", "content": "hi"}]
+    on = tokenizer.decode(prompt_ids(tokenizer, prompt))
+    off = tokenizer.decode(prompt_ids(tokenizer, prompt, thinking=False))
+    assert on.endswith("<|im_start|>assistant\n")
+    assert off == on + "<think>\n\n</think>\n\n"
+    # A template without the switch ignores it.
+    llama = family_tokenizer(LLAMA31)
+    assert prompt_ids(llama, prompt, thinking=False) == prompt_ids(llama, prompt)
+    assert make_record(prompt, "x", thinking=False)["thinking"] is False
+    assert "thinking" not in make_record(prompt, "x")

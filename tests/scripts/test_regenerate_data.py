@@ -297,6 +297,11 @@ def test_hostile_flags_are_refused_by_name_before_anything_loads(
         ([*endpoint, "--batch-size", "4"], "--batch-size does nothing with --endpoint"),
         (["--output", str(tmp_path)], "is a folder; pass a file path"),
         (["--output", str(tmp_path / "afile" / "o.jsonl")], "afile is a file, not a folder"),
+        (["--system-prompt", ""], "--system-prompt is empty; pass the text, @FILE, or none"),
+        (["--system-prompt", "@" + str(tmp_path / "none.txt")], "no such file; pass @FILE"),
+        (["--no-thinking-share", "1.5"], "argument --no-thinking-share: must be a number in"),
+        (["--prompts", "stdlib-defs", "--system-prompt", "x"], "--system-prompt applies to chat"),
+        (["--prompts", "stdlib", "--no-thinking-share", "0.5"], "--no-thinking-share applies to"),
     ):
         with pytest.raises(SystemExit) as exit_info:
             _script().parse_args([*base, *flags])
@@ -314,12 +319,17 @@ def test_bad_prompts_and_endpoints_are_refused_before_the_target_loads(
     (tmp_path / "number.json").write_text("42")
     chat = {"messages": [{"role": "user", "content": "b"}]}
     (tmp_path / "mixed.jsonl").write_text(f"{json.dumps({'prompt': 'a'})}\n{json.dumps(chat)}\n")
+    plain = _prompts_file(tmp_path / "plain.jsonl", 2)
     for argv, error, message in (
         ([*local, str(tmp_path / "missing.jsonl")], FileNotFoundError, "does not exist"),
         ([*local, str(tmp_path / "empty.jsonl")], ValueError, "holds no records"),
         ([*local, str(tmp_path / "cut.json")], ValueError, "is not valid JSON"),
         ([*local, str(tmp_path / "number.json")], ValueError, "holds a JSON int"),
         ([*local, str(tmp_path / "mixed.jsonl")], ValueError, "mix plain strings and chat"),
+        ([*local, str(plain), "--system-prompt", "Be brief."], ValueError,
+         "--system-prompt applies to chat prompts, and"),
+        ([*local, str(plain), "--no-thinking-share", "0.5"], ValueError,
+         "--no-thinking-share applies to chat prompts"),
         ([*local, "no-such-dataset"], FileNotFoundError, "no-such-dataset: not a file or folder here"),
         (["--endpoint", "http://", "--prompts", "stdlib", *output], ValueError, "names no host"),
         (["--endpoint", "http://h:port/v1", "--prompts", "stdlib", *output], ValueError, "Port"),

@@ -147,8 +147,9 @@ def test_killed_writes_leave_no_temporary_folder(saved: Any) -> None:
 
 
 def test_a_checkpoint_records_the_exports_provenance(tmp_path: Path) -> None:
+    from draftsmith.decode.drafters.folder import PROVENANCE_FILE
     from draftsmith.train.config import DistillConfig
-    from draftsmith.train.provenance import PACKAGES, PROVENANCE_FILE, build_provenance
+    from draftsmith.train.provenance import PACKAGES, build_provenance
 
     accelerator = make_accelerator(cpu=True)
     accelerator.prepare(torch.nn.Linear(3, 2))

@@ -16,6 +16,7 @@ import torch
 from draftsmith.decode.drafters.dflash.head import DFlashConfig, DFlashHead
 from draftsmith.decode.drafters.eagle.head import Eagle3Config, Eagle3Head, build_vocab_maps
 from draftsmith.decode.drafters.eagle.peagle import PEagleConfig, PEagleHead
+from draftsmith.decode.drafters.folder import PROVENANCE_FILE
 from draftsmith.decode.drafters.medusa import MedusaHeads
 from draftsmith.scripts import export as export_command
 from draftsmith.train.config import DistillConfig
@@ -24,7 +25,7 @@ from draftsmith.train.export.formats import (
     read_speculators_eagle3,
     read_speculators_peagle,
 )
-from draftsmith.train.provenance import PROVENANCE_FILE, build_provenance
+from draftsmith.train.provenance import build_provenance
 from tiny_models import tiny_llama
 from transformers import LlamaConfig
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from draftsmith.decode.drafters.folder import trained_config
 from draftsmith.train.config import DEMO_TARGET_PRESETS, EXPORT_FORMATS_BY_KIND
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -76,20 +77,6 @@ def output_folders(out_root: Path, formats: list[str], overwrite: bool) -> dict[
             "another folder"
         )
     return folders
-
-
-def read_provenance_config(folder: Path) -> dict[str, Any] | None:
-    """The resolved training config of ``folder``'s ``provenance.json``, or None without one."""
-    from draftsmith.decode.loading import read_json_object
-    from draftsmith.train.provenance import PROVENANCE_FILE
-
-    file = folder / PROVENANCE_FILE
-    if not file.is_file():
-        return None
-    config = read_json_object(file, "restore the provenance.json train/distill.py wrote").get(
-        "config"
-    )
-    return config if isinstance(config, dict) else None
 
 
 def trained_facts(
@@ -231,9 +218,7 @@ def export_existing(
         raise ValueError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     outputs = output_folders(Path(out_root) if out_root else folder, formats, overwrite)
     head = load_head(kind, folder)
-    facts = trained_facts(
-        kind, head, read_provenance_config(folder), target, num_speculative_tokens
-    )
+    facts = trained_facts(kind, head, trained_config(folder), target, num_speculative_tokens)
     written = []
     for fmt, out in outputs.items():
         path = write_layout(kind, head, fmt, out, facts, DTYPES.get(dtype or ""), overwrite)

@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.data.atomic_io import atomic_folder
+from draftsmith.decode.drafters.folder import PROVENANCE_FILE
 from draftsmith.decode.measure.machine import describe_machine
-from draftsmith.train.provenance import PROVENANCE_FILE, build_provenance
+from draftsmith.train.provenance import build_provenance
 
 
 class HubUploadError(RuntimeError):

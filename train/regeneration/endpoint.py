@@ -85,6 +85,7 @@ class GenerationSettings:
     top_p: float = 1.0
     top_k: int = 0  # 0: disabled (vLLM's and decode/serve.py's extension; omitted when 0)
     seed: int | None = None
+    thinking_off: frozenset[int] = frozenset()  # chat prompts answered with thinking off
 
 
 @dataclass
@@ -312,6 +313,9 @@ class _Requester:
             body["top_k"] = self.settings.top_k
         if self.settings.seed is not None:
             body["seed"] = self.settings.seed + index
+        thinking = not (chat and index in self.settings.thinking_off)
+        if not thinking:  # vLLM and SGLang hand these to the chat template
+            body["chat_template_kwargs"] = {"enable_thinking": False}
         if chat:
             body["messages"] = prompt
             path = f"{self.base}/chat/completions"
@@ -328,7 +332,7 @@ class _Requester:
             return Outcome(index, error=str(failure.error), attempts=failure.attempts)
         except (PermanentError, KeyError, TypeError) as error:
             return Outcome(index, error=f"{type(error).__name__}: {error}")
-        record = {"index": index, **make_record(prompt, text)}
+        record = {"index": index, **make_record(prompt, text, thinking)}
         record["finish_reason"] = choice.get("finish_reason")
         return Outcome(index, record, int(usage.get("completion_tokens", 0)), attempts=attempts)
 

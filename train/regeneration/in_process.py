@@ -82,8 +82,11 @@ def regenerate(
     seed: int = 0,
     batch_size: int = 8,
     progress: bool = True,
+    thinking_off: frozenset[int] = frozenset(),
 ) -> dict[str, Any]:
-    """Sample a response per prompt and write the JSONL atomically; return counts."""
+    """Sample a response per prompt and write the JSONL atomically; return counts. The chat
+    prompts at ``thinking_off``'s indices are answered with thinking off
+    (``draftsmith.data.chat_context``)."""
     from tqdm.auto import tqdm
 
     chat = check_prompts(prompts)
@@ -99,7 +102,11 @@ def regenerate(
             range(0, len(prompts), batch_size), disable=not progress, desc="regenerate"
         ):
             chunk = prompts[start : start + batch_size]
-            ids, mask = left_pad([prompt_ids(tokenizer, p) for p in chunk], tokenizer.pad_token_id)
+            thinks = [start + i not in thinking_off for i in range(len(chunk))]
+            ids, mask = left_pad(
+                [prompt_ids(tokenizer, p, t) for p, t in zip(chunk, thinks, strict=True)],
+                tokenizer.pad_token_id,
+            )
             out = sample_continuations(
                 target,
                 ids.to(device),
@@ -110,11 +117,13 @@ def regenerate(
                 eos_token_id=stops,
                 pad_token_id=tokenizer.pad_token_id,
             )
-            for prompt, tokens, valid in zip(chunk, out.tokens, out.valid, strict=True):
+            for prompt, thinking, tokens, valid in zip(
+                chunk, thinks, out.tokens, out.valid, strict=True
+            ):
                 kept = [t for t, v in zip(tokens.tolist(), valid.tolist(), strict=True) if v]
                 kept = [t for t in kept if t not in stops]
                 response = tokenizer.decode(kept, skip_special_tokens=True)
-                stream.write(json.dumps(make_record(prompt, response)) + "\n")
+                stream.write(json.dumps(make_record(prompt, response, thinking)) + "\n")
                 records += 1
                 response_tokens += len(kept)
     os.replace(temp, output)
@@ -136,13 +145,18 @@ def check_prompts(prompts: Sequence[Prompt]) -> bool:
     return chat
 
 
-def prompt_ids(tokenizer: Any, prompt: Prompt) -> list[int]:
+def prompt_ids(tokenizer: Any, prompt: Prompt, thinking: bool = True) -> list[int]:
     """The token ids the target continues for ``prompt`` (a chat prompt through the chat
-    template, with the generation prompt); ``ValueError`` when it encodes to none."""
+    template, with the generation prompt; ``thinking=False`` renders it with
+    ``enable_thinking=False``, which templates without the switch ignore); ``ValueError`` when
+    it encodes to none."""
     if isinstance(prompt, str):
         ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     else:
-        ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+        switch = {} if thinking else {"enable_thinking": False}
+        ids = tokenizer.apply_chat_template(
+            prompt, add_generation_prompt=True, tokenize=True, **switch
+        )
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
     if not ids:
@@ -159,8 +173,12 @@ def _stop_ids(tokenizer: Any, chat: bool) -> list[int]:
     return stops
 
 
-def make_record(prompt: Prompt, response: str) -> dict[str, Any]:
-    """The JSONL record of one answered prompt (plain or chat; see the module docstring)."""
+def make_record(prompt: Prompt, response: str, thinking: bool = True) -> dict[str, Any]:
+    """The JSONL record of one answered prompt (plain or chat; see the module docstring); a
+    chat prompt answered with thinking off says so (``"thinking": false``)."""
     if isinstance(prompt, str):
         return {"prompt": prompt, "response": response, "text": prompt + response}
-    return {"messages": [*prompt, {"role": "assistant", "content": response}]}
+    record: dict[str, Any] = {"messages": [*prompt, {"role": "assistant", "content": response}]}
+    if not thinking:
+        record["thinking"] = False
+    return record
