@@ -533,3 +533,13 @@ def test_a_grids_machine_is_its_runs_one_or_the_list_of_those_merged() -> None:
     runs["c"] = {"machine": xeon, "tau_check": {"machine": epyc}}  # re-measured elsewhere
     assert ablation_results.machine_of(runs) == [xeon, epyc]
     assert ablation_results.machine_of({"old": {"seed": 0}}) is None  # a record keeps its own
+
+
+def test_a_block_drafter_is_measured_over_its_whole_block_and_a_chain_at_the_grids_length() -> None:
+    from types import SimpleNamespace
+
+    from draftsmith.train.ablation.grid import round_drafts
+
+    assert round_drafts(SimpleNamespace(kind="dflash", max_draft_tokens=7), 4) == 7
+    assert round_drafts(SimpleNamespace(kind="eagle3", max_draft_tokens=None), 4) == 4
+    assert round_drafts(SimpleNamespace(kind="medusa", max_draft_tokens=4), 3) == 3

@@ -92,7 +92,9 @@ def _caption(settings: dict[str, Any], prompts: int | None, seeds: int) -> str:
     if settings.get("tau_new_tokens") is not None:
         tau += f" x {settings['tau_new_tokens']} tokens"
     if chain is not None:
-        tau += f", chains of {chain} (a DFlash block: B - 1)"
+        tau += f", chains of {chain}"
+        if "dflash" in settings.get("recipes", {}):
+            tau += " (a DFlash block: its B - 1)"
     parts.append(tau)
     parts.append("in brackets: the relative gain over the baseline cell")
     return "; ".join(parts) + "."
