@@ -26,6 +26,7 @@ RECIPES = {
     "llama3.1-8b-medusa.yaml": ("llama31_target", ("vllm",)),
     "llama3.1-8b-draft.yaml": ("llama31_target", ()),
     "llama3.1-8b-peagle.yaml": ("llama31_target", ("speculators",)),
+    "qwen3-8b-dflash.yaml": ("qwen3_target", ("vllm", "speculators")),
 }
 TOPICS = ["primes", "rivers", "sorting", "tea", "orbits", "verbs", "chess", "bread"]
 
@@ -83,6 +84,8 @@ def test_recipe_runs_exports_and_reloads(
     ]  # fmt: skip
     if "draft.yaml" in recipe:
         argv += ["--drafter_path", str(draft_folder)]
+    if "dflash" in recipe:  # the scaled target has 4 layers, a 128-token block few anchors
+        argv += ["--aux_hidden_state_layer_ids", "1", "2", "3", "--dflash_num_anchors", "4"]
     summary = main(argv)
     assert summary["steps"] == 3
     assert all(torch.isfinite(torch.tensor(v)) for v in summary["held_out"].values())
@@ -108,6 +111,14 @@ def test_recipe_runs_exports_and_reloads(
             from draftsmith.decode.drafters.medusa import MedusaHeads
 
             assert MedusaHeads.from_pretrained(exported).config.num_heads == 4
+            continue
+        if "dflash" in recipe:
+            from draftsmith.decode.drafters.dflash.head import DFlashHead
+
+            head = DFlashHead.from_pretrained(exported)  # the full vocabulary, 5 layers, B = 16
+            assert head.config.num_hidden_layers == 5 and head.config.block_size == 16
+            assert head.config.draft_vocab_size == target.config.vocab_size
+            assert layer["max_position_embeddings"] >= context
             continue
         assert layer["max_position_embeddings"] >= context and layer["rope_scaling"] is None
         assert config["draft_vocab_size"] == 32000
