@@ -47,6 +47,7 @@ BENCH_AMD = RESULTS / "bench_amd" / "bench.json"
 MAIN_JOB_AMD = RESULTS / "main_job_amd.json"
 SERVING_SWEEP = RESULTS / "serving_sweep.json"  # draftsmith-load-test --sweep --json
 BENCH_DFLASH_AVX2 = RESULTS / "bench_dflash_avx2" / "bench.json"
+ABLATION_DFLASH_AVX2 = RESULTS / "ablation_dflash_avx2" / "ablation.json"  # B and L of a block
 ABLATION_PEAGLE_NO_AMX = RESULTS / "ablation_peagle_no_amx" / "ablation.json"
 ABLATION_PEAGLE_AMD = RESULTS / "ablation_peagle_amd" / "ablation.json"
 ABLATION_VOCAB_NO_AMX = RESULTS / "ablation_vocab_no_amx" / "ablation.json"
@@ -64,6 +65,7 @@ RECORDS = (
     BENCH_NO_AMX,
     BENCH_AMD,
     BENCH_DFLASH_AVX2,
+    ABLATION_DFLASH_AVX2,
     ABLATION_PEAGLE_NO_AMX,
     ABLATION_PEAGLE_AMD,
     ABLATION_VOCAB_NO_AMX,
@@ -600,6 +602,49 @@ def ablation_tables(path: Path) -> str:
     return (_machine(results).strip() + "\n\n" + format_markdown(results)).rstrip("\n")
 
 
+def block_grid_table(path: Path) -> str:
+    """One row per DFlash run of a grid over the block's rows B and layers L: steps reached in
+    the time box, held-out overlap at the first positions, and decoding alone on held-out
+    prompts at each temperature (tau, the drafter's time per round, tokens/s)."""
+    from draftsmith.train.ablation.report import temperatures_of
+    from draftsmith.train.ablation.results import read_results, summarize
+
+    results = read_results(REPO / path)
+    runs = sorted(
+        results["runs"].values(),
+        key=lambda r: (int(r["cell"]["drafter_num_layers"]), int(r["cell"]["dflash_block_size"])),
+    )
+    temperatures = temperatures_of(summarize(results["runs"]))
+    settings = results["settings"]
+    header = ["B", "L", "drafts", "steps", "overlap@1", "overlap@2"]
+    for t in temperatures:
+        header += [f"tau T={t}", f"draft ms T={t}", f"tokens/s T={t}"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for run in runs:
+        cells = [
+            str(run["cell"]["dflash_block_size"]),
+            str(run["cell"]["drafter_num_layers"]),
+            str(run["num_draft_tokens"][temperatures[0]]),
+            str(run["steps"]),
+            f"{run['overlap'][0]:.3f}",
+            f"{run['overlap'][1]:.3f}",
+        ]
+        for t in temperatures:
+            cells += [
+                f"{run['tau'][t]:.2f}",
+                f"{run['draft_ms_per_round'][t]:.1f}",
+                f"{run['tokens_per_s'][t]:.1f}",
+            ]
+        lines.append("| " + " | ".join(cells) + " |")
+    caption = (
+        f"One seed a cell, each trained in a {settings['max_minutes']:g}-minute box on the "
+        f"target's own continuations, then decoding {settings['tau_prompts']} held-out prompts x "
+        f"{settings['tau_new_tokens']} tokens alone, verifying its whole block (B - 1 drafts)."
+        + _machine(results)
+    )
+    return caption + "\n\n" + "\n".join(lines)
+
+
 def depth_overlaps_table(path: Path) -> str:
     """One row per cell: the held-out overlap at every draft depth and tau, mean ± std."""
     from draftsmith.train.ablation.report import _mean_std, tau_source, temperatures_of
@@ -751,6 +796,7 @@ SECTIONS: dict[str, Callable[[], str]] = {
     ),
     "serving-sweep": lambda: sweep_table(_read(SERVING_SWEEP)),
     "bench-dflash-avx2": lambda: block_drafter_table(_read(BENCH_DFLASH_AVX2)),
+    "ablation-dflash-avx2": lambda: block_grid_table(ABLATION_DFLASH_AVX2),
 }
 """Section name -> the function that writes its text from docs/results/."""
 
