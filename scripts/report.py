@@ -48,6 +48,11 @@ MAIN_JOB_AMD = RESULTS / "main_job_amd.json"
 SERVING_SWEEP = RESULTS / "serving_sweep.json"  # draftsmith-load-test --sweep --json
 BENCH_DFLASH_AVX2 = RESULTS / "bench_dflash_avx2" / "bench.json"
 ABLATION_DFLASH_AVX2 = RESULTS / "ablation_dflash_avx2" / "ablation.json"  # B and L of a block
+# EAGLE-3, P-EAGLE and DFlash at the main job's budget, three seeds (the bf16 AMD EPYC)
+ABLATION_KINDS_AMD = RESULTS / "ablation_kinds_amd" / "ablation.json"
+# The same grid's DFlash cell with 48 anchors per sequence instead of 16, one seed
+ABLATION_DFLASH_ANCHORS_AMD = RESULTS / "ablation_dflash_anchors_amd" / "ablation.json"
+SERVING_SWEEP_AMD = RESULTS / "serving_sweep_amd.json"  # the bf16 AMD EPYC, no vLLM
 ABLATION_PEAGLE_NO_AMX = RESULTS / "ablation_peagle_no_amx" / "ablation.json"
 ABLATION_PEAGLE_AMD = RESULTS / "ablation_peagle_amd" / "ablation.json"
 ABLATION_VOCAB_NO_AMX = RESULTS / "ablation_vocab_no_amx" / "ablation.json"
@@ -66,6 +71,9 @@ RECORDS = (
     BENCH_AMD,
     BENCH_DFLASH_AVX2,
     ABLATION_DFLASH_AVX2,
+    ABLATION_KINDS_AMD,
+    ABLATION_DFLASH_ANCHORS_AMD,
+    SERVING_SWEEP_AMD,
     ABLATION_PEAGLE_NO_AMX,
     ABLATION_PEAGLE_AMD,
     ABLATION_VOCAB_NO_AMX,
@@ -700,7 +708,8 @@ def depth_overlaps_table(path: Path) -> str:
     )
     intro = (
         f"mean ± std over seeds; {budget}; overlap@k: held-out overlap of draft "
-        f"depth k;{mass_note} tau: tokens per target pass on held-out prompts, chains of 4"
+        f"depth k;{mass_note} tau: tokens per target pass on held-out prompts, "
+        f"{_drafts_caption(results)}"
         + (
             "; training tokens/s: the run's own throughput (shared cores slow it)."
             if with_speed
@@ -711,9 +720,10 @@ def depth_overlaps_table(path: Path) -> str:
 
 
 def decoding_table(path: Path) -> str:
-    """One row per cell: tau, drafting time per round and decoding tokens/s at each
+    """One row per cell: tau, the round's parts (drafting and verifying, ms), decoding tokens/s
+    and, where the grid timed plain decoding beside it, the speedup over it, at each
     temperature, mean ± std over seeds; then every other cell against the first (ratios of the
-    means: P-EAGLE against EAGLE-3 in a ``kind`` grid)."""
+    means: P-EAGLE or DFlash against EAGLE-3 in a ``kind`` grid)."""
     from draftsmith.train.ablation.report import _mean_std, temperatures_of
     from draftsmith.train.ablation.results import read_results, summarize
 
@@ -726,8 +736,8 @@ def decoding_table(path: Path) -> str:
     if not cells:
         raise ValueError(f"{path}: no run recorded a decoding measurement")
     temperatures = temperatures_of(cells)
-    measures = (("tau", "tau", 2), ("draft_ms_per_round", "draft ms/round", 2))
-    measures += (("tokens_per_s", "tokens/s", 0),)
+    measures = [(m, name, digits) for m, name, digits in DECODING_MEASURES]
+    measures = [m for m in measures if all(m[0] in entry for entry in cells)]
     header = ["cell", "seeds"]
     header += [f"{name} T={t}" for _, name, _ in measures for t in temperatures]
     rows = [
@@ -749,10 +759,137 @@ def decoding_table(path: Path) -> str:
                 for t in temperatures
             ]
         )
+    named = {metric for metric, _, _ in measures}
     intro = (
-        "mean ± std over seeds; tau: tokens per target pass on held-out prompts, chains of 4;"
-        " draft ms/round: the drafter's time per round; tokens/s: the speculative decoder's"
-        " speed (one pass per prompt); the last rows divide each cell's means by the first's."
+        f"mean ± std over seeds; tau: tokens per target pass on held-out prompts, "
+        f"{_drafts_caption(results)}; draft ms/round: the drafter's time per round"
+        + (
+            "; verify ms/round: the target's pass over the round's rows"
+            if "verify_ms_per_round" in named
+            else ""
+        )
+        + "; tokens/s: the speculative decoder's speed (one pass per prompt)"
+        + (
+            "; x plain: over draftsmith's plain decoding in the target's dtype, interleaved per prompt"
+            if "speedup_over_plain" in named
+            else ""
+        )
+        + "; the last rows divide each cell's means by the first's."
+    )
+    return "\n".join([intro + _machine(results), "", *_table(header, rows)])
+
+
+DECODING_MEASURES = (
+    ("tau", "tau", 2),
+    ("draft_ms_per_round", "draft ms/round", 2),
+    ("verify_ms_per_round", "verify ms/round", 2),
+    ("tokens_per_s", "tokens/s", 0),
+    ("speedup_over_plain", "x plain", 2),
+)
+"""A grid's decoding measurements that ``decoding_table`` shows, where every cell has them:
+(summary key, column name, decimals)."""
+
+
+def _drafts_caption(results: dict[str, Any]) -> str:
+    """How many drafts a round of the grid's runs verified: chains of N, a DFlash block B - 1."""
+    chain = results.get("settings", {}).get("num_draft_tokens", 4)
+    kinds = {run["cell"].get("kind") for run in results["runs"].values()}
+    block = " (a DFlash block: its B - 1)" if "dflash" in kinds else ""
+    # Runs recorded before the grid named its decoding dtype decoded in float32 (its default).
+    dtypes = sorted(
+        {
+            d
+            for run in results["runs"].values()
+            for d in (run.get("dtype") or {"": "float32"}).values()
+        }
+    )
+    return f"chains of {chain}{block}, the target decoding in {' and '.join(dtypes)}"
+
+
+MAIN_JOB_GOALS = {"0": 2.6, "1": 2.0}
+"""The speedups over plain decoding the main job aims for on held-out prompts, by
+temperature: what ``kinds_cost_model`` prices each drafter's acceptance against."""
+
+
+def kinds_cost_model(path: Path) -> str:
+    """One row per cell and temperature, seed means: a round's parts in target steps (a plain
+    step ``T_step`` is the unit), tau, the speedup docs/theory.md §5 predicts from them,
+    ``tau * T_step / (T_draft + T_verify)``, beside the measured one, the speedup with drafting
+    free (``tau * T_step / T_verify``: the limit a deeper target of the same width approaches,
+    its step growing while the drafter's round does not) and the tau the main job's goal at
+    that temperature (``MAIN_JOB_GOALS``) needs at these costs."""
+    from statistics import mean
+
+    from draftsmith.train.ablation.results import cell_key, read_results
+
+    results = read_results(REPO / path)
+    by_cell: dict[str, list[dict[str, Any]]] = {}
+    for run in results["runs"].values():
+        if "plain_step_ms" in run and "verify_ms_per_round" in run:
+            by_cell.setdefault(cell_key(run["cell"]), []).append(run)
+    if not by_cell:
+        raise ValueError(f"{path}: no run timed a plain step beside its rounds")
+    header = ["cell", "T", "seeds", "T_step ms", "T_draft (steps)", "T_verify (steps)", "tau"]
+    header += [
+        "predicted x plain",
+        "measured x plain",
+        "x plain, drafting free",
+        "goal: tau needed",
+    ]
+    rows = []
+    for cell, runs in by_cell.items():
+        for t in sorted(set.intersection(*(set(r["plain_step_ms"]) for r in runs)), key=float):
+            step = mean(r["plain_step_ms"][t] for r in runs)
+            draft = mean(r["draft_ms_per_round"][t] for r in runs) / step
+            verify = mean(r["verify_ms_per_round"][t] for r in runs) / step
+            tau = mean(r["tau"][t] for r in runs)
+            goal = MAIN_JOB_GOALS.get(t)
+            rows.append(
+                [
+                    cell,
+                    t,
+                    str(len(runs)),
+                    f"{step:.2f}",
+                    f"{draft:.2f}",
+                    f"{verify:.2f}",
+                    f"{tau:.2f}",
+                    _x(tau / (draft + verify)),
+                    _x(mean(r["speedup_over_plain"][t] for r in runs)),
+                    _x(tau / verify),
+                    "-" if goal is None else f"{goal:.1f}x: {goal * (draft + verify):.2f}",
+                ]
+            )
+    intro = (
+        "Seed means of the grid's decoding: a round's drafting and verifying in plain target "
+        "steps (T_step), the speedup the cost model predicts from them, tau x T_step / "
+        "(T_draft + T_verify), beside the measured one, the speedup with drafting free (tau x "
+        "T_step / T_verify) and the tau the main job's goal at that temperature needs at these "
+        "costs."
+    )
+    return "\n".join([intro + _machine(results), "", *_table(header, rows)])
+
+
+def acceptance_table(path: Path) -> str:
+    """One row per cell and temperature: the acceptance rate at each draft position (of
+    position j given the ones before it accepted), mean ± std over seeds, as decoded on the
+    grid's held-out prompts: where a block's later positions fall off against a chain's."""
+    from draftsmith.train.ablation.report import _mean_std
+    from draftsmith.train.ablation.results import read_results, summarize
+
+    results = read_results(REPO / path)
+    cells = [entry for entry in summarize(results["runs"]) if "alpha" in entry]
+    if not cells:
+        raise ValueError(f"{path}: no run recorded the acceptance per position")
+    width = max(len(by_t) for entry in cells for by_t in entry["alpha"].values())
+    header = ["cell", "T", *(f"position {j + 1}" for j in range(width))]
+    rows = []
+    for entry in cells:
+        for t, per_position in entry["alpha"].items():
+            shown = [_mean_std(stats, 2) for stats in per_position]
+            rows.append([entry["key"], t, *shown, *["–"] * (width - len(shown))])
+    intro = (
+        "mean ± std over seeds; acceptance at draft position j given the positions before it "
+        f"were accepted, decoding held-out prompts, {_drafts_caption(results)}."
     )
     return "\n".join([intro + _machine(results), "", *_table(header, rows)])
 
@@ -797,6 +934,16 @@ SECTIONS: dict[str, Callable[[], str]] = {
     "serving-sweep": lambda: sweep_table(_read(SERVING_SWEEP)),
     "bench-dflash-avx2": lambda: block_drafter_table(_read(BENCH_DFLASH_AVX2)),
     "ablation-dflash-avx2": lambda: block_grid_table(ABLATION_DFLASH_AVX2),
+    "ablation-kinds-amd": lambda: depth_overlaps_table(ABLATION_KINDS_AMD),
+    "ablation-kinds-amd-decoding": lambda: decoding_table(ABLATION_KINDS_AMD),
+    "ablation-kinds-amd-acceptance": lambda: acceptance_table(ABLATION_KINDS_AMD),
+    "ablation-kinds-amd-cost-model": lambda: kinds_cost_model(ABLATION_KINDS_AMD),
+    "ablation-dflash-anchors-amd": lambda: (
+        depth_overlaps_table(ABLATION_DFLASH_ANCHORS_AMD)
+        + "\n\n"
+        + decoding_table(ABLATION_DFLASH_ANCHORS_AMD)
+    ),
+    "serving-sweep-amd": lambda: sweep_table(_read(SERVING_SWEEP_AMD)),
 }
 """Section name -> the function that writes its text from docs/results/."""
 

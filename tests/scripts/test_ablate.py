@@ -543,3 +543,26 @@ def test_a_block_drafter_is_measured_over_its_whole_block_and_a_chain_at_the_gri
     assert round_drafts(SimpleNamespace(kind="dflash", max_draft_tokens=7), 4) == 7
     assert round_drafts(SimpleNamespace(kind="eagle3", max_draft_tokens=None), 4) == 4
     assert round_drafts(SimpleNamespace(kind="medusa", max_draft_tokens=4), 3) == 3
+
+
+def test_a_runs_decoding_times_plain_decoding_beside_the_drafter_and_the_rounds_parts(
+    tiny_pair_dirs: tuple[Path, Path],
+) -> None:
+    """measure_tau decodes the drafter and draftsmith's plain decoding on the same prompts, so
+    each run carries its speedup over plain and a round's draft and verify time."""
+    target_dir, draft_dir = tiny_pair_dirs
+    settings = dataclasses.replace(
+        _script().settings_from(_script().parse_args(["--preset", "tiny"])),
+        tau_prompts=2,
+        tau_new_tokens=8,
+        temperatures=(0.0, 1.0),
+    )
+    measured = ablation.measure_tau(target_dir, draft_dir, "demo", settings)
+    assert set(measured) == {"0", "1"}
+    for row in measured.values():
+        assert row["speedup_over_plain"] == pytest.approx(
+            row["tokens_per_s"] / row["plain_tokens_per_s"]
+        )
+        assert row["plain_step_ms"] > 0 and row["verify_ms_per_round"] > 0
+        assert row["draft_ms_per_round"] > 0 and len(row["alpha"]) == settings.num_draft_tokens
+    assert set(ablation.DECODE_MEASURES) <= set(measured["0"])

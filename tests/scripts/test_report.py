@@ -316,3 +316,61 @@ def test_a_run_summary_that_would_not_render_leaves_the_record_untouched(tmp_pat
     with pytest.raises(FileNotFoundError, match=r"--main-job .*: no such folder"):
         report.take_main_job(tmp_path / "afile", destination)
     assert destination.read_text() == "the saved record"
+
+
+def test_a_kind_grid_shows_verify_time_the_speedup_over_plain_and_acceptance_per_position(
+    tmp_path: Path,
+) -> None:
+    """A grid that timed plain decoding beside each drafter shows the round's verify time and
+    the speedup; the acceptance table gives each position per temperature, a block's past a
+    chain's end marked '–'."""
+    from draftsmith.train.ablation import results as ablation_results
+
+    runs = {}
+    for kind, alpha in (("eagle3", [0.8, 0.7]), ("dflash", [0.9, 0.6, 0.5])):
+        for seed in (0, 1):
+            runs[ablation_results.run_key({"kind": kind}, seed)] = {
+                "cell": {"kind": kind}, "seed": seed, "overlap": [0.6], "greedy_match": [0.5],
+                "tau": {"0": 3.0}, "draft_ms_per_round": {"0": 2.0},
+                "verify_ms_per_round": {"0": 9.0}, "tokens_per_s": {"0": 300.0},
+                "speedup_over_plain": {"0": 2.0 if kind == "eagle3" else 3.0},
+                "alpha": {"0": alpha},
+            }  # fmt: skip
+    path = tmp_path / "ablation.json"
+    path.write_text(json.dumps({"format_version": 1, "settings": {}, "runs": runs}))
+    lines = report.decoding_table(path).splitlines()
+    assert "verify ms/round T=0" in lines[2] and "x plain T=0" in lines[2]
+    assert lines[-1].endswith("| 1.50 |")  # dflash over eagle3: 3.0 / 2.0
+    assert "a DFlash block" in lines[0]
+    table = report.acceptance_table(path).splitlines()
+    assert table[2] == "| cell | T | position 1 | position 2 | position 3 |"
+    assert table[4] == "| kind=eagle3 | 0 | 0.80 ± 0.00 | 0.70 ± 0.00 | – |"
+
+
+def test_the_cost_model_of_a_kind_grid_predicts_each_speedup_from_its_parts(
+    tmp_path: Path,
+) -> None:
+    """Steps are the unit: draft 2 ms and verify 10 ms at a 5 ms step are 0.4 and 2.0 steps;
+    tau 3.6 then predicts 3.6 / 2.4 = 1.5x, 1.8x with drafting free, and a 2.6x goal at T = 0
+    needs tau 2.6 * 2.4 = 6.24."""
+    from draftsmith.train.ablation import results as ablation_results
+
+    runs = {}
+    for seed, step in ((0, 4.0), (1, 6.0)):  # seed means: a 5 ms step
+        runs[ablation_results.run_key({"kind": "eagle3"}, seed)] = {
+            "cell": {"kind": "eagle3"}, "seed": seed, "tau": {"0": 3.6}, "overlap": [0.6],
+            "greedy_match": [0.5],
+            "plain_step_ms": {"0": step}, "draft_ms_per_round": {"0": 2.0},
+            "verify_ms_per_round": {"0": 10.0}, "speedup_over_plain": {"0": 1.4},
+        }  # fmt: skip
+    path = tmp_path / "ablation.json"
+    path.write_text(json.dumps({"format_version": 1, "settings": {}, "runs": runs}))
+    row = report.kinds_cost_model(path).splitlines()[4]
+    assert (
+        row
+        == "| kind=eagle3 | 0 | 2 | 5.00 | 0.40 | 2.00 | 3.60 | 1.50x | 1.40x | 1.80x | 2.6x: 6.24 |"
+    )
+    runs.clear()
+    path.write_text(json.dumps({"format_version": 1, "settings": {}, "runs": runs}))
+    with pytest.raises(ValueError, match="no run timed a plain step"):
+        report.kinds_cost_model(path)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from draftsmith.train.ablation import results as ablation_results
 from draftsmith.train.ablation.report import format_markdown, format_table, tau_source
 
@@ -118,3 +119,19 @@ def test_a_pruned_cell_keeps_the_draftable_mass_of_its_seeds_and_a_full_one_none
     del runs[ablation_results.run_key({"draft_vocab_size": "8192"}, 1)]["minutes"]
     cells = {c["key"]: c for c in ablation_results.summarize(runs)}
     assert "train_tokens_per_s" not in cells["draft_vocab_size=8192"]  # a run did not record it
+
+
+def test_a_cell_keeps_the_acceptance_per_position_and_the_timed_measures_over_its_seeds() -> None:
+    runs = {}
+    for seed, (alpha, speedup) in enumerate((([0.8, 0.6, 0.4], 1.5), ([0.6, 0.4], 2.5))):
+        runs[ablation_results.run_key({"kind": "dflash"}, seed)] = {
+            "cell": {"kind": "dflash"}, "seed": seed, "overlap": [0.6], "greedy_match": [0.5],
+            "tau": {"0": 3.0}, "alpha": {"0": alpha, "1": alpha},
+            "speedup_over_plain": {"0": speedup}, "verify_ms_per_round": {"0": 10.0 + seed},
+        }  # fmt: skip
+    (cell,) = ablation_results.summarize(runs)
+    assert [a["mean"] for a in cell["alpha"]["0"]] == pytest.approx([0.7, 0.5])  # both seeds'
+    assert list(cell["alpha"]) == ["0", "1"]
+    assert cell["speedup_over_plain"]["0"]["mean"] == 2.0
+    assert cell["verify_ms_per_round"]["0"]["max"] == 11.0
+    assert "plain_step_ms" not in cell  # no run recorded it

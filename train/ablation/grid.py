@@ -36,6 +36,7 @@ from draftsmith.decode.defaults import NUM_DRAFT_TOKENS
 from draftsmith.decode.measure.machine import machine_record
 from draftsmith.train.ablation.results import (
     RESULTS_FILE,
+    TIMED_MEASURES,
     cell_key,
     default_baselines,
     load_results,
@@ -79,7 +80,7 @@ RESERVED = {
 
 
 # What measure_tau records per temperature besides tau, kept in each run's entry.
-DECODE_MEASURES = ("alpha", "draft_ms_per_round", "tokens_per_s", "num_draft_tokens")
+DECODE_MEASURES = ("alpha", *TIMED_MEASURES, "num_draft_tokens", "dtype")
 
 
 class Skip(Exception):
@@ -471,17 +472,22 @@ def measure_tau(
     target_path: str | Path, drafter_dir: Path, prompt_source: str, settings: GridSettings
 ) -> dict[str, dict[str, float]]:
     """Tau and predicted tau of the exported drafter at each of ``settings.temperatures``,
-    with the acceptance per draft position (``alpha``), the drafting time per round
-    (``draft_ms_per_round``, what P-EAGLE's one pass saves over EAGLE-3's chain) and the
-    drafter's own tokens/s.
+    with the acceptance per draft position (``alpha``), a round's parts (``draft_ms_per_round``,
+    what P-EAGLE's one pass and a DFlash block save over EAGLE-3's chain;
+    ``verify_ms_per_round``, the target's pass over the round's w + 1 rows; ``plain_step_ms``,
+    one plain target step, the unit of docs/theory.md §5's cost model) and tokens/s, the
+    drafter's and draftsmith's plain decoding's (no drafter, the target's dtype) interleaved per
+    prompt, with their ratio ``speedup_over_plain``. The target decodes in the dtype the
+    main job's speed step chooses on this machine (``choose_dtype("auto")``: bfloat16 where the
+    CPU has its kernels), recorded as ``dtype``.
 
     Chains of ``settings.num_draft_tokens`` for every chain kind and a DFlash block's whole
     B - 1 drafts (``round_drafts``), ``settings.tau_prompts`` held-out
     prompts of ``settings.tau_new_tokens`` tokens, the decoder seeded once per temperature.
-    The grid compares acceptance, so the drafter decodes alone: no plain or HF baselines are
-    timed (tau = tokens per target pass, docs/theory.md §5); compare speeds between cells run
-    on the same machine under the same load only.
+    HF's ``generate`` is not timed (tau = tokens per target pass, docs/theory.md §5); compare
+    speeds between cells run on the same machine under the same load only.
     """
+    from draftsmith.decode.drafters.none import NoDrafter
     from draftsmith.decode.drafters.registry import load_drafter
     from draftsmith.decode.measure.evaluate import load_target
     from draftsmith.decode.measure.prompts import load_eval_prompts
@@ -491,8 +497,10 @@ def measure_tau(
         measure_side_by_side,
         speculative_method,
     )
+    from draftsmith.decode.precision import choose_dtype
 
-    target, tokenizer = load_target(str(target_path))
+    dtype = choose_dtype("auto").name  # the main job's decoding dtype on this machine
+    target, tokenizer = load_target(str(target_path), dtype=dtype)
     drafter = load_drafter(drafter_dir, target)
     prompts = [
         encode_prompt(tokenizer, p) for p in load_eval_prompts(prompt_source, settings.tau_prompts)
@@ -505,16 +513,25 @@ def measure_tau(
             max_new_tokens=settings.tau_new_tokens,
             temperature=temperature,
         )
-        method = speculative_method(target, drafter, decode_settings)
-        result = measure_side_by_side(target, {"drafter": method}, prompts, warmup=False)
-        stats = result["drafter"].stats
+        methods = {
+            "drafter": speculative_method(target, drafter, decode_settings),
+            "plain": speculative_method(target, NoDrafter(drafter.vocab_size), decode_settings),
+        }
+        result = measure_side_by_side(target, methods, prompts, warmup=False)
+        stats, plain = result["drafter"].stats, result["plain"].stats
+        rounds = max(stats.target_forward_passes, 1)
         out[f"{temperature:g}"] = {
             "tau": stats.tau,
             "predicted_tau": stats.predicted_tau,
             "alpha": stats.alpha_per_position,
-            "draft_ms_per_round": 1000 * stats.draft_seconds / max(stats.target_forward_passes, 1),
+            "draft_ms_per_round": 1000 * stats.draft_seconds / rounds,
+            "verify_ms_per_round": 1000 * stats.verify_seconds / rounds,
+            "plain_step_ms": 1000 * plain.verify_seconds / max(plain.target_forward_passes, 1),
             "tokens_per_s": result["drafter"].tokens_per_s,
+            "plain_tokens_per_s": result["plain"].tokens_per_s,
+            "speedup_over_plain": result["drafter"].tokens_per_s / result["plain"].tokens_per_s,
             "num_draft_tokens": drafts,
+            "dtype": dtype,
         }
     return out
 

@@ -19,6 +19,16 @@ from typing import Any
 
 RESULTS_FILE = "ablation.json"
 FORMAT_VERSION = 1
+# A run's decoding measurements per temperature (``draftsmith.train.ablation.grid.measure_tau``)
+# that a cell summarises over seeds; runs recorded before one existed simply lack it.
+TIMED_MEASURES = (
+    "draft_ms_per_round",
+    "verify_ms_per_round",
+    "plain_step_ms",
+    "tokens_per_s",
+    "plain_tokens_per_s",
+    "speedup_over_plain",
+)
 
 
 # --------------------------------------------------------------------------- keys
@@ -52,9 +62,10 @@ def by_temperature(tables: Sequence[dict[str, float]]) -> dict[str, dict[str, fl
 
 def summarize(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """Per cell: overlap and greedy match per position, tau per temperature, the steps trained,
-    training tokens/s, the decoding's drafting time per round and tokens/s per temperature
-    and, with a pruned draft vocabulary, the target's probability on it (``draftable_mass``),
-    over seeds."""
+    training tokens/s, the decoding's measurements per temperature (``TIMED_MEASURES``: a
+    round's draft and verify time, a plain step, tokens/s and the speedup over plain
+    decoding), the acceptance per draft position per temperature and, with a pruned draft
+    vocabulary, the target's probability on it (``draftable_mass``), over seeds."""
     by_cell: dict[str, list[dict[str, Any]]] = {}
     for record in runs.values():
         by_cell.setdefault(cell_key(record["cell"]), []).append(record)
@@ -79,10 +90,19 @@ def summarize(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         if all(m is not None for m in masses):  # a pruned draft vocabulary's cap on overlap
             entry["draftable_mass"] = spread(masses)
         entry["tau"] = by_temperature([r["tau"] for r in records])
-        for metric in ("draft_ms_per_round", "tokens_per_s"):  # the decoding measurement
+        for metric in TIMED_MEASURES:  # the decoding measurement
             timed = by_temperature([r.get(metric) or {} for r in records])
             if timed:
                 entry[metric] = timed
+        alphas = [r.get("alpha") or {} for r in records]
+        shared = set.intersection(*(set(a) for a in alphas))
+        if shared:  # acceptance per draft position at each temperature, over seeds
+            entry["alpha"] = {
+                t: [
+                    spread([a[t][j] for a in alphas]) for j in range(min(len(a[t]) for a in alphas))
+                ]
+                for t in sorted(shared, key=float)
+            }
         checks = [r.get("tau_check") for r in records]
         if all(checks) and len({c["prompts"] for c in checks}) == 1:
             entry["tau_check"] = {
