@@ -88,6 +88,17 @@ class DecodeStats:
         return 1.0 + sum(self.accepted_per_position) / self.rounds
 
     @property
+    def verify_ms_per_pass(self) -> float:
+        """Mean milliseconds of one verification pass (a plain target step when nothing was
+        drafted: the cost model's ``T_step``, docs/theory.md §5)."""
+        return 1000 * self.verify_seconds / max(self.target_forward_passes, 1)
+
+    @property
+    def draft_ms_per_round(self) -> float:
+        """Mean milliseconds of drafting per verification pass (a round's ``T_draft``)."""
+        return 1000 * self.draft_seconds / max(self.target_forward_passes, 1)
+
+    @property
     def predicted_tau(self) -> float:
         """``E[L] = 1 + sum_{i <= w} prod_{j <= i} alpha_j`` from the per-position rates,
         averaged over the rounds' widths ``w``."""

@@ -736,8 +736,7 @@ def decoding_table(path: Path) -> str:
     if not cells:
         raise ValueError(f"{path}: no run recorded a decoding measurement")
     temperatures = temperatures_of(cells)
-    measures = [(m, name, digits) for m, name, digits in DECODING_MEASURES]
-    measures = [m for m in measures if all(m[0] in entry for entry in cells)]
+    measures = [m for m in DECODING_MEASURES if all(m[0] in entry for entry in cells)]
     header = ["cell", "seeds"]
     header += [f"{name} T={t}" for _, name, _ in measures for t in temperatures]
     rows = [
@@ -818,16 +817,12 @@ def kinds_cost_model(path: Path) -> str:
     free (``tau * T_step / T_verify``: the limit a deeper target of the same width approaches,
     its step growing while the drafter's round does not) and the tau the main job's goal at
     that temperature (``MAIN_JOB_GOALS``) needs at these costs."""
-    from statistics import mean
-
-    from draftsmith.train.ablation.results import cell_key, read_results
+    from draftsmith.train.ablation.results import read_results, summarize
 
     results = read_results(REPO / path)
-    by_cell: dict[str, list[dict[str, Any]]] = {}
-    for run in results["runs"].values():
-        if "plain_step_ms" in run and "verify_ms_per_round" in run:
-            by_cell.setdefault(cell_key(run["cell"]), []).append(run)
-    if not by_cell:
+    parts = ("plain_step_ms", "draft_ms_per_round", "verify_ms_per_round", "speedup_over_plain")
+    cells = [entry for entry in summarize(results["runs"]) if all(m in entry for m in parts)]
+    if not cells:
         raise ValueError(f"{path}: no run timed a plain step beside its rounds")
     header = ["cell", "T", "seeds", "T_step ms", "T_draft (steps)", "T_verify (steps)", "tau"]
     header += [
@@ -837,24 +832,24 @@ def kinds_cost_model(path: Path) -> str:
         "goal: tau needed",
     ]
     rows = []
-    for cell, runs in by_cell.items():
-        for t in sorted(set.intersection(*(set(r["plain_step_ms"]) for r in runs)), key=float):
-            step = mean(r["plain_step_ms"][t] for r in runs)
-            draft = mean(r["draft_ms_per_round"][t] for r in runs) / step
-            verify = mean(r["verify_ms_per_round"][t] for r in runs) / step
-            tau = mean(r["tau"][t] for r in runs)
+    for entry in cells:
+        for t, step_stats in entry["plain_step_ms"].items():
+            step = step_stats["mean"]
+            draft = entry["draft_ms_per_round"][t]["mean"] / step
+            verify = entry["verify_ms_per_round"][t]["mean"] / step
+            tau = entry["tau"][t]["mean"]
             goal = MAIN_JOB_GOALS.get(t)
             rows.append(
                 [
-                    cell,
+                    entry["key"],
                     t,
-                    str(len(runs)),
+                    str(len(entry["seeds"])),
                     f"{step:.2f}",
                     f"{draft:.2f}",
                     f"{verify:.2f}",
                     f"{tau:.2f}",
                     _x(tau / (draft + verify)),
-                    _x(mean(r["speedup_over_plain"][t] for r in runs)),
+                    _x(entry["speedup_over_plain"][t]["mean"]),
                     _x(tau / verify),
                     "-" if goal is None else f"{goal:.1f}x: {goal * (draft + verify):.2f}",
                 ]

@@ -220,9 +220,8 @@ def speculative_report(
     ``draft_cost_ratio = draft_step_ms / target_step_ms``.
     """
     stats = ours.stats or DecodeStats()
-    rounds = max(stats.target_forward_passes, 1)
-    verify_ms = 1000 * stats.verify_seconds / rounds
-    draft_round_ms = 1000 * stats.draft_seconds / rounds
+    verify_ms = stats.verify_ms_per_pass
+    draft_round_ms = stats.draft_ms_per_round
     draft_step_ms = (
         1000 * stats.draft_seconds / stats.draft_positions if stats.draft_positions else 0.0
     )
@@ -272,9 +271,7 @@ def speculative_report(
     }
     if own_plain is not None:
         plain_stats = own_plain.stats or DecodeStats()
-        target_step_ms = (
-            1000 * plain_stats.verify_seconds / max(plain_stats.target_forward_passes, 1)
-        )
+        target_step_ms = plain_stats.verify_ms_per_pass
         own_token_ms = 1000 / own_plain.tokens_per_s if own_plain.tokens_per_s else 0.0
         predicted_own = predicted_speedup(stats.tau, own_token_ms, draft_round_ms, verify_ms)
         over_own = ours.tokens_per_s / own_plain.tokens_per_s if own_plain.tokens_per_s else 0.0
