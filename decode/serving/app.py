@@ -27,7 +27,7 @@ import contextlib
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -37,6 +37,7 @@ from draftsmith.decode.defaults import NUM_DRAFT_TOKENS
 from draftsmith.decode.drafters.base import Drafter, TreeSpec
 from draftsmith.decode.forward.attention_layout import learned_position_limit, single_row_problem
 from draftsmith.decode.serving.config import MAX_BATCH_SIZE
+from draftsmith.decode.serving.guard import CLIENT_CLOSED_REQUEST, RequestGuard
 from draftsmith.decode.serving.metrics import CONTENT_TYPE, ServerMetrics
 from draftsmith.decode.serving.protocol import (
     APIError,
@@ -72,20 +73,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-ENDPOINTS = (
-    "/v1/models",
-    "/v1/completions",
-    "/v1/chat/completions",
-    "/health",
-    "/metrics",
-    "/openapi.json",
-)
 ROUTES = (
     "GET /v1/models, GET /v1/models/{model}, POST /v1/completions, POST /v1/chat/completions, "
     "GET /health and GET /metrics"
 )
 IM_END = "<|im_end|>"
-CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer
 
 
 @dataclass(frozen=True)
@@ -222,7 +214,9 @@ class OpenAIServer:
         )
         # Outermost of the user middleware: no exception gets past it to Starlette's error
         # middleware, which would re-raise it and make uvicorn reset the connection.
-        app.add_middleware(_Guard, metrics=self.metrics, body_timeout=self.limits.body_timeout_s)
+        app.add_middleware(
+            RequestGuard, metrics=self.metrics, body_timeout=self.limits.body_timeout_s
+        )
         app.add_exception_handler(APIError, _api_error_response)  # type: ignore[arg-type]
         app.add_exception_handler(StarletteHTTPException, _http_error_response)  # type: ignore[arg-type]
         app.add_exception_handler(_ClientGone, _client_gone_response)  # type: ignore[arg-type]
@@ -616,129 +610,6 @@ async def _next_event(job: GenerationJob, gone: asyncio.Future[None]) -> Event:
     return getter.result()
 
 
-class _Guard:
-    """ASGI middleware around every route: a body deadline, no escaping exception, one count.
-
-    - The request body must arrive within ``body_timeout`` seconds of the headers; past it the
-      answer is 408 (``Connection: close``) and the route sees a disconnect.
-    - An answer that starts before the body was read whole closes the connection afterwards,
-      so a client cannot hold it by trickling a body nobody reads (after a 401, say).
-    - An exception that no handler turned into an answer is a bug of the server: logged with
-      its traceback and answered 500 here (if no answer started), so it never reaches
-      Starlette's error middleware, which re-raises and makes uvicorn reset the connection.
-    - ``draftsmith_requests_total`` counts each request once, by how it ended: the status sent,
-      or 499 when the client hung up before its answer was complete (a cut stream included).
-    """
-
-    def __init__(self, app: Any, metrics: ServerMetrics, body_timeout: float) -> None:
-        self.app = app
-        self.metrics = metrics
-        self.body_timeout = body_timeout
-
-    async def __call__(
-        self,
-        scope: dict[str, Any],
-        receive: Callable[[], Awaitable[Any]],
-        send: Callable[[Any], Awaitable[None]],
-    ) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        exchange = _Exchange(scope, receive, send, self.body_timeout)
-        try:
-            await self.app(scope, exchange.receive, exchange.send)
-        except ClientDisconnect:
-            exchange.client_left = True
-        except Exception:
-            logger.exception("unhandled error answering %s %s", scope["method"], scope["path"])
-            await exchange.fail()
-        finally:
-            path = scope.get("path", "")
-            self.metrics.record_response(path if path in ENDPOINTS else "other", exchange.outcome())
-
-
-class _Exchange:
-    """One request's ASGI channels as ``_Guard`` watches them."""
-
-    def __init__(
-        self,
-        scope: dict[str, Any],
-        receive: Callable[[], Awaitable[Any]],
-        send: Callable[[Any], Awaitable[None]],
-        body_timeout: float,
-    ) -> None:
-        self._receive = receive
-        self._send = send
-        self._body_timeout = body_timeout
-        self._deadline = asyncio.get_running_loop().time() + body_timeout
-        self.body_read = not _has_body(scope["headers"])
-        self.status: int | None = None  # of the answer started, if any
-        self.complete = False  # the whole answer went out
-        self.client_left = False  # a disconnect came before the answer was complete
-        self.answered_here = False  # the guard answered (408, 500): the route's answer is dropped
-        self.failed = False  # an exception cut an answer that had started
-
-    async def receive(self) -> dict[str, Any]:
-        if self.answered_here:
-            return {"type": "http.disconnect"}
-        if self.body_read:
-            message = await self._receive()
-        else:
-            remaining = self._deadline - asyncio.get_running_loop().time()
-            try:
-                message = await asyncio.wait_for(self._receive(), max(remaining, 0.0))
-            except asyncio.TimeoutError:
-                late = f"the request body did not arrive within {self._body_timeout:g} s"
-                await self.answer(408, late, "invalid_request_error", "request_timeout")
-                return {"type": "http.disconnect"}
-            if message["type"] == "http.request" and not message.get("more_body", False):
-                self.body_read = True
-        if message["type"] == "http.disconnect" and not self.complete:
-            self.client_left = True
-        return message
-
-    async def send(self, message: dict[str, Any]) -> None:
-        if self.answered_here:
-            return
-        if message["type"] == "http.response.start":
-            self.status = message["status"]
-            if not self.body_read:
-                headers = [*message.get("headers", []), (b"connection", b"close")]
-                message = {**message, "headers": headers}
-        elif message["type"] == "http.response.body" and not message.get("more_body", False):
-            self.complete = True  # before sending: the disconnect that follows is not a hang-up
-        await self._send(message)
-
-    async def answer(self, status: int, message: str, kind: str, code: str | None) -> None:
-        """Answer here, replacing whatever the route would have sent."""
-        if self.status is not None:
-            return
-        body = error_json(error_body(message, kind, code=code))
-        headers = [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-        ]
-        await self.send({"type": "http.response.start", "status": status, "headers": headers})
-        await self.send({"type": "http.response.body", "body": body})
-        self.answered_here = True
-
-    async def fail(self) -> None:
-        if self.status is None:
-            await self.answer(500, "internal server error", "server_error", None)
-        else:
-            self.failed = True  # uvicorn closes the connection of an unfinished answer
-
-    def outcome(self) -> int:
-        """The status this request is counted under."""
-        if self.failed:
-            return 500
-        if self.answered_here:
-            return self.status or 500
-        if self.client_left or not self.complete or self.status is None:
-            return CLIENT_CLOSED_REQUEST
-        return self.status
-
-
 def _check_content_type(value: str) -> None:
     """A body declared as anything but JSON is a 415 naming the header to send (none: JSON)."""
     media_type = value.split(";", 1)[0].strip().lower()
@@ -751,13 +622,6 @@ def _check_content_type(value: str) -> None:
         "send the body as JSON with 'Content-Type: application/json'",
         code="unsupported_media_type",
     )
-
-
-def _has_body(headers: Sequence[tuple[bytes, bytes]]) -> bool:
-    for name, value in headers:
-        if name == b"transfer-encoding" or (name == b"content-length" and value.strip() != b"0"):
-            return True
-    return False
 
 
 def _error_response(
@@ -794,4 +658,4 @@ def _routing_message(request: Request, error: StarletteHTTPException) -> str:
 
 
 async def _client_gone_response(_: Request, __: _ClientGone) -> Response:
-    return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads it; _Guard counts it
+    return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads it; RequestGuard counts it

@@ -49,8 +49,9 @@ from dataclasses import dataclass, field
 import torch
 from draftsmith.decode.draft_length import LoadAwareDraftLength
 from draftsmith.decode.drafters.base import Drafter, TreeSpec
-from draftsmith.decode.engine import DecodeSession, RoundUpdate, SpeculativeDecoder
+from draftsmith.decode.engine import SpeculativeDecoder
 from draftsmith.decode.sampling import SamplingConfig
+from draftsmith.decode.session import DecodeSession, RoundUpdate
 from draftsmith.decode.stats import DecodeStats
 
 logger = logging.getLogger(__name__)

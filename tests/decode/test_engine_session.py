@@ -24,8 +24,8 @@ from draftsmith.decode.drafters.base import Drafter, TreeSpec
 from draftsmith.decode.drafters.hybrid import HybridDrafter
 from draftsmith.decode.drafters.ngram import NgramDrafter
 from draftsmith.decode.drafters.none import NoDrafter
-from draftsmith.decode.engine import DecodeSession, RoundUpdate
 from draftsmith.decode.sampling import SamplingConfig
+from draftsmith.decode.session import DecodeSession, RoundUpdate
 from tiny_models import tiny_llama
 
 PROMPTS = [
