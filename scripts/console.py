@@ -24,6 +24,7 @@ COMMANDS: dict[str, str] = {
     "report": "draftsmith.scripts.report",
     "parallel-ceiling": "draftsmith.scripts.parallel_ceiling",
     "export": "draftsmith.scripts.export",
+    "profile-serve": "draftsmith.scripts.profile_serve",
 }
 """``draftsmith-<key>`` runs module ``COMMANDS[key]``."""
 
@@ -79,3 +80,7 @@ def parallel_ceiling() -> None:
 
 def export() -> None:
     run("export")
+
+
+def profile_serve() -> None:
+    run("profile-serve")

@@ -1,7 +1,7 @@
 """Where serving time goes: the offline decoder against the same decoder behind the server.
 
-    python scripts/profile_serve.py --target DIR [--drafter DIR] [--clients 1 8] \\
-        [--max-tokens 128] [--draft-policy fixed load-aware] [--num-threads 2]
+    draftsmith-profile-serve --target DIR [--drafter DIR] [--clients 1 8] \\
+        [--max-tokens 128] [--draft-policy fixed load-aware] [--num-threads 2] [--json FILE]
 
 The same prompts (scripts/load_test.py's) are decoded three ways in one process: by the
 offline decoder (``SpeculativeDecoder.generate``, one prompt at a time, fixed N), then by an
@@ -11,7 +11,9 @@ tokens/s, the served/offline ratio, and for each batch size the server's rounds 
 mean time of a round by phase (``draftsmith_round_seconds_total``: draft, verify, commit,
 handoff, other) and the decoder thread's busy share of the wall time (the rest is the event
 loop, tokenising, streaming and waiting for requests). Ratios within one run are what it
-measures; absolute speeds depend on the machine and its load.
+measures; absolute speeds depend on the machine and its load. ``--json`` keeps the same
+figures with the machine they were measured on (``round_parts_table`` renders them, for
+``draftsmith-report``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 PHASES = ("draft", "verify", "commit", "handoff", "other")
@@ -29,8 +32,13 @@ PHASES = ("draft", "verify", "commit", "handoff", "other")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from draftsmith.decode.measure.side_by_side import at_least_one
+    from draftsmith.decode.serving.config import DRAFT_POLICIES
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="example: draftsmith-profile-serve --target $DEMO_TARGET "
+        "--drafter outputs/distill-demo/drafter --clients 1 8 --json rounds.json",
+    )
     parser.add_argument("--target", required=True, help="target model folder")
     parser.add_argument("--drafter", default=None, help="drafter folder (none: plain)")
     parser.add_argument("--drafter-kind", default=None)
@@ -43,7 +51,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--num-threads", type=int, default=None)
     parser.add_argument("--seconds", type=float, default=20.0, help="per served run")
-    return parser.parse_args(argv)
+    parser.add_argument("--json", type=Path, default=None, help="write the figures here")
+    args = parser.parse_args(argv)
+    if not 0 < args.seconds < float("inf"):
+        parser.error(f"--seconds must be a finite number > 0, got {args.seconds}")
+    unknown = sorted(set(args.draft_policy) - set(DRAFT_POLICIES))
+    if unknown:
+        parser.error(
+            f"--draft-policy {' '.join(unknown)}: unknown; choose from {', '.join(DRAFT_POLICIES)}"
+        )
+    return args
 
 
 def offline_tokens_per_s(decoder: Any, prompts: list[list[int]], max_tokens: int) -> float:
@@ -157,6 +174,7 @@ def parse_metrics(text: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     from draftsmith.decode.engine import SpeculativeDecoder
+    from draftsmith.decode.measure.machine import machine_record
     from draftsmith.decode.serve import build_server
     from draftsmith.decode.serving.config import ServeConfig
     from draftsmith.decode.serving.loading import load_components
@@ -180,6 +198,20 @@ def main(argv: list[str] | None = None) -> int:
     decoder = SpeculativeDecoder(target, drafter, args.num_draft_tokens)
     offline = offline_tokens_per_s(decoder, prompts, args.max_tokens)
     print(f"offline decoder, batch 1, fixed N={args.num_draft_tokens}: {offline:.1f} tokens/s")
+    record: dict[str, Any] = {
+        "machine": machine_record(),
+        "settings": {
+            "drafter": args.drafter is not None,
+            "drafter_kind": args.drafter_kind,
+            "num_draft_tokens": args.num_draft_tokens,
+            "max_tokens": args.max_tokens,
+            "seconds": args.seconds,
+            "dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
+            "temperature": 0.0,
+        },
+        "offline_tokens_per_s": offline,
+        "runs": [],
+    }
     for policy in args.draft_policy:
         config.draft_policy = policy
         server = build_server(config)
@@ -190,24 +222,81 @@ def main(argv: list[str] | None = None) -> int:
                 rate, wall = asyncio.run(
                     served_run(url, prompts, clients, args.max_tokens, args.seconds)
                 )
-                breakdown = round_breakdown(before, metrics_of(url))
+                run = {
+                    "policy": policy,
+                    "clients": clients,
+                    "tokens_per_s": rate,
+                    "wall_s": wall,
+                    "batches": round_parts(round_breakdown(before, metrics_of(url)), wall),
+                }
+                record["runs"].append(run)
                 print(
                     f"served, {policy}, {clients} client(s): {rate:.1f} tokens/s "
                     f"({rate / offline:.2f} of offline at batch 1)"
                 )
-                for batch, row in sorted(breakdown.items(), key=lambda item: item[1]["rounds"]):
-                    rounds = row["rounds"]
-                    busy = sum(row.get(phase, 0.0) for phase in PHASES)
-                    parts = ", ".join(
-                        f"{phase} {1000 * row.get(phase, 0.0) / rounds:.2f}" for phase in PHASES
-                    )
+                for batch, parts in run["batches"].items():
+                    phases = ", ".join(f"{phase} {parts['ms'][phase]:.2f}" for phase in PHASES)
                     print(
-                        f"  batch {batch:>5}: {int(rounds)} rounds, "
-                        f"{row.get('drafted', 0.0) / rounds:.2f} drafts/row, ms per round: "
-                        f"{parts}; rounds {busy / wall:.0%} of the wall time"
+                        f"  batch {batch:>5}: {parts['rounds']} rounds, "
+                        f"{parts['drafts_per_row']:.2f} drafts/row, ms per round: {phases}; "
+                        f"rounds {parts['wall_share']:.0%} of the wall time"
                     )
         server.worker.stop()
+    if args.json is not None:
+        from draftsmith.data.atomic_io import write_json_atomic
+
+        write_json_atomic(args.json, record)
+        print(f"wrote {args.json}")
     return 0
+
+
+def round_parts(breakdown: dict[str, dict[str, float]], wall: float) -> dict[str, dict[str, Any]]:
+    """``round_breakdown``'s totals per batch bucket as means per round, busiest bucket
+    first: rounds, drafts per row, ms per phase (and their sum) and the rounds' share of the
+    run's wall time."""
+    parts = {}
+    for batch, row in sorted(breakdown.items(), key=lambda item: -item[1]["rounds"]):
+        rounds = row["rounds"]
+        ms = {phase: 1000 * row.get(phase, 0.0) / rounds for phase in PHASES}
+        parts[batch] = {
+            "rounds": int(rounds),
+            "drafts_per_row": row.get("drafted", 0.0) / rounds,
+            "ms": {**ms, "total": sum(ms.values())},
+            "wall_share": sum(row.get(phase, 0.0) for phase in PHASES) / wall,
+        }
+    return parts
+
+
+def round_parts_table(record: dict[str, Any], min_share: float = 0.05) -> str:
+    """Markdown of a ``--json`` record: per policy, clients and batch bucket (buckets that
+    held at least ``min_share`` of the run's rounds), served tokens/s against the offline
+    decoder's and a round's mean ms per phase; then the machine."""
+    from draftsmith.decode.measure.machine import describe_machine
+
+    offline = record["offline_tokens_per_s"]
+    header = ["policy", "clients", "tokens/s (x offline)", "batch", "rounds", "drafts/row"]
+    header += [f"{phase} ms" for phase in PHASES] + ["round ms", "rounds' share of wall"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for run in record["runs"]:
+        total = sum(parts["rounds"] for parts in run["batches"].values()) or 1
+        speed = f"{run['tokens_per_s']:.1f} ({run['tokens_per_s'] / offline:.2f})"
+        for batch, parts in run["batches"].items():
+            if parts["rounds"] < min_share * total:
+                continue
+            cells = [run["policy"], str(run["clients"]), speed, batch, str(parts["rounds"])]
+            cells.append(f"{parts['drafts_per_row']:.2f}")
+            cells += [f"{parts['ms'][phase]:.2f}" for phase in (*PHASES, "total")]
+            cells.append(f"{parts['wall_share']:.0%}")
+            lines.append("| " + " | ".join(cells) + " |")
+    settings = record["settings"]
+    lines += [
+        "",
+        f"The offline decoder: {offline:.1f} tokens/s (batch 1, chains of "
+        f"{settings['num_draft_tokens']}); {settings['max_tokens']} tokens per request, "
+        f"T = {settings['temperature']:g}, {settings['seconds']:g} s per run, the target in "
+        f"{settings['dtype']}; {describe_machine(record['machine'])}.",
+    ]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

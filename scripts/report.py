@@ -30,13 +30,14 @@ import json
 import re
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from draftsmith.decode.measure.machine import describe_machine
 from draftsmith.decode.measure.side_by_side import UNREPRODUCED_TIMING
 from draftsmith.scripts.load_sweep import sweep_table
+from draftsmith.scripts.profile_serve import round_parts_table
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path("docs/results")
@@ -47,12 +48,18 @@ BENCH_AMD = RESULTS / "bench_amd" / "bench.json"
 MAIN_JOB_AMD = RESULTS / "main_job_amd.json"
 SERVING_SWEEP = RESULTS / "serving_sweep.json"  # draftsmith-load-test --sweep --json
 BENCH_DFLASH_AVX2 = RESULTS / "bench_dflash_avx2" / "bench.json"
+# Seed 0's EAGLE-3 and DSpark heads of the DSpark grid in one benchmark (the bf16 AMD EPYC)
+BENCH_DSPARK_AMD = RESULTS / "bench_dspark_amd" / "bench.json"
 ABLATION_DFLASH_AVX2 = RESULTS / "ablation_dflash_avx2" / "ablation.json"  # B and L of a block
 # EAGLE-3, P-EAGLE and DFlash at the main job's budget, three seeds (the bf16 AMD EPYC)
 ABLATION_KINDS_AMD = RESULTS / "ablation_kinds_amd" / "ablation.json"
 # The same grid's DFlash cell with 48 anchors per sequence instead of 16, one seed
 ABLATION_DFLASH_ANCHORS_AMD = RESULTS / "ablation_dflash_anchors_amd" / "ablation.json"
 SERVING_SWEEP_AMD = RESULTS / "serving_sweep_amd.json"  # the bf16 AMD EPYC, no vLLM
+# DFlash with and without DSpark's Markov head (48 anchors) beside EAGLE-3, three seeds
+ABLATION_DSPARK_AMD = RESULTS / "ablation_dspark_amd" / "ablation.json"
+# Where a served round's time goes, at 1 and 8 clients (scripts/profile_serve.py --json)
+SERVING_ROUNDS_AMD = RESULTS / "serving_rounds_amd.json"
 ABLATION_PEAGLE_NO_AMX = RESULTS / "ablation_peagle_no_amx" / "ablation.json"
 ABLATION_PEAGLE_AMD = RESULTS / "ablation_peagle_amd" / "ablation.json"
 ABLATION_VOCAB_NO_AMX = RESULTS / "ablation_vocab_no_amx" / "ablation.json"
@@ -70,10 +77,13 @@ RECORDS = (
     BENCH_NO_AMX,
     BENCH_AMD,
     BENCH_DFLASH_AVX2,
+    BENCH_DSPARK_AMD,
     ABLATION_DFLASH_AVX2,
     ABLATION_KINDS_AMD,
     ABLATION_DFLASH_ANCHORS_AMD,
+    ABLATION_DSPARK_AMD,
     SERVING_SWEEP_AMD,
+    SERVING_ROUNDS_AMD,
     ABLATION_PEAGLE_NO_AMX,
     ABLATION_PEAGLE_AMD,
     ABLATION_VOCAB_NO_AMX,
@@ -378,20 +388,28 @@ BLOCK_ROWS = (
     "draftsmith DFlash block",
 )
 """The rows that compare the block drafter with the chain on one run."""
+BLOCK_ROWS_ADAPTIVE = (
+    *BLOCK_ROWS,
+    "draftsmith EAGLE-3 chain (adaptive N)",
+    "draftsmith DFlash block (adaptive N)",
+    "draftsmith hybrid: lookup + EAGLE-3",
+    "draftsmith hybrid: lookup + DFlash",
+)
+"""The same, with each drafter's adaptive length and its hybrid with prompt lookup."""
 
 
-def block_drafter_table(bench: dict[str, Any]) -> str:
-    """The DFlash block beside the EAGLE-3 chain, per prompt set and temperature: tokens/s and
-    the ratio over plain decoding, tau, the round's parts (a round drafts N tokens at T_d each,
-    then verifies in T_v; both in ms and in target steps T_t) and the acceptance per
-    position (of position j given the ones before it accepted)."""
+def block_drafter_table(bench: dict[str, Any], methods: tuple[str, ...] = BLOCK_ROWS) -> str:
+    """The DFlash block beside the EAGLE-3 chain (the benchmark rows ``methods``), per prompt
+    set and temperature: tokens/s and the ratio over plain decoding, tau, the round's parts (a
+    round drafts N tokens at T_d each, then verifies in T_v; both in ms and in target steps
+    T_t) and the acceptance per position (of position j given the ones before it accepted)."""
     header = ["prompts", "T", "method", "tokens/s", "vs plain", "tau", "N", "draft ms (steps)"]
     header += ["verify ms (steps)", "acceptance per position"]
     rows = []
     for prompts, record in bench["prompt_sets"].items():
         for t, by_method in record["by_temperature"].items():
             for r in by_method:
-                if r["method"] not in BLOCK_ROWS:
+                if r["method"] not in methods:
                     continue
                 alpha = r["alpha_per_position"] or []
                 n, t_t = len(alpha), r["target_step_ms"]
@@ -719,11 +737,12 @@ def depth_overlaps_table(path: Path) -> str:
     return "\n".join([intro + _machine(results), "", *_table(header, rows)])
 
 
-def decoding_table(path: Path) -> str:
+def decoding_table(path: Path, ratios: Sequence[tuple[str, str]] | None = None) -> str:
     """One row per cell: tau, the round's parts (drafting and verifying, ms), decoding tokens/s
     and, where the grid timed plain decoding beside it, the speedup over it, at each
-    temperature, mean ± std over seeds; then every other cell against the first (ratios of the
-    means: P-EAGLE or DFlash against EAGLE-3 in a ``kind`` grid)."""
+    temperature, mean ± std over seeds; then ratios of the means, one row per ``(cell,
+    against)`` pair of cell keys in ``ratios`` (default: every other cell against the first,
+    P-EAGLE or DFlash against EAGLE-3 in a ``kind`` grid)."""
     from draftsmith.train.ablation.report import _mean_std, temperatures_of
     from draftsmith.train.ablation.results import read_results, summarize
 
@@ -748,12 +767,18 @@ def decoding_table(path: Path) -> str:
         ]
         for entry in cells
     ]
-    first = cells[0]
-    for entry in cells[1:]:
+    by_key = {entry["key"]: entry for entry in cells}
+    if ratios is None:
+        ratios = [(entry["key"], cells[0]["key"]) for entry in cells[1:]]
+    for pair in ratios:
+        missing = [key for key in pair if key not in by_key]
+        if missing:
+            raise ValueError(f"{path}: no cell {missing[0]!r} to compare; cells: {list(by_key)}")
+        entry, against = (by_key[key] for key in pair)
         rows.append(
-            [f"{entry['key']} / {first['key']}", "–"]
+            [f"{entry['key']} / {against['key']}", "–"]
             + [
-                _ratio(entry[metric].get(t), first[metric].get(t))
+                _ratio(entry[metric].get(t), against[metric].get(t))
                 for metric, _, _ in measures
                 for t in temperatures
             ]
@@ -773,7 +798,7 @@ def decoding_table(path: Path) -> str:
             if "speedup_over_plain" in named
             else ""
         )
-        + "; the last rows divide each cell's means by the first's."
+        + "; the last rows divide one cell's means by another's."
     )
     return "\n".join([intro + _machine(results), "", *_table(header, rows)])
 
@@ -804,6 +829,16 @@ def _drafts_caption(results: dict[str, Any]) -> str:
     )
     return f"chains of {chain}{block}, the target decoding in {' and '.join(dtypes)}"
 
+
+_DFLASH_48 = "kind=dflash,data=samples,markov_rank=0,dflash_num_anchors=48"
+_DSPARK_48 = "kind=dflash,data=samples,markov_rank=64,dflash_num_anchors=48"
+DSPARK_RATIOS = (
+    (_DSPARK_48, _DFLASH_48),
+    (_DSPARK_48, "kind=eagle3,data=samples"),
+    (_DFLASH_48, "kind=eagle3,data=samples"),
+)
+"""The DSpark grid's comparisons: the Markov head against plain DFlash (DSpark's paper
+claims +18.4% accepted length) and each block against the EAGLE-3 chain."""
 
 MAIN_JOB_GOALS = {"0": 2.6, "1": 2.0}
 """The speedups over plain decoding the main job aims for on held-out prompts, by
@@ -938,7 +973,13 @@ SECTIONS: dict[str, Callable[[], str]] = {
         + "\n\n"
         + decoding_table(ABLATION_DFLASH_ANCHORS_AMD)
     ),
+    "ablation-dspark-amd": lambda: depth_overlaps_table(ABLATION_DSPARK_AMD),
+    "ablation-dspark-amd-decoding": lambda: decoding_table(ABLATION_DSPARK_AMD, DSPARK_RATIOS),
+    "ablation-dspark-amd-acceptance": lambda: acceptance_table(ABLATION_DSPARK_AMD),
+    "ablation-dspark-amd-cost-model": lambda: kinds_cost_model(ABLATION_DSPARK_AMD),
+    "bench-dspark-amd": lambda: block_drafter_table(_read(BENCH_DSPARK_AMD), BLOCK_ROWS_ADAPTIVE),
     "serving-sweep-amd": lambda: sweep_table(_read(SERVING_SWEEP_AMD)),
+    "serving-rounds-amd": lambda: round_parts_table(_read(SERVING_ROUNDS_AMD)),
 }
 """Section name -> the function that writes its text from docs/results/."""
 
