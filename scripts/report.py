@@ -832,13 +832,17 @@ def _drafts_caption(results: dict[str, Any]) -> str:
 
 _DFLASH_48 = "kind=dflash,data=samples,markov_rank=0,dflash_num_anchors=48"
 _DSPARK_48 = "kind=dflash,data=samples,markov_rank=64,dflash_num_anchors=48"
+_DSPARK_48_CONFIDENCE = _DSPARK_48 + ",confidence_head=true"
 DSPARK_RATIOS = (
     (_DSPARK_48, _DFLASH_48),
     (_DSPARK_48, "kind=eagle3,data=samples"),
     (_DFLASH_48, "kind=eagle3,data=samples"),
+    (_DSPARK_48_CONFIDENCE, _DSPARK_48),
+    (_DSPARK_48_CONFIDENCE, "kind=eagle3,data=samples"),
 )
 """The DSpark grid's comparisons: the Markov head against plain DFlash (DSpark's paper
-claims +18.4% accepted length) and each block against the EAGLE-3 chain."""
+claims +18.4% accepted length), each block against the EAGLE-3 chain, and the confidence
+head (the verify width from the drafter's own outputs) against the block without it."""
 
 MAIN_JOB_GOALS = {"0": 2.6, "1": 2.0}
 """The speedups over plain decoding the main job aims for on held-out prompts, by
