@@ -265,12 +265,14 @@ class DFlashDrafter(Eagle3Drafter):
         sampling: SamplingConfig,
         generator: torch.Generator | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:  # ids, q, logits
-        """Draw positions 1..N in order, each from its law given the draft before it."""
+        """Draw positions 1..N in order, each from its law given the draft before it; only the
+        token-dependent half of the Markov bias runs per position."""
         markov = self.head.markov
         previous = self._require_pending()
+        projected = markov.project(normed.to(markov.next.weight.dtype))  # [B, N, r]
         ids, probs, logits = [], [], []
         for j in range(base.shape[1]):
-            bias = markov(normed[:, j].to(markov.next.weight.dtype), previous)
+            bias = markov.bias(projected[:, j], previous)  # [B, V_draft]
             z = base[:, j] + bias.to(base.dtype)
             draft, q = select_tokens(z, sampling, generator)
             ids.append(draft)

@@ -198,7 +198,16 @@ class MarkovHead(nn.Module):
         normed: torch.Tensor,  # [..., H] the rows' final-normed outputs
         previous: torch.Tensor,  # [...] int64 target ids of the token before each row
     ) -> torch.Tensor:  # [..., V_draft]
-        return self.next(self.previous(previous) * self.project(normed))
+        return self.bias(self.project(normed), previous)
+
+    def bias(
+        self,
+        projected: torch.Tensor,  # [..., r] ``P h_j`` of the rows (``self.project(normed)``)
+        previous: torch.Tensor,  # [...] int64 target ids of the token before each row
+    ) -> torch.Tensor:  # [..., V_draft]
+        """``B (A[x_prev] * P h_j)`` from a projection already made: decoding draws a block's
+        positions in order, and projects all of them in one product before the first draw."""
+        return self.next(self.previous(previous) * projected)
 
 
 class ConfidenceHead(nn.Module):
