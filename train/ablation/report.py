@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from draftsmith.decode.measure.tables import markdown_table
+
 MARKDOWN_FILE = "ablation.md"
 GROUP_AXIS = "kind"  # one Markdown table per drafter kind
 COLUMN_AXIS = "data"  # one column group per data source
@@ -137,7 +139,7 @@ def _cell_table(
     for column in columns:
         prefix = f"{column}: " if column else ""
         heads += [f"{prefix}overlap@1"] + [f"{prefix}tau T={t}" for t in temperatures]
-    lines = ["| cell | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
+    table = []
     for label, by_column in rows.items():
         values = []
         for column in columns:
@@ -156,8 +158,8 @@ def _cell_table(
                 ]
                 shown = [f"{g:+.0%}" for g in gains if g is not None]
                 values.append(text + (f" ({', '.join(shown)})" if shown and text != "–" else ""))
-        lines.append(f"| {label} | " + " | ".join(values) + " |")
-    return [*lines, ""]
+        table.append([label, *values])
+    return [*markdown_table(["cell", *heads], table), ""]
 
 
 def _column_gain_table(members: list[dict[str, Any]], baseline: str, source: str) -> list[str]:
