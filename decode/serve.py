@@ -72,6 +72,7 @@ def build_server(config: ServeConfig) -> OpenAIServer:
         max_batch_size=config.max_batch_size,
         max_queue=config.max_queue,
         seed=config.seed,
+        decoder_process=config if config.decoder == "process" else None,
     )
 
 

@@ -30,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -291,6 +291,7 @@ def sweep_table(record: dict[str, Any]) -> str:
     server and temperature, tokens/s and TTFT p50 / p99 at each client count, then the
     machine and the settings."""
     from draftsmith.decode.measure.machine import describe_machine
+    from draftsmith.decode.measure.tables import markdown_table
 
     clients = record["settings"]["clients"]
     header = ["server", "T", *(f"{c} clients: tokens/s, TTFT p50 / p99 (s)" for c in clients)]
@@ -300,10 +301,13 @@ def sweep_table(record: dict[str, Any]) -> str:
         if run["errors"]:
             cell += f" ({run['errors']} errors)"
         cells.setdefault((run["server"], run["temperature"]), {})[int(run["clients"])] = cell
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for (server, temperature), row in cells.items():
-        values = [row.get(c, "-") for c in clients]
-        lines.append(f"| {server} | {temperature:g} | " + " | ".join(values) + " |")
+    lines = markdown_table(
+        header,
+        (
+            [server, f"{temperature:g}", *(row.get(c, "-") for c in clients)]
+            for (server, temperature), row in cells.items()
+        ),
+    )
     settings = record["settings"]
     lines += [
         "",
@@ -315,3 +319,37 @@ def sweep_table(record: dict[str, Any]) -> str:
     }
     lines += [f"Not measured: {name} ({error})." for name, error in failed.items()]
     return "\n".join(lines)
+
+
+def sweep_ratio_table(record: dict[str, Any], server: str, rivals: dict[str, Sequence[str]]) -> str:
+    """``server``'s tokens/s over the best of each group of ``rivals`` (label -> servers) at
+    every client count and temperature of a sweep, and the TTFT p99 of ``server`` against
+    the best (lowest) of the first group; ``-`` where a point was not measured. The serving
+    guide's goals read this table: one run, ratios on the same machine."""
+    from draftsmith.decode.measure.tables import markdown_table
+
+    runs = {(r["server"], r["temperature"], int(r["clients"])): r for r in record["runs"]}
+    first = next(iter(rivals))
+    header = ["T", "clients", f"{server} tokens/s"]
+    header += [f"x {label}" for label in rivals] + [f"TTFT p99 (s): {server} / {first}"]
+    rows = []
+    for temperature in record["settings"]["temperatures"]:
+        for clients in record["settings"]["clients"]:
+            ours = runs.get((server, temperature, clients))
+            if ours is None:
+                continue
+            row = [f"{temperature:g}", str(clients), f"{ours['tokens_per_s']:.1f}"]
+            for group in rivals.values():
+                best = [runs[(n, temperature, clients)]["tokens_per_s"] for n in group
+                        if (n, temperature, clients) in runs]  # fmt: skip
+                row.append(f"{ours['tokens_per_s'] / max(best):.2f}" if best else "-")
+            p99 = [runs[(n, temperature, clients)]["ttft_p99_s"] for n in rivals[first]
+                   if (n, temperature, clients) in runs]  # fmt: skip
+            row.append(f"{ours['ttft_p99_s']:.3f} / {min(p99):.3f}" if p99 else "-")
+            rows.append(row)
+    groups = "; ".join(
+        f"{label}: the faster of {', '.join(group)}" for label, group in rivals.items()
+    )
+    return "\n".join(
+        [*markdown_table(header, rows), "", f"Over the best of each group ({groups})."]
+    )

@@ -1,11 +1,13 @@
 """Where serving time goes: the offline decoder against the same decoder behind the server.
 
     draftsmith-profile-serve --target DIR [--drafter DIR] [--clients 1 8] \\
-        [--max-tokens 128] [--draft-policy fixed load-aware] [--num-threads 2] [--json FILE]
+        [--max-tokens 128] [--draft-policy fixed load-aware] [--decoder process thread] \\
+        [--num-threads 2] [--json FILE]
 
 The same prompts (scripts/load_test.py's) are decoded three ways in one process: by the
 offline decoder (``SpeculativeDecoder.generate``, one prompt at a time, fixed N), then by an
-in-process ``OpenAIServer`` (uvicorn on a loopback port) for each ``--draft-policy``, with
+in-process ``OpenAIServer`` (uvicorn on a loopback port) for each ``--draft-policy`` and each
+place ``--decoder`` names (its own process, or a thread of the server's), with
 ``--clients`` streaming clients sending the prompts back to back. Printed per run: completion
 tokens/s, the served/offline ratio, and for each batch size the server's rounds ran at, the
 mean time of a round by phase (``draftsmith_round_seconds_total``: draft, verify, commit,
@@ -32,7 +34,7 @@ PHASES = ("draft", "verify", "commit", "handoff", "other")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from draftsmith.decode.measure.side_by_side import at_least_one
-    from draftsmith.decode.serving.config import DRAFT_POLICIES
+    from draftsmith.decode.serving.config import DECODER_PLACES, DRAFT_POLICIES
 
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -48,6 +50,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--draft-policy", nargs="+", default=["fixed", "load-aware"], help="server policies"
     )
+    parser.add_argument(
+        "--decoder", nargs="+", default=["process"], help="where the server's decoder runs"
+    )
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--num-threads", type=int, default=None)
     parser.add_argument("--seconds", type=float, default=20.0, help="per served run")
@@ -59,6 +64,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         parser.error(
             f"--draft-policy {' '.join(unknown)}: unknown; choose from {', '.join(DRAFT_POLICIES)}"
+        )
+    places = sorted(set(args.decoder) - set(DECODER_PLACES))
+    if places:
+        parser.error(
+            f"--decoder {' '.join(places)}: unknown; choose from {', '.join(DECODER_PLACES)}"
         )
     return args
 
@@ -212,8 +222,9 @@ def main(argv: list[str] | None = None) -> int:
         "offline_tokens_per_s": offline,
         "runs": [],
     }
-    for policy in args.draft_policy:
-        config.draft_policy = policy
+    runs = [(policy, place) for place in args.decoder for policy in args.draft_policy]
+    for policy, place in runs:
+        config.draft_policy, config.decoder = policy, place
         server = build_server(config)
         with running(server) as url:
             asyncio.run(served_run(url, prompts, 1, args.max_tokens, 1e-3))  # a warm-up
@@ -224,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 run = {
                     "policy": policy,
+                    "decoder": place,
                     "clients": clients,
                     "tokens_per_s": rate,
                     "wall_s": wall,
@@ -231,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
                 }
                 record["runs"].append(run)
                 print(
-                    f"served, {policy}, {clients} client(s): {rate:.1f} tokens/s "
+                    f"served, {policy}, decoder in a {place}, {clients} client(s): {rate:.1f} tokens/s "
                     f"({rate / offline:.2f} of offline at batch 1)"
                 )
                 for batch, parts in run["batches"].items():
@@ -241,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"{parts['drafts_per_row']:.2f} drafts/row, ms per round: {phases}; "
                         f"rounds {parts['wall_share']:.0%} of the wall time"
                     )
-        server.worker.stop()
+        server.backend.stop()
     if args.json is not None:
         from draftsmith.data.atomic_io import write_json_atomic
 
@@ -272,23 +284,26 @@ def round_parts_table(record: dict[str, Any], min_share: float = 0.05) -> str:
     held at least ``min_share`` of the run's rounds), served tokens/s against the offline
     decoder's and a round's mean ms per phase; then the machine."""
     from draftsmith.decode.measure.machine import describe_machine
+    from draftsmith.decode.measure.tables import markdown_table
 
     offline = record["offline_tokens_per_s"]
     header = ["policy", "clients", "tokens/s (x offline)", "batch", "rounds", "drafts/row"]
     header += [f"{phase} ms" for phase in PHASES] + ["round ms", "rounds' share of wall"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    rows = []
     for run in record["runs"]:
         total = sum(parts["rounds"] for parts in run["batches"].values()) or 1
         speed = f"{run['tokens_per_s']:.1f} ({run['tokens_per_s'] / offline:.2f})"
         for batch, parts in run["batches"].items():
             if parts["rounds"] < min_share * total:
                 continue
-            cells = [run["policy"], str(run["clients"]), speed, batch, str(parts["rounds"])]
+            policy = run["policy"] + (f", {run['decoder']}" if "decoder" in run else "")
+            cells = [policy, str(run["clients"]), speed, batch, str(parts["rounds"])]
             cells.append(f"{parts['drafts_per_row']:.2f}")
             cells += [f"{parts['ms'][phase]:.2f}" for phase in (*PHASES, "total")]
             cells.append(f"{parts['wall_share']:.0%}")
-            lines.append("| " + " | ".join(cells) + " |")
+            rows.append(cells)
     settings = record["settings"]
+    lines = markdown_table(header, rows)
     lines += [
         "",
         f"The offline decoder: {offline:.1f} tokens/s (batch 1, chains of "

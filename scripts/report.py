@@ -36,7 +36,8 @@ from typing import Any
 
 from draftsmith.decode.measure.machine import describe_machine
 from draftsmith.decode.measure.side_by_side import UNREPRODUCED_TIMING
-from draftsmith.scripts.load_sweep import sweep_table
+from draftsmith.decode.measure.tables import markdown_table
+from draftsmith.scripts.load_sweep import sweep_ratio_table, sweep_table
 from draftsmith.scripts.profile_serve import round_parts_table
 
 REPO = Path(__file__).resolve().parents[1]
@@ -55,7 +56,10 @@ ABLATION_DFLASH_AVX2 = RESULTS / "ablation_dflash_avx2" / "ablation.json"  # B a
 ABLATION_KINDS_AMD = RESULTS / "ablation_kinds_amd" / "ablation.json"
 # The same grid's DFlash cell with 48 anchors per sequence instead of 16, one seed
 ABLATION_DFLASH_ANCHORS_AMD = RESULTS / "ablation_dflash_anchors_amd" / "ablation.json"
-SERVING_SWEEP_AMD = RESULTS / "serving_sweep_amd.json"  # the bf16 AMD EPYC, no vLLM
+SERVING_SWEEP_AMD = RESULTS / "serving_sweep_amd.json"  # the bf16 AMD EPYC, with vLLM
+SWEEP_RIVALS = {"vLLM": ("vllm", "vllm+head"), "ours": ("always", "plain")}
+"""The serving goals' comparisons: load-aware drafting against the faster of vLLM's two
+servers, and against the better of drafting always and never."""
 # DFlash with and without DSpark's Markov head (48 anchors) beside EAGLE-3, three seeds
 ABLATION_DSPARK_AMD = RESULTS / "ablation_dspark_amd" / "ablation.json"
 # Where a served round's time goes, at 1 and 8 clients (scripts/profile_serve.py --json)
@@ -144,14 +148,6 @@ def _f(value: float | None, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    return [
-        "| " + " | ".join(header) + " |",
-        "|" + "---|" * len(header),
-        *("| " + " | ".join(row) + " |" for row in rows),
-    ]
-
-
 def _read(path: Path) -> dict[str, Any]:
     """The record at ``path`` (under the repository, or absolute); ``ValueError`` naming it
     when it is not a JSON object."""
@@ -207,7 +203,7 @@ def main_job_table(summary: dict[str, Any]) -> str:
         "draft/target step",
         "verify/target step",
     ]
-    return "\n".join(_table(header, rows))
+    return "\n".join(markdown_table(header, rows))
 
 
 def main_job_run(summary: dict[str, Any]) -> str:
@@ -359,7 +355,7 @@ def bench_table(bench: dict[str, Any], prompts: str = "held-out") -> str:
         for t, b in bench["best_against_hf"].items()
     ]
     return "\n".join(
-        [f"{_setting(bench, prompts)} {SPEEDUPS}", "", *_table(header, rows), "", *best]
+        [f"{_setting(bench, prompts)} {SPEEDUPS}", "", *markdown_table(header, rows), "", *best]
     )
 
 
@@ -430,7 +426,7 @@ def block_drafter_table(bench: dict[str, Any], methods: tuple[str, ...] = BLOCK_
                 )
     setting = _setting(bench, "held-out (demo) and out-of-distribution (ood)")
     note = "Each row drafts its own N per round (a DFlash block: B - 1)."
-    return "\n".join([f"{setting} {note}", "", *_table(header, rows)])
+    return "\n".join([f"{setting} {note}", "", *markdown_table(header, rows)])
 
 
 CHAIN_COST_MODELS = ("draftsmith EAGLE-3 chain", "draftsmith P-EAGLE chain")
@@ -470,7 +466,7 @@ def headline_table(bench: dict[str, Any], summary: dict[str, Any]) -> str:
         f"{_setting(bench)} Main job: its own speed step at the end of training (held-out "
         f"prompts, and `ood`: installed third-party code the target never saw). {SPEEDUPS}"
     )
-    return "\n".join([caption, "", *_table(header, rows)])
+    return "\n".join([caption, "", *markdown_table(header, rows)])
 
 
 KEY_ROWS = (
@@ -496,7 +492,7 @@ def key_rows_table(bench: dict[str, Any]) -> str:
         for method, by_t in _by_method(bench).items()
         if method in KEY_ROWS or method in best
     ]
-    return "\n".join([f"{_setting(bench)} {SPEEDUPS}", "", *_table(header, rows)])
+    return "\n".join([f"{_setting(bench)} {SPEEDUPS}", "", *markdown_table(header, rows)])
 
 
 def _speed_tau(by_t: dict[str, dict[str, Any]], temperatures: list[str]) -> list[str]:
@@ -544,7 +540,7 @@ def machines_table(records: tuple[Path, ...] = RECORDS) -> str:
         for machine, names in machines.values()
     ]
     header = ["machine", "CPU kernels", "logical CPUs", "torch", "records (docs/results/)"]
-    return "\n".join(_table(header, rows))
+    return "\n".join(markdown_table(header, rows))
 
 
 GREEDY_RECORDS = (BENCH_DEMO, BENCH_NO_AMX, BENCH_AMD)
@@ -571,7 +567,7 @@ def greedy_agreement_table(records: tuple[Path, ...] = GREEDY_RECORDS) -> str:
                 ),
             ]
         )
-    return "\n".join(_table(["record", *methods], rows))
+    return "\n".join(markdown_table(["record", *methods], rows))
 
 
 CHAIN, PARALLEL = "draftsmith EAGLE-3 chain", "draftsmith P-EAGLE chain"
@@ -613,7 +609,7 @@ def chains_by_machine(records: tuple[Path, ...] = GREEDY_RECORDS) -> str:
         "Each benchmark record's held-out prompts: speed over draftsmith's fastest plain "
         "decoding on the same machine (ratios within one run; the machines' plain speeds differ)."
     )
-    return "\n".join([intro, "", *_table(header, rows)])
+    return "\n".join([intro, "", *markdown_table(header, rows)])
 
 
 # --------------------------------------------------------------------------- the ablation
@@ -645,7 +641,7 @@ def block_grid_table(path: Path) -> str:
     header = ["B", "L", "drafts", "steps", "overlap@1", "overlap@2"]
     for t in temperatures:
         header += [f"tau T={t}", f"draft ms T={t}", f"tokens/s T={t}"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    rows = []
     for run in runs:
         cells = [
             str(run["cell"]["dflash_block_size"]),
@@ -661,7 +657,8 @@ def block_grid_table(path: Path) -> str:
                 f"{run['draft_ms_per_round'][t]:.1f}",
                 f"{run['tokens_per_s'][t]:.1f}",
             ]
-        lines.append("| " + " | ".join(cells) + " |")
+        rows.append(cells)
+    lines = markdown_table(header, rows)
     caption = (
         f"One seed a cell, each trained in a {settings['max_minutes']:g}-minute box on the "
         f"target's own continuations, then decoding {settings['tau_prompts']} held-out prompts x "
@@ -734,7 +731,7 @@ def depth_overlaps_table(path: Path) -> str:
             else "."
         )
     )
-    return "\n".join([intro + _machine(results), "", *_table(header, rows)])
+    return "\n".join([intro + _machine(results), "", *markdown_table(header, rows)])
 
 
 def decoding_table(path: Path, ratios: Sequence[tuple[str, str]] | None = None) -> str:
@@ -800,7 +797,7 @@ def decoding_table(path: Path, ratios: Sequence[tuple[str, str]] | None = None) 
         )
         + "; the last rows divide one cell's means by another's."
     )
-    return "\n".join([intro + _machine(results), "", *_table(header, rows)])
+    return "\n".join([intro + _machine(results), "", *markdown_table(header, rows)])
 
 
 DECODING_MEASURES = (
@@ -900,7 +897,7 @@ def kinds_cost_model(path: Path) -> str:
         "T_step / T_verify) and the tau the main job's goal at that temperature needs at these "
         "costs."
     )
-    return "\n".join([intro + _machine(results), "", *_table(header, rows)])
+    return "\n".join([intro + _machine(results), "", *markdown_table(header, rows)])
 
 
 def acceptance_table(path: Path) -> str:
@@ -925,7 +922,7 @@ def acceptance_table(path: Path) -> str:
         "mean ± std over seeds; acceptance at draft position j given the positions before it "
         f"were accepted, decoding held-out prompts, {_drafts_caption(results)}."
     )
-    return "\n".join([intro + _machine(results), "", *_table(header, rows)])
+    return "\n".join([intro + _machine(results), "", *markdown_table(header, rows)])
 
 
 def _ratio(value: dict[str, float] | None, base: dict[str, float] | None) -> str:
@@ -983,6 +980,9 @@ SECTIONS: dict[str, Callable[[], str]] = {
     "ablation-dspark-amd-cost-model": lambda: kinds_cost_model(ABLATION_DSPARK_AMD),
     "bench-dspark-amd": lambda: block_drafter_table(_read(BENCH_DSPARK_AMD), BLOCK_ROWS_ADAPTIVE),
     "serving-sweep-amd": lambda: sweep_table(_read(SERVING_SWEEP_AMD)),
+    "serving-sweep-amd-ratios": lambda: sweep_ratio_table(
+        _read(SERVING_SWEEP_AMD), "load-aware", SWEEP_RIVALS
+    ),
     "serving-rounds-amd": lambda: round_parts_table(_read(SERVING_ROUNDS_AMD)),
 }
 """Section name -> the function that writes its text from docs/results/."""

@@ -1,4 +1,5 @@
-"""The HTTP layer: OpenAI's routes over the request queue and the decoder thread.
+"""The HTTP layer: OpenAI's routes over the request queue and the decoder (a thread of this
+process, or a process of its own: ``draftsmith.decode.serving.backend``).
 
 ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (non-streamed, or
 ``stream: true`` as server-sent events in OpenAI's chunk format ending with ``data: [DONE]``),
@@ -36,7 +37,8 @@ import torch
 from draftsmith.decode.defaults import NUM_DRAFT_TOKENS
 from draftsmith.decode.drafters.base import Drafter, TreeSpec
 from draftsmith.decode.forward.attention_layout import learned_position_limit, single_row_problem
-from draftsmith.decode.serving.config import MAX_BATCH_SIZE
+from draftsmith.decode.serving.backend import DecoderProcess, DecoderThread, MetricSinks
+from draftsmith.decode.serving.config import MAX_BATCH_SIZE, ServeConfig
 from draftsmith.decode.serving.guard import CLIENT_CLOSED_REQUEST, RequestGuard
 from draftsmith.decode.serving.metrics import CONTENT_TYPE, ServerMetrics
 from draftsmith.decode.serving.protocol import (
@@ -139,7 +141,12 @@ class OpenAIServer:
         max_batch_size: int = MAX_BATCH_SIZE,
         max_queue: int = 64,
         seed: int = 0,
+        decoder_process: ServeConfig | None = None,
     ) -> None:
+        """``decoder_process``: run the decoder in a process of its own that loads the models
+        ``ServeConfig`` names (``draftsmith.decode.serving.backend``); the server then keeps
+        no reference to ``target`` and ``drafter``, which only its checks read. None: a thread
+        of this process decodes with ``target`` and ``drafter``."""
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.limits = limits or ServingLimits()
@@ -163,27 +170,38 @@ class OpenAIServer:
         pad = tokenizer.pad_token_id
         if pad is None:
             pad = self.eos_token_ids[0] if self.eos_token_ids else 0
-        self.queue = RequestQueue(max_queue)
         if drafter.kind == "none":
             draft_policy = "fixed"  # plain decoding: no length to choose
         self.draft_policy = draft_policy
         self.metrics = ServerMetrics(model_name, drafter.kind, num_draft_tokens, draft_policy)
-        self.worker = BatchWorker(
-            target,
-            drafter,
-            self.queue,
-            num_draft_tokens=num_draft_tokens,
-            draft_policy=draft_policy,
-            tree=tree,
-            tree_when_sampling=tree_when_sampling,
-            max_batch_size=max_batch_size,
-            eos_token_ids=self.eos_token_ids,
-            pad_token_id=pad,
-            seed=seed,
-            on_decode=self.metrics.record_decode,
-            on_prefill=self.metrics.record_prefill,
-            on_round=self.metrics.record_round,
-        )
+        settings: dict[str, Any] = {
+            "num_draft_tokens": num_draft_tokens,
+            "draft_policy": draft_policy,
+            "tree": tree,
+            "tree_when_sampling": tree_when_sampling,
+            "max_batch_size": max_batch_size,
+            "eos_token_ids": self.eos_token_ids,
+            "pad_token_id": pad,
+            "seed": seed,
+        }
+        self.backend: DecoderThread | DecoderProcess
+        if decoder_process is None:
+            queue = RequestQueue(max_queue)
+            worker = BatchWorker(
+                target,
+                drafter,
+                queue,
+                **settings,
+                on_decode=self.metrics.record_decode,
+                on_prefill=self.metrics.record_prefill,
+                on_round=self.metrics.record_round,
+            )
+            self.backend = DecoderThread(queue, worker)
+        else:
+            metrics = MetricSinks(
+                self.metrics.record_decode, self.metrics.record_prefill, self.metrics.record_round
+            )
+            self.backend = DecoderProcess(decoder_process, settings, max_queue, metrics)
         self.tree = tree
         self.drafter_kind = drafter.kind
         self.num_draft_tokens = num_draft_tokens
@@ -198,9 +216,9 @@ class OpenAIServer:
 
         @contextlib.asynccontextmanager
         async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-            self.worker.start()
+            await asyncio.to_thread(self.backend.start)
             yield
-            await asyncio.to_thread(self.worker.stop)
+            await asyncio.to_thread(self.backend.stop)
             if self._prompt_thread is not None:
                 self._prompt_thread.shutdown(wait=False, cancel_futures=True)
                 self._prompt_thread = None
@@ -256,7 +274,7 @@ class OpenAIServer:
         )
 
     async def health(self) -> JSONResponse:
-        alive = self.worker.alive
+        alive = self.backend.alive
         return JSONResponse(
             {"status": "ok" if alive else "error", "model": self.model_name},
             status_code=200 if alive else 503,
@@ -264,7 +282,9 @@ class OpenAIServer:
 
     async def prometheus(self, request: Request) -> PlainTextResponse:
         self._authorize(request)
-        text = self.metrics.render(queue_depth=len(self.queue), running=self.worker.running)
+        text = self.metrics.render(
+            queue_depth=self.backend.queue_depth, running=self.backend.running
+        )
         return PlainTextResponse(text, media_type=CONTENT_TYPE)
 
     async def list_models(self, request: Request) -> JSONResponse:
@@ -449,7 +469,7 @@ class OpenAIServer:
         params = SamplingParams(body.sampling, seed=body.seed, ignore_eos=body.ignore_eos)
         job = GenerationJob(prompt_ids, max_tokens, params)
         try:
-            self.queue.put(job)
+            self.backend.put(job)
         except QueueClosed as closed:
             raise APIError(
                 503, f"{closed}; retry later", type="server_error", code="server_unavailable"
@@ -522,7 +542,7 @@ class OpenAIServer:
             gone.cancel()
             if not done:  # the client left (or the handler was cancelled): free the slot
                 job.cancel()
-                waiting = self.queue.discard(job)
+                waiting = self.backend.discard(job)
                 self.metrics.record_cancelled()
                 logger.info(
                     "client disconnected from %s: its request stopped %s after %d tokens",
@@ -534,7 +554,7 @@ class OpenAIServer:
     def _drop(self, job: GenerationJob) -> None:
         """Free the decoder row of a job whose answer is over (a no-op if it finished)."""
         job.cancel()
-        self.queue.discard(job)
+        self.backend.discard(job)
 
     async def _stream(
         self,

@@ -40,6 +40,7 @@ MAX_BATCH_SIZE = 32
 # its batch size and each row's acceptance (decode/draft_length.py, LoadAwareDraftLength); always
 # --num-draft-tokens; or the decoder's pooled adaptive length (and tree shapes with --tree).
 DRAFT_POLICIES = ("load-aware", "fixed", "adaptive")
+DECODER_PLACES = ("process", "thread")  # draftsmith.decode.serving.backend
 
 
 def _f(default: Any, help: str) -> Any:
@@ -105,6 +106,12 @@ class ServeConfig:
         f"GPU supports it, float32 elsewhere): {', '.join(DTYPES)}",
     )
     device: str = _f("auto", "cpu, cuda, cuda:1 ... (auto: cuda when available)")
+    decoder: str = _f(
+        "process",
+        "where the decoder runs: process (a process of its own that loads the models; it "
+        "shares no GIL with the HTTP front end, decode/serving/backend.py) or thread (a "
+        "thread of the server's process)",
+    )
     num_threads: int | None = _f(
         None, "torch intra-op CPU threads (default: torch's choice; 1 on a busy machine)"
     )
@@ -198,6 +205,10 @@ class ServeConfig:
             raise ValueError(
                 f"--draft-policy {self.draft_policy!r} is not valid; choose one of "
                 f"{', '.join(DRAFT_POLICIES)}"
+            )
+        if self.decoder not in DECODER_PLACES:
+            raise ValueError(
+                f"--decoder {self.decoder!r} is not valid; choose one of {', '.join(DECODER_PLACES)}"
             )
         if self.adaptive and self.draft_policy == "fixed":
             raise ValueError("--adaptive and --draft-policy fixed contradict: drop one")

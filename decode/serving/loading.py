@@ -42,6 +42,14 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool) -> Any:
 
 def load_components(config: ServeConfig) -> tuple[torch.nn.Module, Any, Drafter]:
     """(target, tokenizer, drafter) as ``config`` names them."""
+    target, drafter = load_models(config)
+    tokenizer = load_tokenizer(config.tokenizer or config.target, config.trust_remote_code)
+    return target, tokenizer, drafter
+
+
+def load_models(config: ServeConfig) -> tuple[torch.nn.Module, Drafter]:
+    """(target, drafter) as ``config`` names them, on its device, threads and dtype (what a
+    decoder process loads: the tokenizer stays with the front end)."""
     from draftsmith.decode.drafters.hybrid import set_lookup_tokens
     from draftsmith.decode.drafters.registry import load_drafter
 
@@ -50,7 +58,6 @@ def load_components(config: ServeConfig) -> tuple[torch.nn.Module, Any, Drafter]
     choice = choose_dtype(config.dtype, device)
     announce(choice)
     target = load_target(config.target, choice.name, device, config.trust_remote_code)
-    tokenizer = load_tokenizer(config.tokenizer or config.target, config.trust_remote_code)
     drafter = load_drafter(config.drafter, target, kind=config.drafter_kind)
     set_lookup_tokens(drafter, config.lookup_tokens, "--lookup-tokens")
-    return target, tokenizer, drafter
+    return target, drafter

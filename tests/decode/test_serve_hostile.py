@@ -310,7 +310,7 @@ def gated(live: Live, pace_s: float | None = None) -> Iterator[Gate]:
     """Hold the decoder at every round until the test releases it (or pace it if ``pace_s``)."""
     server = live.server
     gate = Gate(threading.Semaphore(0), [], [], threading.Event())
-    deliver, put = server.worker._deliver, server.queue.put
+    deliver, put = server.backend.worker._deliver, server.backend.queue.put
 
     def gated_deliver(*args: object) -> bool:
         if pace_s is not None:
@@ -325,14 +325,14 @@ def gated(live: Live, pace_s: float | None = None) -> Iterator[Gate]:
         gate.jobs.append(job)
         put(job)
 
-    server.worker._deliver = gated_deliver  # type: ignore[method-assign]
-    server.queue.put = recording_put  # type: ignore[method-assign]
+    server.backend.worker._deliver = gated_deliver  # type: ignore[method-assign]
+    server.backend.queue.put = recording_put  # type: ignore[method-assign]
     try:
         yield gate
     finally:
-        del server.worker._deliver, server.queue.put
+        del server.backend.worker._deliver, server.backend.queue.put
         gate.open()
-        live.wait_for(lambda: server.worker.running == 0, "the decoder to go idle")
+        live.wait_for(lambda: server.backend.worker.running == 0, "the decoder to go idle")
 
 
 def long_request(stream: bool) -> bytes:
@@ -356,7 +356,9 @@ def test_a_hang_up_stops_the_decoder_within_one_round(live: Live, stream: bool) 
         # The decoder now waits before round four; the server learns of the hang-up meanwhile.
         live.wait_for(lambda: job.cancelled, "the job to be cancelled")
         gate.open()  # let it run: it must stop at once
-        live.wait_for(lambda: job.finished and live.server.worker.running == 0, "the job's end")
+        live.wait_for(
+            lambda: job.finished and live.server.backend.worker.running == 0, "the job's end"
+        )
     assert gate.rounds == [True, True, True, False]  # round four saw the cancel and ended
     assert job.delivered == 3
     live.wait_for_count(before, "/v1/completions", "499")
@@ -374,7 +376,9 @@ def test_a_hang_up_is_noticed_while_tokens_keep_flowing(live: Live) -> None:
         live.wait_for(lambda: len(gate.rounds) >= 5, "five rounds")
         (job,) = gate.jobs
         abort(sock)
-        live.wait_for(lambda: job.finished and live.server.worker.running == 0, "the job's end")
+        live.wait_for(
+            lambda: job.finished and live.server.backend.worker.running == 0, "the job's end"
+        )
     assert job.cancelled and job.delivered < MAX_TOKENS_LIMIT
     live.wait_for_count(before, "/v1/completions", "499")
 
@@ -668,7 +672,7 @@ def test_a_decoder_bug_between_rounds_answers_500_and_decoding_goes_on(
     def broken(*_: object) -> None:
         raise RuntimeError("a scheduler bug")
 
-    monkeypatch.setattr(live.server.worker, "_lane_for", broken)
+    monkeypatch.setattr(live.server.backend.worker, "_lane_for", broken)
     status, answer = post(live, "/v1/completions", GOOD)
     assert status == 500 and openai_error(answer)["type"] == "server_error"
     assert "a scheduler bug" in answer["error"]["message"]
@@ -677,7 +681,7 @@ def test_a_decoder_bug_between_rounds_answers_500_and_decoding_goes_on(
     assert record.exc_info and "RuntimeError: a scheduler bug" in logging.Formatter().format(record)
     live.records.bad.clear()
     monkeypatch.undo()
-    assert live.server.worker.alive
+    assert live.server.backend.worker.alive
     assert_still_greedy(live)
 
 

@@ -506,6 +506,8 @@ def test_without_a_drafter_the_target_is_served_plainly() -> None:
     assert (config.drafter_kind, config.chosen_draft_policy) == ("none", "load-aware")
     assert parse_serve_args(["--target", "t", "--drafter", "d"]).drafter_kind is None  # read
     assert parse_serve_args(["--target", "t", "--adaptive"]).chosen_draft_policy == "adaptive"
+    assert parse_serve_args(["--target", "t"]).decoder == "process"  # the default
+    assert parse_serve_args(["--target", "t", "--decoder", "thread"]).decoder == "thread"
 
 
 def test_config_errors_name_the_fix() -> None:
@@ -515,6 +517,10 @@ def test_config_errors_name_the_fix() -> None:
         ServeConfig(target="t", draft_policy="always").validate()
     with pytest.raises(ValueError, match="contradict"):
         ServeConfig(target="t", draft_policy="fixed", adaptive=True).validate()
+    with pytest.raises(
+        ValueError, match="--decoder 'gpu' is not valid; choose one of process, thread"
+    ):
+        ServeConfig(target="t", decoder="gpu").validate()
     with pytest.raises(ValueError, match="--max-queue must be >= 1"):
         ServeConfig(target="t", drafter_kind="ngram", max_queue=0).validate()
     with pytest.raises(ValueError, match="--dtype"):
@@ -769,7 +775,7 @@ def test_a_request_after_the_decoder_stopped_is_a_503_not_a_429(
 
     target = tiny_llama(vocab_size=len(tokenizer), dtype=torch.float32)
     server = OpenAIServer(target, tokenizer, NoDrafter(len(tokenizer)), model_name="m")
-    server.queue.close()  # what the decoder thread does when it stops
+    server.backend.queue.close()  # what the decoder thread does when it stops
     client = TestClient(server.app())  # no lifespan: the decoder thread never starts
     response = client.post("/v1/completions", json={"model": "m", "prompt": [5], "max_tokens": 2})
     assert response.status_code == 503

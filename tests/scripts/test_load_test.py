@@ -173,6 +173,11 @@ def test_a_sweep_runs_every_server_clients_and_temperature_and_records_them(
     assert table[0].startswith("| server | T | 1 clients: tokens/s")
     assert table[2] == "| a | 0 | 10.0, 0.100 / 0.100 | 10.0, 0.100 / 0.100 |"
     assert len([line for line in table if line.startswith("| ")]) == 5  # header, 4 rows
+    record["runs"][-1]["tokens_per_s"] = 20.0  # b, T=1, 4 clients: twice a's
+    ratios = load_sweep.sweep_ratio_table(record, "a", {"b": ["b", "absent"]}).splitlines()
+    assert ratios[0] == "| T | clients | a tokens/s | x b | TTFT p99 (s): a / b |"
+    assert ratios[2] == "| 0 | 1 | 10.0 | 1.00 | 0.100 / 0.100 |"
+    assert ratios[5] == "| 1 | 4 | 10.0 | 0.50 | 0.100 / 0.100 |"
     args = script.parse_args(["--sweep", "--vllm-python", str(script.__file__),
                               "--vllm-target", "T", "--vllm-head", "H"])  # fmt: skip
     commands = dict(load_sweep.launches(args))

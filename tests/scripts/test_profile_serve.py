@@ -83,6 +83,7 @@ def test_the_table_names_speed_against_offline_the_phases_and_the_machine() -> N
         (["--seconds", "nan"], "--seconds must be a finite number > 0"),
         (["--seconds", "inf"], "--seconds must be a finite number > 0"),
         (["--draft-policy", "greedy"], "--draft-policy greedy: unknown"),
+        (["--decoder", "gpu"], "--decoder gpu: unknown"),
     ],
 )
 def test_bad_flags_are_refused_by_name(
@@ -103,18 +104,22 @@ def test_a_short_run_records_the_offline_and_the_served_speed(target: Path, tmp_
     done = subprocess.run(
         [sys.executable, "-m", "draftsmith.scripts.profile_serve", "--target", str(target),
          "--clients", "1", "2", "--max-tokens", "8", "--seconds", "1",
-         "--draft-policy", "fixed", "--dtype", "float32", "--json", str(out)],
+         "--draft-policy", "fixed", "--decoder", "process", "thread", "--dtype", "float32",
+         "--json", str(out)],
         capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     record = json.loads(out.read_text())
     assert record["offline_tokens_per_s"] > 0
-    assert [(run["policy"], run["clients"]) for run in record["runs"]] == [
-        ("fixed", 1),
-        ("fixed", 2),
+    assert [(run["decoder"], run["clients"]) for run in record["runs"]] == [
+        ("process", 1),
+        ("process", 2),
+        ("thread", 1),
+        ("thread", 2),
     ]
     for run in record["runs"]:
         assert run["tokens_per_s"] > 0 and run["batches"]
         assert 0 < sum(parts["wall_share"] for parts in run["batches"].values()) <= 1.0
         assert all(parts["drafts_per_row"] == 0 for parts in run["batches"].values())
-    assert "| fixed | 2 |" in profile_serve.round_parts_table(record, min_share=0.0)
+    table = profile_serve.round_parts_table(record, min_share=0.0)
+    assert "| fixed, process | 2 |" in table and "| fixed, thread | 1 |" in table

@@ -1,0 +1,383 @@
+"""Where the decoder runs behind the HTTP server: a thread of its process, or a process of its own.
+
+The server hands requests to a *backend* and reads their events back; both backends give it
+the same surface (``put``, ``discard``, ``queue_depth``, ``running``, ``alive``, ``start``,
+``stop``):
+
+- ``DecoderThread``: the ``RequestQueue`` and the ``BatchWorker`` thread in the server's own
+  process (the models the server was given);
+- ``DecoderProcess``: the same queue and worker in a process of its own, started with
+  ``spawn``, which loads the models from the ``ServeConfig`` itself and decodes on its main
+  thread. Requests, cancellations
+  and the worker's events and metrics cross a pipe between the two processes:
+
+      front end (event loop)                          decoder process
+      put(job) ──── ("submit", id, prompt, max_tokens, params) ──►  RequestQueue ─► BatchWorker
+      job.cancel() ─ ("cancel", id) ──────────────────────────────►  job.cancel()
+      job.post()  ◄─ ("taken", ids) ("event", id, event) ──────────  (its main thread)
+      metrics     ◄─ ("decode" | "prefill" | "round", value) ───────
+
+Why a process, measured on the 2-core AMD EPYC (``draftsmith-profile-serve``,
+docs/guides/serving.md): the decoder thread beside the event loop decoded at 0.57 of the
+offline decoder's speed, and its drafting and verify passes were what ran slower.
+
+- OpenMP: a process whose event loop thread and decoder thread both run tensor operations
+  holds an OpenMP team per thread, and once the teams hold more threads than the machine has
+  cores libgomp stops spinning between parallel regions, so each region waits for its
+  threads to wake (``BatchWorker.run`` has the figures). The decoder process decodes on its
+  main thread, the one that loaded the models; its pipe thread runs no tensor operation.
+- The GIL: the front end takes it to stream every chunk, and a decoder thread in its process
+  waits for it between its operations; the rounds' Python phases (commit, other) took about
+  half as long in a process of their own.
+
+vLLM runs its engine core apart from its API server too.
+
+The pipe carries only this package's own dataclasses, pickled by one process and read by the
+other; a client's bytes never cross it as anything but token ids and validated sampling
+parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import multiprocessing
+import signal
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from draftsmith.decode.serving.scheduler import (
+    BatchWorker,
+    DoneEvent,
+    ErrorEvent,
+    Event,
+    GenerationJob,
+    QueueClosed,
+    QueueFull,
+    RequestQueue,
+    RoundProfile,
+)
+
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+
+    from draftsmith.decode.serving.config import ServeConfig
+    from draftsmith.decode.stats import DecodeStats
+
+logger = logging.getLogger(__name__)
+
+# Seconds the front end waits for the decoder process to load its models and say so.
+STARTUP_TIMEOUT_S = 600.0
+
+
+class DecoderThread:
+    """The decoder as a thread of the server's process (``BatchWorker`` over ``RequestQueue``)."""
+
+    def __init__(self, queue: RequestQueue, worker: BatchWorker) -> None:
+        self.queue = queue
+        self.worker = worker
+
+    def put(self, job: GenerationJob) -> None:
+        self.queue.put(job)
+
+    def discard(self, job: GenerationJob) -> bool:
+        return self.queue.discard(job)
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self.queue)
+
+    @property
+    def running(self) -> int:
+        return self.worker.running
+
+    @property
+    def alive(self) -> bool:
+        return self.worker.alive
+
+    def start(self) -> None:
+        self.worker.start()
+
+    def stop(self) -> None:
+        self.worker.stop()
+
+
+class MetricSinks:
+    """The server's callbacks for the worker's reports (``ServerMetrics`` methods)."""
+
+    def __init__(
+        self,
+        on_decode: Callable[[DecodeStats], None],
+        on_prefill: Callable[[int], None],
+        on_round: Callable[[RoundProfile], None],
+    ) -> None:
+        self.by_name: dict[str, Callable[[Any], None]] = {
+            "decode": on_decode,
+            "prefill": on_prefill,
+            "round": on_round,
+        }
+
+
+class DecoderProcess:
+    """The decoder in a process of its own (module docstring); jobs stay in the front end.
+
+    ``settings`` are ``BatchWorker``'s keyword arguments but the models, the queue and the
+    callbacks. The front end counts its jobs as waiting until the decoder reports it took
+    them, and bounds that count by ``capacity`` (``QueueFull``), as ``RequestQueue`` does.
+    """
+
+    def __init__(
+        self, config: ServeConfig, settings: dict[str, Any], capacity: int, metrics: MetricSinks
+    ) -> None:
+        if capacity < 1:
+            raise ValueError(f"queue capacity must be >= 1, got {capacity}")
+        self.config = config
+        self.settings = settings
+        self.capacity = capacity
+        self.metrics = metrics
+        self._lock = threading.Lock()  # the job tables and the sending end of the pipe
+        self._jobs: dict[int, GenerationJob] = {}  # every job not yet answered
+        self._waiting: set[int] = set()  # ids not yet taken by the worker
+        self._next_id = 0
+        self._closed = False
+        self._conn: Connection | None = None
+        self._process: multiprocessing.process.BaseProcess | None = None
+        self._reader: threading.Thread | None = None
+
+    # -- the server's surface ---------------------------------------------------------------
+    def put(self, job: GenerationJob) -> None:
+        with self._lock:
+            if self._closed or self._conn is None:
+                raise QueueClosed("the decoder has stopped (the server is shutting down)")
+            if len(self._waiting) >= self.capacity:
+                raise QueueFull(f"{self.capacity} requests are already waiting")
+            job_id = self._next_id
+            self._next_id += 1
+            self._conn.send(("submit", job_id, job.prompt_ids, job.max_tokens, job.params))
+            self._jobs[job_id] = job
+            self._waiting.add(job_id)
+        job.when_cancelled(lambda: self._send(("cancel", job_id)))
+
+    def discard(self, job: GenerationJob) -> bool:
+        """Forget a job whose client left; True if the decoder had not taken it yet."""
+        with self._lock:
+            job_id = next((i for i, known in self._jobs.items() if known is job), None)
+            if job_id is None:
+                return False
+            del self._jobs[job_id]
+            waiting = job_id in self._waiting
+            self._waiting.discard(job_id)
+        self._send(("cancel", job_id))
+        return waiting
+
+    @property
+    def queue_depth(self) -> int:
+        with self._lock:
+            return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        with self._lock:
+            return len(self._jobs) - len(self._waiting)
+
+    @property
+    def alive(self) -> bool:
+        return self._process is not None and self._process.is_alive() and not self._closed
+
+    def start(self) -> None:
+        """Start the process and wait until it has loaded its models (or raise why not)."""
+        gc.collect()  # models the front end loaded for its checks: free them before the copy
+        context = multiprocessing.get_context("spawn")
+        ours, theirs = context.Pipe(duplex=True)
+        process = context.Process(
+            target=run_decoder_process,
+            args=(theirs, self.config, self.settings, self.capacity),
+            name="draftsmith-decoder",
+            daemon=True,
+        )
+        process.start()
+        theirs.close()
+        if not ours.poll(STARTUP_TIMEOUT_S):
+            process.terminate()
+            raise RuntimeError(f"the decoder process did not start within {STARTUP_TIMEOUT_S} s")
+        try:
+            first = ours.recv()
+        except EOFError:
+            process.join(5)
+            raise RuntimeError(
+                f"the decoder process ended while loading (exit code {process.exitcode}); "
+                "its log above says why"
+            ) from None
+        if first[0] != "ready":
+            process.join(5)
+            raise RuntimeError(f"the decoder process could not start: {first[1]}")
+        self._conn, self._process = ours, process
+        self._reader = threading.Thread(target=self._read, name="draftsmith-decoder-pipe")
+        self._reader.daemon = True
+        self._reader.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Ask the process to stop after its round; answer every open job 503."""
+        self._send(("stop",))
+        if self._process is not None:
+            self._process.join(timeout)
+            if self._process.is_alive():
+                self._process.terminate()
+                self._process.join(5)
+        if self._reader is not None:
+            self._reader.join(timeout)
+        self._close_all()
+
+    # -- internals --------------------------------------------------------------------------
+    def _send(self, message: tuple) -> None:
+        with self._lock:
+            if self._conn is None or self._closed:
+                return
+            with contextlib.suppress(OSError, ValueError):  # gone: the reader answers the jobs
+                self._conn.send(message)
+
+    def _read(self) -> None:
+        """The front end's end of the pipe: dispatch the process's messages until it ends."""
+        assert self._conn is not None
+        try:
+            while True:
+                message = self._conn.recv()
+                kind = message[0]
+                if kind == "event":
+                    self._deliver(message[1], message[2])
+                elif kind == "taken":
+                    with self._lock:
+                        self._waiting.difference_update(message[1])
+                elif kind in self.metrics.by_name:
+                    self.metrics.by_name[kind](message[1])
+                elif kind == "stopped":
+                    break
+        except (EOFError, OSError):
+            logger.error("the decoder process ended; open requests are answered 503")
+        except Exception:  # a bug here must not leave clients waiting
+            logger.exception("the decoder pipe failed; open requests are answered 503")
+        finally:
+            self._close_all()
+
+    def _deliver(self, job_id: int, event: Event) -> None:
+        with self._lock:
+            job = self._jobs.get(job_id)
+            if job is not None and isinstance(event, DoneEvent | ErrorEvent):
+                del self._jobs[job_id]
+                self._waiting.discard(job_id)
+        if job is not None:
+            job.post(event)
+
+    def _close_all(self) -> None:
+        with self._lock:
+            self._closed = True
+            jobs, self._jobs = list(self._jobs.values()), {}
+            self._waiting.clear()
+        for job in jobs:
+            job.post(ErrorEvent("the server is shutting down", status=503))
+
+
+class _TakingQueue(RequestQueue):
+    """The decoder process's queue: tells the front end which jobs the worker took."""
+
+    def __init__(self, capacity: int, report: Callable[[list[int]], None]) -> None:
+        super().__init__(capacity)
+        self.ids: dict[int, int] = {}  # id(job) -> the front end's id
+        self._report = report
+
+    def take(self, max_jobs: int, timeout: float) -> list[GenerationJob]:
+        taken = super().take(max_jobs, timeout)
+        if taken:
+            self._report([self.ids.pop(id(job)) for job in taken])
+        return taken
+
+
+def run_decoder_process(
+    conn: Connection, config: ServeConfig, settings: dict[str, Any], capacity: int
+) -> None:
+    """The decoder process: load the models, decode on this thread, obey the front end from
+    another."""
+    from draftsmith.decode.serving.loading import load_models
+
+    # Ctrl-C reaches the whole process group: the front end stops this process itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    lock = threading.Lock()
+
+    def send(message: tuple) -> None:
+        with lock, contextlib.suppress(OSError, ValueError):  # the front end is gone
+            conn.send(message)
+
+    try:
+        target, drafter = load_models(config)
+        # Cancelled jobs wait in the queue until the worker drops them: leave them room.
+        queue = _TakingQueue(2 * capacity, lambda ids: send(("taken", ids)))
+        worker = BatchWorker(
+            target,
+            drafter,
+            queue,
+            **settings,
+            on_decode=lambda stats: send(("decode", stats)),
+            on_prefill=lambda count: send(("prefill", count)),
+            on_round=lambda profile: send(("round", profile)),
+        )
+    except Exception as error:
+        send(("failed", f"{type(error).__name__}: {error}"))
+        return
+    send(("ready",))
+    reader = threading.Thread(
+        target=_obey, args=(conn, worker, queue, send), name="draftsmith-decoder-pipe"
+    )
+    reader.daemon = True
+    reader.start()
+    worker.run()  # on this thread, which loaded the models: BatchWorker.run says why
+    send(("stopped",))
+    conn.close()
+
+
+def _obey(
+    conn: Connection,
+    worker: BatchWorker,
+    queue: _TakingQueue,
+    send: Callable[[tuple], None],
+) -> None:
+    """The decoder process's end of the pipe: queue, cancel, stop. It runs no tensor
+    operation (``BatchWorker.run``: one thread of OpenMP work per process)."""
+    jobs: dict[int, GenerationJob] = {}
+
+    def sink_of(job_id: int) -> Callable[[Event], None]:
+        def sink(event: Event) -> None:
+            if isinstance(event, DoneEvent | ErrorEvent):
+                jobs.pop(job_id, None)
+            send(("event", job_id, event))
+
+        return sink
+
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):  # the front end is gone
+            break
+        kind = message[0]
+        if kind == "submit":
+            job_id, prompt_ids, max_tokens, params = message[1:]
+            job = GenerationJob(prompt_ids, max_tokens, params, sink=sink_of(job_id))
+            jobs[job_id] = job
+            queue.ids[id(job)] = job_id
+            try:
+                queue.put(job)
+            except (QueueFull, QueueClosed) as error:
+                queue.ids.pop(id(job), None)
+                job.post(ErrorEvent(str(error), status=503))
+        elif kind == "cancel":
+            job = jobs.get(message[1])
+            if job is not None:
+                job.cancel()
+                if queue.discard(job):  # never taken: the front end forgot it already
+                    queue.ids.pop(id(job), None)
+                    jobs.pop(message[1], None)
+                    send(("taken", [message[1]]))
+        elif kind == "stop":
+            break
+    worker.stop()
