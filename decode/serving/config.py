@@ -108,9 +108,10 @@ class ServeConfig:
     device: str = _f("auto", "cpu, cuda, cuda:1 ... (auto: cuda when available)")
     decoder: str = _f(
         "process",
-        "where the decoder runs: process (a process of its own that loads the models; it "
-        "shares no GIL with the HTTP front end, decode/serving/backend.py) or thread (a "
-        "thread of the server's process)",
+        "where the decoder runs: process (a process of its own that loads the models and "
+        "decodes on its main thread, with no second OpenMP team or GIL beside the HTTP front "
+        "end: decode/serving/backend.py) or thread (a thread of the server's process, much "
+        "slower on a CPU)",
     )
     num_threads: int | None = _f(
         None, "torch intra-op CPU threads (default: torch's choice; 1 on a busy machine)"
