@@ -137,7 +137,11 @@ class DecoderProcess:
         self.settings = settings
         self.capacity = capacity
         self.metrics = metrics
-        self._lock = threading.Lock()  # the job tables and the sending end of the pipe
+        self._lock = threading.Lock()  # the job tables
+        # The sending end of the pipe, never held with _lock: the pipe thread takes only
+        # _lock, so it always drains the process's messages, and a send that waits for the
+        # process to read cannot wait on it in turn.
+        self._send_lock = threading.Lock()
         self._jobs: dict[int, GenerationJob] = {}  # every job not yet answered
         self._waiting: set[int] = set()  # ids not yet taken by the worker
         self._next_id = 0
@@ -155,9 +159,10 @@ class DecoderProcess:
                 raise QueueFull(f"{self.capacity} requests are already waiting")
             job_id = self._next_id
             self._next_id += 1
-            self._conn.send(("submit", job_id, job.prompt_ids, job.max_tokens, job.params))
             self._jobs[job_id] = job
             self._waiting.add(job_id)
+        # Not sent (the process just ended): the pipe thread's close answers the job 503.
+        self._send(("submit", job_id, job.prompt_ids, job.max_tokens, job.params))
         job.when_cancelled(lambda: self._send(("cancel", job_id)))
 
     def discard(self, job: GenerationJob) -> bool:
@@ -232,7 +237,7 @@ class DecoderProcess:
 
     # -- internals --------------------------------------------------------------------------
     def _send(self, message: tuple) -> None:
-        with self._lock:
+        with self._send_lock:
             if self._conn is None or self._closed:
                 return
             with contextlib.suppress(OSError, ValueError):  # gone: the reader answers the jobs
