@@ -144,6 +144,7 @@ class DecoderProcess:
         self._send_lock = threading.Lock()
         self._jobs: dict[int, GenerationJob] = {}  # every job not yet answered
         self._waiting: set[int] = set()  # ids not yet taken by the worker
+        self._left_waiting: set[int] = set()  # ids cancelled while waiting, not yet discarded
         self._next_id = 0
         self._closed = False
         self._conn: Connection | None = None
@@ -163,7 +164,7 @@ class DecoderProcess:
             self._waiting.add(job_id)
         # Not sent (the process just ended): the pipe thread's close answers the job 503.
         self._send(("submit", job_id, job.prompt_ids, job.max_tokens, job.params))
-        job.when_cancelled(lambda: self._send(("cancel", job_id)))
+        job.when_cancelled(lambda: self._cancelled(job_id))
 
     def discard(self, job: GenerationJob) -> bool:
         """Forget a job whose client left; True if the decoder had not taken it yet."""
@@ -172,8 +173,9 @@ class DecoderProcess:
             if job_id is None:
                 return False
             del self._jobs[job_id]
-            waiting = job_id in self._waiting
+            waiting = job_id in self._waiting or job_id in self._left_waiting
             self._waiting.discard(job_id)
+            self._left_waiting.discard(job_id)
         self._send(("cancel", job_id))
         return waiting
 
@@ -185,7 +187,7 @@ class DecoderProcess:
     @property
     def running(self) -> int:
         with self._lock:
-            return len(self._jobs) - len(self._waiting)
+            return len(self._jobs) - len(self._waiting) - len(self._left_waiting)
 
     @property
     def alive(self) -> bool:
@@ -236,6 +238,16 @@ class DecoderProcess:
         self._close_all()
 
     # -- internals --------------------------------------------------------------------------
+    def _cancelled(self, job_id: int) -> None:
+        """A job's client left or needs no more tokens: a waiting job stops counting as
+        waiting at once (the queue's bound and ``discard`` read the front end's view), and the
+        process drops it."""
+        with self._lock:
+            if job_id in self._waiting:
+                self._waiting.discard(job_id)
+                self._left_waiting.add(job_id)
+        self._send(("cancel", job_id))
+
     def _send(self, message: tuple) -> None:
         with self._send_lock:
             if self._conn is None or self._closed:
@@ -272,6 +284,7 @@ class DecoderProcess:
             if job is not None and isinstance(event, DoneEvent | ErrorEvent):
                 del self._jobs[job_id]
                 self._waiting.discard(job_id)
+                self._left_waiting.discard(job_id)
         if job is not None:
             job.post(event)
 
@@ -280,6 +293,7 @@ class DecoderProcess:
             self._closed = True
             jobs, self._jobs = list(self._jobs.values()), {}
             self._waiting.clear()
+            self._left_waiting.clear()
         for job in jobs:
             job.post(ErrorEvent("the server is shutting down", status=503))
 
