@@ -37,7 +37,7 @@ import torch
 from draftsmith.decode.defaults import NUM_DRAFT_TOKENS
 from draftsmith.decode.drafters.base import Drafter, TreeSpec
 from draftsmith.decode.forward.attention_layout import learned_position_limit, single_row_problem
-from draftsmith.decode.serving.backend import DecoderProcess, DecoderThread, MetricSinks
+from draftsmith.decode.serving.backend import DecoderProcess, DecoderThread
 from draftsmith.decode.serving.config import MAX_BATCH_SIZE, ServeConfig
 from draftsmith.decode.serving.guard import CLIENT_CLOSED_REQUEST, RequestGuard
 from draftsmith.decode.serving.metrics import CONTENT_TYPE, ServerMetrics
@@ -184,24 +184,18 @@ class OpenAIServer:
             "pad_token_id": pad,
             "seed": seed,
         }
+        reports = {  # BatchWorker's callbacks, wherever it runs
+            "on_decode": self.metrics.record_decode,
+            "on_prefill": self.metrics.record_prefill,
+            "on_round": self.metrics.record_round,
+        }
         self.backend: DecoderThread | DecoderProcess
         if decoder_process is None:
             queue = RequestQueue(max_queue)
-            worker = BatchWorker(
-                target,
-                drafter,
-                queue,
-                **settings,
-                on_decode=self.metrics.record_decode,
-                on_prefill=self.metrics.record_prefill,
-                on_round=self.metrics.record_round,
-            )
+            worker = BatchWorker(target, drafter, queue, **settings, **reports)
             self.backend = DecoderThread(queue, worker)
         else:
-            metrics = MetricSinks(
-                self.metrics.record_decode, self.metrics.record_prefill, self.metrics.record_round
-            )
-            self.backend = DecoderProcess(decoder_process, settings, max_queue, metrics)
+            self.backend = DecoderProcess(decoder_process, settings, max_queue, reports)
         self.tree = tree
         self.drafter_kind = drafter.kind
         self.num_draft_tokens = num_draft_tokens

@@ -15,7 +15,7 @@ the same surface (``put``, ``discard``, ``queue_depth``, ``running``, ``alive``,
       put(job) ──── ("submit", id, prompt, max_tokens, params) ──►  RequestQueue ─► BatchWorker
       job.cancel() ─ ("cancel", id) ──────────────────────────────►  job.cancel()
       job.post()  ◄─ ("taken", ids) ("event", id, event) ──────────  (its main thread)
-      metrics     ◄─ ("decode" | "prefill" | "round", value) ───────
+      metrics     ◄─ ("on_decode" | "on_prefill" | "on_round", value) ─
 
 Why a process, measured on the 2-core AMD EPYC (``draftsmith-profile-serve``,
 docs/guides/serving.md): the decoder thread beside the event loop decoded at 0.57 of the
@@ -40,6 +40,7 @@ parameters.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import multiprocessing
@@ -57,19 +58,19 @@ from draftsmith.decode.serving.scheduler import (
     QueueClosed,
     QueueFull,
     RequestQueue,
-    RoundProfile,
 )
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
 
     from draftsmith.decode.serving.config import ServeConfig
-    from draftsmith.decode.stats import DecodeStats
 
 logger = logging.getLogger(__name__)
 
 # Seconds the front end waits for the decoder process to load its models and say so.
 STARTUP_TIMEOUT_S = 600.0
+# BatchWorker's report callbacks: the process sends each report under its callback's name.
+WORKER_REPORTS = ("on_decode", "on_prefill", "on_round")
 
 
 class DecoderThread:
@@ -104,39 +105,27 @@ class DecoderThread:
         self.worker.stop()
 
 
-class MetricSinks:
-    """The server's callbacks for the worker's reports (``ServerMetrics`` methods)."""
-
-    def __init__(
-        self,
-        on_decode: Callable[[DecodeStats], None],
-        on_prefill: Callable[[int], None],
-        on_round: Callable[[RoundProfile], None],
-    ) -> None:
-        self.by_name: dict[str, Callable[[Any], None]] = {
-            "decode": on_decode,
-            "prefill": on_prefill,
-            "round": on_round,
-        }
-
-
 class DecoderProcess:
     """The decoder in a process of its own (module docstring); jobs stay in the front end.
 
     ``settings`` are ``BatchWorker``'s keyword arguments but the models, the queue and the
-    callbacks. The front end counts its jobs as waiting until the decoder reports it took
+    report callbacks, which ``reports`` holds by name (``WORKER_REPORTS``). The front end counts its jobs as waiting until the decoder reports it took
     them, and bounds that count by ``capacity`` (``QueueFull``), as ``RequestQueue`` does.
     """
 
     def __init__(
-        self, config: ServeConfig, settings: dict[str, Any], capacity: int, metrics: MetricSinks
+        self,
+        config: ServeConfig,
+        settings: dict[str, Any],
+        capacity: int,
+        reports: dict[str, Callable[[Any], None]],
     ) -> None:
         if capacity < 1:
             raise ValueError(f"queue capacity must be >= 1, got {capacity}")
         self.config = config
         self.settings = settings
         self.capacity = capacity
-        self.metrics = metrics
+        self.reports = reports
         self._lock = threading.Lock()  # the job tables
         # The sending end of the pipe, never held with _lock: the pipe thread takes only
         # _lock, so it always drains the process's messages, and a send that waits for the
@@ -267,8 +256,8 @@ class DecoderProcess:
                 elif kind == "taken":
                     with self._lock:
                         self._waiting.difference_update(message[1])
-                elif kind in self.metrics.by_name:
-                    self.metrics.by_name[kind](message[1])
+                elif kind in self.reports:
+                    self.reports[kind](message[1])
                 elif kind == "stopped":
                     break
         except (EOFError, OSError):
@@ -337,9 +326,7 @@ def run_decoder_process(
             drafter,
             queue,
             **settings,
-            on_decode=lambda stats: send(("decode", stats)),
-            on_prefill=lambda count: send(("prefill", count)),
-            on_round=lambda profile: send(("round", profile)),
+            **{name: functools.partial(_report, send, name) for name in WORKER_REPORTS},
         )
     except Exception as error:
         send(("failed", f"{type(error).__name__}: {error}"))
@@ -353,6 +340,10 @@ def run_decoder_process(
     worker.run()  # on this thread, which loaded the models: BatchWorker.run says why
     send(("stopped",))
     conn.close()
+
+
+def _report(send: Callable[[tuple], None], name: str, value: Any) -> None:
+    send((name, value))
 
 
 def _obey(

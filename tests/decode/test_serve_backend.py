@@ -16,7 +16,7 @@ import torch
 from decode_helpers import noisy_copy
 from draftsmith.decode import SpeculativeDecoder
 from draftsmith.decode.drafters.draft_lm import DraftModelDrafter
-from draftsmith.decode.serving.backend import DecoderProcess, MetricSinks
+from draftsmith.decode.serving.backend import DecoderProcess
 from draftsmith.decode.serving.config import ServeConfig
 from draftsmith.decode.serving.scheduler import (
     DoneEvent,
@@ -84,9 +84,8 @@ def start(folders: tuple[Path, Path], capacity: int = 8, max_batch_size: int = 4
         "seed": 0,
     }
     rounds: list = []
-    backend = DecoderProcess(
-        serve, settings, capacity, MetricSinks(rounds.append, lambda n: None, rounds.append)
-    )
+    reports = {"on_decode": rounds.append, "on_prefill": lambda n: None, "on_round": rounds.append}
+    backend = DecoderProcess(serve, settings, capacity, reports)
     backend.start()
     return backend, rounds
 
