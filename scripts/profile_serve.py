@@ -60,16 +60,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not 0 < args.seconds < float("inf"):
         parser.error(f"--seconds must be a finite number > 0, got {args.seconds}")
-    unknown = sorted(set(args.draft_policy) - set(DRAFT_POLICIES))
-    if unknown:
-        parser.error(
-            f"--draft-policy {' '.join(unknown)}: unknown; choose from {', '.join(DRAFT_POLICIES)}"
-        )
-    places = sorted(set(args.decoder) - set(DECODER_PLACES))
-    if places:
-        parser.error(
-            f"--decoder {' '.join(places)}: unknown; choose from {', '.join(DECODER_PLACES)}"
-        )
+    for flag, values, known in (
+        ("--draft-policy", args.draft_policy, DRAFT_POLICIES),
+        ("--decoder", args.decoder, DECODER_PLACES),
+    ):
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            parser.error(f"{flag} {' '.join(unknown)}: unknown; choose from {', '.join(known)}")
     return args
 
 
