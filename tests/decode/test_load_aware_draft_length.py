@@ -92,7 +92,7 @@ def test_each_rows_acceptance_is_its_own_and_follows_the_rows() -> None:
     assert torch.equal(rows.reached, torch.full((2, 3), ROW_PRIOR_WEIGHT, dtype=torch.float64))
     # Row 0 accepts both drafts, row 1 none; a third row was not active.
     rows.add_rows(1, [0.5, 0.5, 0.5])
-    rows.update(2, torch.tensor([2, 0]), torch.tensor([True, True, False]))
+    rows.update(2, torch.tensor([2, 0]), torch.tensor([True, True, False]), [0.5] * 3)
     alpha = rows.accepted / rows.reached
     assert alpha[0, :2].tolist() == pytest.approx([(0.5 + 1) / (1 + 1)] * 2)
     assert alpha[1, 0] == pytest.approx(0.5 / 2)  # reached, rejected
@@ -103,6 +103,40 @@ def test_each_rows_acceptance_is_its_own_and_follows_the_rows() -> None:
     rows.select_rows(torch.tensor([1]))  # row 0 and 2 retire
     assert rows.batch_size == 1
     assert rows.expected_by_width(1, torch.tensor([True]))[1] == pytest.approx(1 + 0.25)
+
+
+def test_a_row_that_stopped_drafting_returns_after_its_hard_stretch() -> None:
+    """A row whose drafts were all rejected for a while is given no drafts; rounds without
+    drafts move its rates back to its prior, so it drafts again a few rounds later instead
+    of decoding plainly to its end (no probes here: only the relaxation can bring it back)."""
+    policy = LoadAwareDraftLength(max_tokens=4, probe_every=0)
+    view = policy.for_session(FakeSession(1))
+    view.add_rows(1)
+
+    def seconds(rows: int, width: int) -> float:
+        return 0.010 + 0.002 * width  # a round of 4 drafts costs 1.8 plain steps
+
+    good = _run(view, 30, alpha=1.0, seconds=seconds)
+    assert min(good[-5:]) >= 3
+    hard = _run(view, 12, alpha=0.0, seconds=seconds)
+    assert hard[-1] == 0  # the hard stretch stops drafting
+    after = _run(view, 20, alpha=1.0, seconds=seconds)
+    assert min(after[-5:]) >= 3  # and the good text brings it back
+
+
+def test_rounds_without_a_position_relax_it_towards_the_prior() -> None:
+    rows = RowAcceptance(max_tokens=2, decay=0.5)
+    rows.add_rows(1, [0.8, 0.6])
+    prior = [0.8, 0.6]
+    rows.update(2, torch.tensor([0]), torch.tensor([True]), prior)  # draft 1 rejected
+    low = (rows.accepted / rows.reached)[0].tolist()
+    assert low[0] == pytest.approx(0.8 * 2 * 0.5 / (2 * 0.5 + 1))
+    assert low[1] == pytest.approx(0.6)  # not verified: at its prior already
+    for _ in range(20):
+        rows.update(0, torch.tensor([], dtype=torch.long), torch.tensor([True]), prior)
+    assert (rows.accepted / rows.reached)[0].tolist() == pytest.approx([0.8, 0.6], abs=1e-4)
+    rows.update(0, torch.tensor([], dtype=torch.long), torch.tensor([False]), [0.1, 0.1])
+    assert rows.reached[0].tolist() == pytest.approx([ROW_PRIOR_WEIGHT] * 2, abs=1e-4)
 
 
 def test_a_joining_row_starts_from_the_pooled_acceptance() -> None:
