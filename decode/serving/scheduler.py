@@ -266,12 +266,16 @@ class BatchWorker:
         on_decode: Callable[[DecodeStats], None] | None = None,
         on_prefill: Callable[[int], None] | None = None,
         on_round: Callable[[RoundProfile], None] | None = None,
+        after_work: Callable[[], None] | None = None,
     ) -> None:
         """``tree`` drafts trees for greedy requests, and for sampled ones too with
         ``tree_when_sampling`` (else they draft chains), as ``draftsmith.decode.measure.evaluate``'s flags do.
         ``on_decode`` gets the totals of every round (folded ``DecodeStats``), ``on_prefill``
         the number of requests each prefill pass admitted, ``on_round`` every round's
-        ``RoundProfile``. ``draft_policy`` is ``"load-aware"``, ``"fixed"`` or ``"adaptive"``
+        ``RoundProfile``; ``after_work`` is called after every admission, every round and when
+        the loop ends, once the events posted so far are complete (a sink that buffers the
+        events sends them on then: the decoder process, one pipe message per round).
+        ``draft_policy`` is ``"load-aware"``, ``"fixed"`` or ``"adaptive"``
         (the module docstring)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -299,6 +303,7 @@ class BatchWorker:
         self.pad_token_id = pad_token_id
         self._on_decode = on_decode
         self._on_prefill = on_prefill
+        self._after_work = after_work
         device = self.decoder.device
         self._seeds = torch.Generator(device=device).manual_seed(seed)
         self._stopping = threading.Event()
@@ -349,6 +354,7 @@ class BatchWorker:
                 except Exception as error:  # a bug outside a round: fail its requests, go on
                     logger.exception("the decoder failed between rounds")
                     self._fail_all(error)
+                    self._work_done()
         finally:
             # Whatever ends the thread, no request may wait for it: refuse new ones (503) and
             # answer every one still waiting or decoding.
@@ -361,6 +367,7 @@ class BatchWorker:
                         job.finished = True
                         job.post(stopped)
             self._lanes = []
+            self._work_done()
             self._running.clear()
 
     def _fail_all(self, error: Exception) -> None:
@@ -374,11 +381,17 @@ class BatchWorker:
         """Admit waiting requests (waiting up to ``timeout`` s when nothing runs), then run one
         round of every lane and retire its finished rows. True while some lane runs."""
         self._admit(timeout if not self._lanes else 0.0)
+        self._work_done()
         for lane in list(self._lanes):
             if self._stopping.is_set():
                 break
             self._round(lane)
+            self._work_done()
         return bool(self._lanes)
+
+    def _work_done(self) -> None:
+        if self._after_work is not None:
+            self._after_work()
 
     def drain(self) -> None:
         """Run until no request waits or decodes (tests; the thread runs ``tick`` itself)."""

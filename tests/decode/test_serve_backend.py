@@ -16,7 +16,7 @@ import torch
 from decode_helpers import noisy_copy
 from draftsmith.decode import SpeculativeDecoder
 from draftsmith.decode.drafters.draft_lm import DraftModelDrafter
-from draftsmith.decode.serving.backend import DecoderProcess
+from draftsmith.decode.serving.backend import DecoderProcess, _Outbox
 from draftsmith.decode.serving.config import ServeConfig
 from draftsmith.decode.serving.scheduler import (
     DoneEvent,
@@ -174,3 +174,32 @@ def test_dead_process_answers_open_requests_503(folders) -> None:
             backend.put(Collected([1], 4).job)
     finally:
         backend.stop()
+
+
+class RecordingPipe:
+    """A pipe end that keeps what was sent."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple] = []
+
+    def send(self, message: tuple) -> None:
+        self.sent.append(message)
+
+
+def test_a_rounds_messages_cross_the_pipe_as_one() -> None:
+    """The worker's messages wait for the end of its round (``flush``); a message sent at
+    once takes those kept before it along, in order; an empty flush sends nothing."""
+    pipe = RecordingPipe()
+    outbox = _Outbox(pipe)
+    outbox.flush()
+    assert pipe.sent == []
+    outbox.post(("event", 0, TokensEvent([1, 2])))
+    outbox.post(("on_round", "profile"))
+    assert pipe.sent == []
+    outbox.flush()
+    assert pipe.sent == [("batch", [("event", 0, TokensEvent([1, 2])), ("on_round", "profile")])]
+    outbox.post(("event", 1, TokensEvent([3])))
+    outbox.send(("taken", [2]))
+    assert pipe.sent[-1] == ("batch", [("event", 1, TokensEvent([3])), ("taken", [2])])
+    outbox.send(("stopped",))
+    assert pipe.sent[-1] == ("stopped",)  # alone: not wrapped
