@@ -12,7 +12,10 @@ place ``--decoder`` names (its own process, or a thread of the server's), with
 tokens/s, the served/offline ratio, and for each batch size the server's rounds ran at, the
 mean time of a round by phase (``draftsmith_round_seconds_total``: draft, verify, commit,
 handoff, other) and the decoder thread's busy share of the wall time (the rest is the event
-loop, tokenising, streaming and waiting for requests). Ratios within one run are what it
+loop, tokenising, streaming and waiting for requests), and the CPU seconds each process spent
+(the decoder's own process, where it has one, and this one: the front end and the clients
+together), which show what the front end takes from the cores the decoder runs on. Ratios
+within one run are what it
 measures; absolute speeds depend on the machine and its load. ``--json`` keeps the same
 figures with the machine they were measured on (``round_parts_table`` renders them, for
 ``draftsmith-report``).
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -85,6 +89,29 @@ def offline_tokens_per_s(decoder: Any, prompts: list[list[int]], max_tokens: int
     for ids in prompts:
         tokens += one(ids)
     return tokens / (time.perf_counter() - start)
+
+
+def cpu_seconds(pid: int | None) -> float | None:
+    """User + system CPU seconds of process ``pid`` (None: this process) so far, every
+    thread included; None where ``/proc`` cannot say (not Linux, or the process is gone)."""
+    if pid is None:
+        times = os.times()
+        return times.user + times.system
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+    # After the command's closing parenthesis: state is field 3, utime 14 and stime 15.
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_summary(cpu_s: dict[str, float | None], wall: float) -> str:
+    """``"front_end_and_clients 3.1 s (0.16 cores), decoder_process ..."``."""
+    return ", ".join(
+        f"{name} {seconds:.1f} s ({seconds / wall:.2f} cores)"
+        for name, seconds in cpu_s.items()
+        if seconds is not None
+    )
 
 
 @contextlib.contextmanager
@@ -227,9 +254,12 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.run(served_run(url, prompts, 1, args.max_tokens, 1e-3))  # a warm-up
             for clients in args.clients:
                 before = metrics_of(url)
+                decoder_pid = getattr(server.backend, "pid", None)
+                cpu_before = (cpu_seconds(None), cpu_seconds(decoder_pid))
                 rate, wall = asyncio.run(
                     served_run(url, prompts, clients, args.max_tokens, args.seconds)
                 )
+                cpu_after = (cpu_seconds(None), cpu_seconds(decoder_pid))
                 run = {
                     "policy": policy,
                     "decoder": place,
@@ -237,12 +267,22 @@ def main(argv: list[str] | None = None) -> int:
                     "tokens_per_s": rate,
                     "wall_s": wall,
                     "batches": round_parts(round_breakdown(before, metrics_of(url)), wall),
+                    "cpu_s": {
+                        name: None if after is None or start is None else after - start
+                        for name, start, after in zip(
+                            ("front_end_and_clients", "decoder_process"),
+                            cpu_before,
+                            cpu_after,
+                            strict=True,
+                        )
+                    },
                 }
                 record["runs"].append(run)
                 print(
                     f"served, {policy}, decoder in a {place}, {clients} client(s): {rate:.1f} tokens/s "
                     f"({rate / offline:.2f} of offline at batch 1)"
                 )
+                print("  CPU seconds: " + cpu_summary(run["cpu_s"], wall))
                 for batch, parts in run["batches"].items():
                     phases = ", ".join(f"{phase} {parts['ms'][phase]:.2f}" for phase in PHASES)
                     print(
@@ -276,6 +316,13 @@ def round_parts(breakdown: dict[str, dict[str, float]], wall: float) -> dict[str
     return parts
 
 
+def cores_cell(cpu_s: dict[str, float | None], wall: float) -> str:
+    """``"0.31 / 1.85"``: the cores the front end (with the clients) and the decoder process
+    kept busy on average; – where a run did not measure one."""
+    cores = [cpu_s.get(name) for name in ("front_end_and_clients", "decoder_process")]
+    return " / ".join("–" if seconds is None else f"{seconds / wall:.2f}" for seconds in cores)
+
+
 def round_parts_table(record: dict[str, Any], min_share: float = 0.05) -> str:
     """Markdown of a ``--json`` record: per policy, clients and batch bucket (buckets that
     held at least ``min_share`` of the run's rounds), served tokens/s against the offline
@@ -286,6 +333,7 @@ def round_parts_table(record: dict[str, Any], min_share: float = 0.05) -> str:
     offline = record["offline_tokens_per_s"]
     header = ["policy", "clients", "tokens/s (x offline)", "batch", "rounds", "drafts/row"]
     header += [f"{phase} ms" for phase in PHASES] + ["round ms", "rounds' share of wall"]
+    header.append("cores: front end / decoder")
     rows = []
     for run in record["runs"]:
         total = sum(parts["rounds"] for parts in run["batches"].values()) or 1
@@ -298,6 +346,7 @@ def round_parts_table(record: dict[str, Any], min_share: float = 0.05) -> str:
             cells.append(f"{parts['drafts_per_row']:.2f}")
             cells += [f"{parts['ms'][phase]:.2f}" for phase in (*PHASES, "total")]
             cells.append(f"{parts['wall_share']:.0%}")
+            cells.append(cores_cell(run.get("cpu_s", {}), run["wall_s"]))
             rows.append(cells)
     settings = record["settings"]
     lines = markdown_table(header, rows)

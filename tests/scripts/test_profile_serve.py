@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -71,9 +72,28 @@ def test_the_table_names_speed_against_offline_the_phases_and_the_machine() -> N
     rows = [line for line in table.splitlines() if line.startswith("| fixed")]
     assert rows == [
         "| fixed | 1 | 150.0 (0.75) | 1 | 99 | 4.00 | 5.00 | 12.00 | 0.50 | 0.10 | 0.40 | "
-        "18.00 | 90% |"
-    ]  # the bucket of 1 round in 100 is left out
+        "18.00 | 90% | – / – |"
+    ]  # the bucket of 1 round in 100 is left out; a record without CPU times shows dashes
     assert "Some CPU, 2 logical CPUs" in table and "bfloat16" in table
+
+
+def test_cpu_seconds_read_this_process_and_a_child() -> None:
+    ours = profile_serve.cpu_seconds(None)
+    child = subprocess.Popen([sys.executable, "-c", "sum(range(10**7)); input()"],
+                             stdin=subprocess.PIPE)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while (profile_serve.cpu_seconds(child.pid) or 0.0) < 0.05:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        child.communicate(b"\n", timeout=60)
+    assert ours is not None and ours > 0
+    assert profile_serve.cpu_seconds(child.pid) is None  # gone
+    assert (
+        profile_serve.cores_cell({"front_end_and_clients": 2.0, "decoder_process": None}, 4.0)
+        == "0.50 / –"
+    )
 
 
 @pytest.mark.parametrize(
@@ -121,5 +141,11 @@ def test_a_short_run_records_the_offline_and_the_served_speed(target: Path, tmp_
         assert run["tokens_per_s"] > 0 and run["batches"]
         assert 0 < sum(parts["wall_share"] for parts in run["batches"].values()) <= 1.0
         assert all(parts["drafts_per_row"] == 0 for parts in run["batches"].values())
+        cpu = run["cpu_s"]
+        assert cpu["front_end_and_clients"] > 0
+        if run["decoder"] == "process":  # its own process did the decoding
+            assert cpu["decoder_process"] > 0
+        else:
+            assert cpu["decoder_process"] is None
     table = profile_serve.round_parts_table(record, min_share=0.0)
     assert "| fixed, process | 2 |" in table and "| fixed, thread | 1 |" in table
