@@ -50,9 +50,11 @@ class PreallocatedLayer(DynamicLayer):
         self.length = 0
         needed = key_states.shape[2]  # the first update (a prefill) sizes the buffer
         dtype = self.storage_dtype or key_states.dtype
-        self._key_buffer = key_states.new_empty(_buffer_shape(key_states, needed), dtype=dtype)
+        self._key_buffer = key_states.new_empty(
+            _buffer_shape(key_states.shape, needed), dtype=dtype
+        )
         self._value_buffer = value_states.new_empty(
-            _buffer_shape(value_states, needed), dtype=dtype
+            _buffer_shape(value_states.shape, needed), dtype=dtype
         )
         self.is_initialized = True
 
@@ -103,10 +105,12 @@ class PreallocatedLayer(DynamicLayer):
         """Keep ``rows`` only, each with the listed slots (row selection plus compaction)."""
         if not self.is_initialized:
             return
-        keys = _gather_slots(self.keys[rows], index)  # [R, KV, L, D]
-        values = _gather_slots(self.values[rows], index)
-        self._key_buffer = keys.new_zeros(_buffer_shape(keys, keys.shape[2]))
-        self._value_buffer = values.new_zeros(_buffer_shape(values, values.shape[2]))
+        keys = _gather_slots(self.keys, index, rows)  # [R, KV, L, D]
+        values = _gather_slots(self.values, index, rows)
+        # Spare capacity stays unwritten, as everywhere here: a slot is written before any
+        # view holds it (zeroing it cost more than the gather at 16 rows).
+        self._key_buffer = keys.new_empty(_buffer_shape(keys.shape, keys.shape[2]))
+        self._value_buffer = values.new_empty(_buffer_shape(values.shape, values.shape[2]))
         self._key_buffer[:, :, : keys.shape[2]] = keys
         self._value_buffer[:, :, : values.shape[2]] = values
         self._set_length(keys.shape[2])
@@ -115,13 +119,8 @@ class PreallocatedLayer(DynamicLayer):
         """Append ``other``'s rows, both right-aligned in ``slots`` slots (zeros in front)."""
         if not (self.is_initialized and other.is_initialized):
             raise ValueError("only cache layers that hold slots (after a prefill) can be merged")
-        parts_k = [_left_pad_slots(self.keys, slots), _left_pad_slots(other.keys, slots)]
-        parts_v = [_left_pad_slots(self.values, slots), _left_pad_slots(other.values, slots)]
-        keys, values = torch.cat(parts_k), torch.cat(parts_v)  # [B + B', KV, slots, D]
-        self._key_buffer = keys.new_zeros(_buffer_shape(keys, slots))
-        self._value_buffer = values.new_zeros(_buffer_shape(values, slots))
-        self._key_buffer[:, :, :slots] = keys
-        self._value_buffer[:, :, :slots] = values
+        self._key_buffer = _stacked_rows(self.keys, other.keys, slots)
+        self._value_buffer = _stacked_rows(self.values, other.values, slots)
         self._set_length(slots)
 
     def reset(self) -> None:
@@ -178,23 +177,45 @@ class PreallocatedStack:
 
 def _gather_slots(
     tensor: torch.Tensor,  # [B, heads, S, d]
-    index: torch.Tensor,  # [B, P] slot indices
-) -> torch.Tensor:  # [B, heads, P, d]
-    if index.shape[0] == 1:  # one row: a plain index_select, half the cost of gather on CPU
+    index: torch.Tensor,  # [R, P] slot indices
+    rows: torch.Tensor | None = None,  # [R] the batch row each index row reads (None: 0 .. R-1)
+) -> torch.Tensor:  # [R, heads, P, d]
+    """Each listed row's listed slots, in one indexing pass: a slot's [heads, d] block moves
+    whole, where ``gather`` with an index expanded over heads and d reads an index per number
+    (and selecting the rows first copied the cache once more): 3.4 against 7.6 ms for 15 of 16
+    rows x 8 heads x 300 slots x 64 in float32 on the AVX2 EPYC."""
+    if rows is None and index.shape[0] == 1:  # one row: a plain index_select
         return tensor.index_select(2, index[0])
-    return tensor.gather(
-        2, index[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[3])
-    )
+    if rows is None:
+        rows = torch.arange(index.shape[0], device=index.device)
+    by_slot = tensor.permute(0, 2, 1, 3)  # [B, S, heads, d], a view
+    return by_slot[rows[:, None], index].permute(0, 2, 1, 3)
 
 
-def _left_pad_slots(states: torch.Tensor, slots: int) -> torch.Tensor:
-    """[B, heads, S, d] -> [B, heads, slots, d] with zeros in front (finite: masked slots must
-    not hold NaN, which a zero attention weight would still spread)."""
-    return torch.nn.functional.pad(states, (0, 0, slots - states.shape[2], 0))
+def _stacked_rows(
+    first: torch.Tensor,  # [B, heads, S, d]
+    second: torch.Tensor,  # [B', heads, S', d]
+    slots: int,  # >= S, S'
+) -> torch.Tensor:  # [B + B', heads, C, d], C >= slots: each part right-aligned in ``slots``
+    """A new buffer holding both parts' rows, zeros in front of the shorter's slots (finite:
+    masked slots must not hold NaN, which a zero attention weight would still spread) and
+    spare capacity after them, each part copied once. Padding, concatenating and then copying
+    into a zeroed buffer moved the cache five times over: at 16 rows of the demo target in
+    float32 on the AVX2 EPYC a request joining a batch took 150-170 ms, four rounds' time."""
+    rows = first.shape[0]
+    shape = (rows + second.shape[0], *first.shape[1:])
+    buffer = first.new_empty(_buffer_shape(shape, slots))
+    for part, states in ((slice(0, rows), first), (slice(rows, None), second)):
+        hole = slots - states.shape[2]
+        buffer[part, :, :hole] = 0
+        buffer[part, :, hole:slots] = states
+    return buffer
 
 
-def _buffer_shape(states: torch.Tensor, needed: int) -> tuple[int, ...]:
-    batch, heads, _, dim = states.shape
+def _buffer_shape(shape: tuple[int, ...], needed: int) -> tuple[int, ...]:
+    """A buffer for ``shape`` ([B, heads, S, d]) with room for ``needed`` slots and as many
+    again (at least 256)."""
+    batch, heads, _, dim = shape
     return (batch, heads, max(256, 2 * needed), dim)
 
 
@@ -203,6 +224,6 @@ def _grown(
     used: int,
     needed: int,
 ) -> torch.Tensor:  # [B, heads, C', d] with C' >= needed; the first ``used`` slots copied
-    grown = buffer.new_empty(_buffer_shape(buffer, needed))
+    grown = buffer.new_empty(_buffer_shape(buffer.shape, needed))
     grown[:, :, :used] = buffer[:, :, :used]
     return grown

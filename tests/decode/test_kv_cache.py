@@ -242,3 +242,25 @@ def test_a_layer_keeps_its_slots_in_the_storage_dtype_through_growth_and_merges(
     layer.select_slots(torch.tensor([1]), torch.arange(296, 300)[None])
     assert layer.keys.dtype == torch.float32
     assert torch.equal(layer.keys, keys[:, :, :4].float())
+
+
+def test_merged_and_selected_slots_are_the_listed_ones_with_zero_holes() -> None:
+    """A merge right-aligns both parts in one buffer (zeros in front of the shorter: finite
+    holes), and a selection keeps each listed row's listed slots in order."""
+    torch.manual_seed(0)
+    old, new = PreallocatedLayer(), PreallocatedLayer()
+    old.update(torch.randn(3, 2, 5, 4), torch.randn(3, 2, 5, 4))
+    new.update(torch.randn(2, 2, 3, 4), torch.randn(2, 2, 3, 4))
+    old_keys, new_keys = old.keys.clone(), new.keys.clone()
+    old.merge_rows(new, 5)
+    assert old.keys.shape == (5, 2, 5, 4)
+    assert torch.equal(old.keys[:3], old_keys)
+    assert torch.equal(old.keys[3:, :, 2:], new_keys)
+    assert torch.equal(old.keys[3:, :, :2], torch.zeros(2, 2, 2, 4))
+    merged = old.keys.clone()
+    rows, order = torch.tensor([4, 0]), torch.tensor([[2, 4, 3], [0, 1, 4]])
+    old.select_slots(rows, order)
+    assert torch.equal(old.keys[0], merged[4][:, [2, 4, 3]])
+    assert torch.equal(old.keys[1], merged[0][:, [0, 1, 4]])
+    old.update(torch.ones(2, 2, 1, 4), torch.ones(2, 2, 1, 4))  # spare capacity takes writes
+    assert torch.equal(old.keys[:, :, 3], torch.ones(2, 2, 4))
