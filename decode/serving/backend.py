@@ -103,6 +103,7 @@ class DecoderThread:
         return self.worker.alive
 
     def start(self) -> None:
+        self.worker.warm_up()
         self.worker.start()
 
     def stop(self) -> None:
@@ -341,6 +342,7 @@ def run_decoder_process(
     except Exception as error:
         outbox.send(("failed", f"{type(error).__name__}: {error}"))
         return
+    worker.warm_up()  # before "ready": the first client must not pay the first passes
     outbox.send(("ready",))
     reader = threading.Thread(
         target=_obey, args=(conn, worker, queue, outbox), name="draftsmith-decoder-pipe"

@@ -56,6 +56,9 @@ from draftsmith.decode.stats import DecodeStats
 
 logger = logging.getLogger(__name__)
 
+# Prompt and answer tokens of ``BatchWorker.warm_up``'s request.
+WARM_UP_TOKENS = 16
+
 
 class QueueFull(Exception):
     """The bounded queue holds ``capacity`` waiting requests already."""
@@ -320,6 +323,31 @@ class BatchWorker:
     @property
     def alive(self) -> bool:
         return self._running.is_set()
+
+    def warm_up(self) -> None:
+        """Decode one short greedy request of ``WARM_UP_TOKENS`` dummy tokens before serving.
+
+        A process's first passes pay one-time costs (oneDNN builds kernels for each new shape,
+        layouts are prepared on first use: ``decode/draft_length.py`` has figures), which
+        would otherwise land on the first client's time to first token: on the AVX2-only AMD
+        EPYC a 20-second one-client sweep point had a TTFT p99 of 0.278 s against a p50 of
+        0.045 s. The request runs in a session of its own, so no lane, policy or metric sees
+        it; a target that cannot decode it is logged, not refused (its clients will hear)."""
+        target = self.decoder.target
+        vocab = int(getattr(target.config, "vocab_size", 0) or 0)
+        if vocab < 2:
+            return
+        prompt = torch.arange(1, WARM_UP_TOKENS + 1, device=self.decoder.device) % vocab
+        try:
+            self.decoder.generate(
+                prompt[None],
+                max_new_tokens=WARM_UP_TOKENS,
+                eos_token_id=[],
+                pad_token_id=self.pad_token_id,
+                temperature=0.0,
+            )
+        except Exception:  # serving goes on; a request will name the problem
+            logger.warning("the decoder's warm-up request failed", exc_info=True)
 
     def start(self) -> None:
         """Run the loop in a thread of its own (``run`` runs it in the calling thread)."""

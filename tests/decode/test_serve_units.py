@@ -475,6 +475,30 @@ def test_a_failing_batch_answers_with_an_error_and_the_worker_goes_on(models: Mo
     assert len(tokens_of(run_jobs(worker, [([7], 4, SamplingParams())])[0])) == 4
 
 
+def test_the_warm_up_request_is_seen_by_no_lane_metric_or_policy(models: Models) -> None:
+    """``warm_up`` decodes a dummy request in a session of its own: no report, no queue
+    change, no cost table, and the answers after it are the target's greedy ones."""
+    rounds: list[DecodeStats] = []
+    profiles: list[RoundProfile] = []
+    worker = make_worker(models, rounds=rounds, profiles=profiles)
+    worker.warm_up()
+    assert rounds == [] and profiles == [] and len(worker.queue) == 0 and worker.running == 0
+    assert all(not policy._by_bucket for policy in worker.load_aware.values())
+    (events,) = run_jobs(worker, [([7, 3], 9, SamplingParams())])
+    assert tokens_of(events) == greedy_reference(models[0], [7, 3], 9)
+
+
+def test_a_warm_up_that_fails_is_logged_and_serving_goes_on(
+    models: Models, caplog: pytest.LogCaptureFixture
+) -> None:
+    worker = make_worker(models)
+    worker.decoder.generate = lambda *args, **kwargs: 1 / 0  # type: ignore[method-assign]
+    with caplog.at_level("WARNING"):
+        worker.warm_up()
+    assert "warm-up request failed" in caplog.text
+    assert len(tokens_of(run_jobs(worker, [([7], 4, SamplingParams())])[0])) == 4
+
+
 # -- config, loading, protocol, metrics --------------------------------------------------------
 
 
