@@ -64,6 +64,7 @@ servers, and against the better of drafting always and never."""
 ABLATION_DSPARK_AMD = RESULTS / "ablation_dspark_amd" / "ablation.json"
 # Where a served round's time goes, at 1 and 8 clients (scripts/profile_serve.py --json)
 SERVING_ROUNDS_AMD = RESULTS / "serving_rounds_amd.json"
+SERVING_ROUNDS_AVX2 = RESULTS / "serving_rounds_avx2.json"  # the same on the AVX2-only EPYC
 ABLATION_PEAGLE_NO_AMX = RESULTS / "ablation_peagle_no_amx" / "ablation.json"
 ABLATION_PEAGLE_AMD = RESULTS / "ablation_peagle_amd" / "ablation.json"
 ABLATION_VOCAB_NO_AMX = RESULTS / "ablation_vocab_no_amx" / "ablation.json"
@@ -86,8 +87,10 @@ RECORDS = (
     ABLATION_KINDS_AMD,
     ABLATION_DFLASH_ANCHORS_AMD,
     ABLATION_DSPARK_AMD,
+    SERVING_SWEEP,
     SERVING_SWEEP_AMD,
     SERVING_ROUNDS_AMD,
+    SERVING_ROUNDS_AVX2,
     ABLATION_PEAGLE_NO_AMX,
     ABLATION_PEAGLE_AMD,
     ABLATION_VOCAB_NO_AMX,
@@ -963,6 +966,9 @@ SECTIONS: dict[str, Callable[[], str]] = {
         ABLATION_PEAGLE_LAYERS_450_AMX
     ),
     "serving-sweep": lambda: sweep_table(_read(SERVING_SWEEP)),
+    "serving-sweep-ratios": lambda: sweep_ratio_table(
+        _read(SERVING_SWEEP), "load-aware", SWEEP_RIVALS
+    ),
     "bench-dflash-avx2": lambda: block_drafter_table(_read(BENCH_DFLASH_AVX2)),
     "ablation-dflash-avx2": lambda: block_grid_table(ABLATION_DFLASH_AVX2),
     "ablation-kinds-amd": lambda: depth_overlaps_table(ABLATION_KINDS_AMD),
@@ -984,6 +990,7 @@ SECTIONS: dict[str, Callable[[], str]] = {
         _read(SERVING_SWEEP_AMD), "load-aware", SWEEP_RIVALS
     ),
     "serving-rounds-amd": lambda: round_parts_table(_read(SERVING_ROUNDS_AMD)),
+    "serving-rounds-avx2": lambda: round_parts_table(_read(SERVING_ROUNDS_AVX2)),
 }
 """Section name -> the function that writes its text from docs/results/."""
 
