@@ -258,12 +258,13 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.run(served_run(url, prompts, 1, args.max_tokens, 1e-3))  # a warm-up
             for clients in args.clients:
                 before = metrics_of(url)
+                # A decoder thread has no process of its own: its time is the front end's.
                 decoder_pid = getattr(server.backend, "pid", None)
-                cpu_before = (cpu_seconds(None), cpu_seconds(decoder_pid))
+                cpu_before = (cpu_seconds(None), decoder_pid and cpu_seconds(decoder_pid))
                 rate, wall = asyncio.run(
                     served_run(url, prompts, clients, args.max_tokens, args.seconds)
                 )
-                cpu_after = (cpu_seconds(None), cpu_seconds(decoder_pid))
+                cpu_after = (cpu_seconds(None), decoder_pid and cpu_seconds(decoder_pid))
                 run = {
                     "policy": policy,
                     "decoder": place,
