@@ -330,7 +330,8 @@ def run_decoder_process(
     try:
         target, drafter = load_models(config)
         # Cancelled jobs wait in the queue until the worker drops them: leave them room.
-        queue = _TakingQueue(2 * capacity, lambda ids: outbox.post(("taken", ids)))
+        # "taken" goes at once (not after the prefill): the front end bounds its queue by it.
+        queue = _TakingQueue(2 * capacity, lambda ids: outbox.send(("taken", ids)))
         worker = BatchWorker(
             target,
             drafter,
