@@ -114,8 +114,9 @@ class DecoderProcess:
     """The decoder in a process of its own (module docstring); jobs stay in the front end.
 
     ``settings`` are ``BatchWorker``'s keyword arguments but the models, the queue and the
-    report callbacks, which ``reports`` holds by name (``WORKER_REPORTS``). The front end counts its jobs as waiting until the decoder reports it took
-    them, and bounds that count by ``capacity`` (``QueueFull``), as ``RequestQueue`` does.
+    report callbacks, which ``reports`` holds by name (``WORKER_REPORTS``). The front end
+    counts its jobs as waiting until the decoder reports it took them, and bounds that count
+    by ``capacity`` (``QueueFull``), as ``RequestQueue`` does.
     """
 
     def __init__(
@@ -161,7 +162,9 @@ class DecoderProcess:
         job.when_cancelled(lambda: self._cancelled(job_id))
 
     def discard(self, job: GenerationJob) -> bool:
-        """Forget a job whose client left; True if the decoder had not taken it yet."""
+        """Forget a job whose client left; True if the decoder had not taken it yet. The
+        process hears of it from the job's ``cancel`` (``_cancelled``), once."""
+        job.cancel()  # a no-op when the client's handler cancelled it already
         with self._lock:
             job_id = next((i for i, known in self._jobs.items() if known is job), None)
             if job_id is None:
@@ -170,7 +173,6 @@ class DecoderProcess:
             waiting = job_id in self._waiting or job_id in self._left_waiting
             self._waiting.discard(job_id)
             self._left_waiting.discard(job_id)
-        self._send(("cancel", job_id))
         return waiting
 
     @property
@@ -245,7 +247,9 @@ class DecoderProcess:
             if job_id in self._waiting:
                 self._waiting.discard(job_id)
                 self._left_waiting.add(job_id)
-        self._send(("cancel", job_id))
+            answered = job_id not in self._jobs
+        if not answered:  # a finished job's row is gone already: nothing to tell the process
+            self._send(("cancel", job_id))
 
     def _send(self, message: tuple) -> None:
         with self._send_lock:
