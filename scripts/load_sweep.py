@@ -338,13 +338,17 @@ def sweep_ratio_table(record: dict[str, Any], server: str, rivals: dict[str, Seq
             ours = runs.get((server, temperature, clients))
             if ours is None:
                 continue
+            measured = {  # the rivals measured at this point
+                name: runs[(name, temperature, clients)]
+                for group in rivals.values()
+                for name in group
+                if (name, temperature, clients) in runs
+            }
             row = [f"{temperature:g}", str(clients), f"{ours['tokens_per_s']:.1f}"]
             for group in rivals.values():
-                best = [runs[(n, temperature, clients)]["tokens_per_s"] for n in group
-                        if (n, temperature, clients) in runs]  # fmt: skip
+                best = [measured[name]["tokens_per_s"] for name in group if name in measured]
                 row.append(f"{ours['tokens_per_s'] / max(best):.2f}" if best else "-")
-            p99 = [runs[(n, temperature, clients)]["ttft_p99_s"] for n in rivals[first]
-                   if (n, temperature, clients) in runs]  # fmt: skip
+            p99 = [measured[name]["ttft_p99_s"] for name in rivals[first] if name in measured]
             row.append(f"{ours['ttft_p99_s']:.3f} / {min(p99):.3f}" if p99 else "-")
             rows.append(row)
     groups = "; ".join(
