@@ -40,6 +40,17 @@ from draftsmith.decode.forward.attention_layout import learned_position_limit, s
 from draftsmith.decode.serving.backend import DecoderProcess, DecoderThread
 from draftsmith.decode.serving.config import MAX_BATCH_SIZE, ServeConfig
 from draftsmith.decode.serving.guard import CLIENT_CLOSED_REQUEST, RequestGuard
+from draftsmith.decode.serving.jobs import (
+    DoneEvent,
+    ErrorEvent,
+    Event,
+    GenerationJob,
+    QueueClosed,
+    QueueFull,
+    RequestQueue,
+    SamplingParams,
+    TokensEvent,
+)
 from draftsmith.decode.serving.metrics import CONTENT_TYPE, ServerMetrics
 from draftsmith.decode.serving.protocol import (
     APIError,
@@ -51,18 +62,7 @@ from draftsmith.decode.serving.protocol import (
     parse_body,
 )
 from draftsmith.decode.serving.responses import DONE, Answer, ChunkShape, sse
-from draftsmith.decode.serving.scheduler import (
-    BatchWorker,
-    DoneEvent,
-    ErrorEvent,
-    Event,
-    GenerationJob,
-    QueueClosed,
-    QueueFull,
-    RequestQueue,
-    SamplingParams,
-    TokensEvent,
-)
+from draftsmith.decode.serving.scheduler import BatchWorker
 from draftsmith.decode.serving.text import TextStream
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse

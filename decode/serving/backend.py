@@ -53,8 +53,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from draftsmith.decode.serving.scheduler import (
-    BatchWorker,
+from draftsmith.decode.serving.jobs import (
     DoneEvent,
     ErrorEvent,
     Event,
@@ -63,6 +62,7 @@ from draftsmith.decode.serving.scheduler import (
     QueueFull,
     RequestQueue,
 )
+from draftsmith.decode.serving.scheduler import BatchWorker
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection

@@ -18,7 +18,7 @@ from draftsmith.decode import SpeculativeDecoder
 from draftsmith.decode.drafters.draft_lm import DraftModelDrafter
 from draftsmith.decode.serving.backend import DecoderProcess, _Outbox
 from draftsmith.decode.serving.config import ServeConfig
-from draftsmith.decode.serving.scheduler import (
+from draftsmith.decode.serving.jobs import (
     DoneEvent,
     ErrorEvent,
     Event,

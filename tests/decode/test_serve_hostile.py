@@ -24,7 +24,7 @@ import torch
 import uvicorn
 from draftsmith.decode.drafters.none import NoDrafter
 from draftsmith.decode.serving.app import OpenAIServer, ServingLimits
-from draftsmith.decode.serving.scheduler import GenerationJob
+from draftsmith.decode.serving.jobs import GenerationJob
 from serve_helpers import free_port, openai_error, parse_prometheus
 from tiny_models import tiny_llama, tiny_tokenizer
 

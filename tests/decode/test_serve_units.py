@@ -25,6 +25,17 @@ from draftsmith.decode.drafters.draft_lm import DraftModelDrafter
 from draftsmith.decode.sampling import SamplingConfig
 from draftsmith.decode.serve import _is_loopback
 from draftsmith.decode.serving.config import ServeConfig, parse_serve_args
+from draftsmith.decode.serving.jobs import (
+    DoneEvent,
+    ErrorEvent,
+    Event,
+    GenerationJob,
+    QueueClosed,
+    QueueFull,
+    RequestQueue,
+    SamplingParams,
+    TokensEvent,
+)
 from draftsmith.decode.serving.loading import load_target
 from draftsmith.decode.serving.metrics import ServerMetrics
 from draftsmith.decode.serving.protocol import (
@@ -37,16 +48,7 @@ from draftsmith.decode.serving.protocol import (
 from draftsmith.decode.serving.scheduler import (
     ROUND_PHASES,
     BatchWorker,
-    DoneEvent,
-    ErrorEvent,
-    Event,
-    GenerationJob,
-    QueueClosed,
-    QueueFull,
-    RequestQueue,
     RoundProfile,
-    SamplingParams,
-    TokensEvent,
 )
 from draftsmith.decode.serving.text import TextStream
 from draftsmith.decode.stats import DecodeStats
