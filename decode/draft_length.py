@@ -27,7 +27,11 @@ in bfloat16 a fresh decoder's first 4-draft round took 32-40 ms against 13-15 fo
 its first plain step 11-14 against 8), so a length runs twice before its time is compared.
 The policy keeps its length until another promises ``switch_margin`` more tokens per second,
 since switching has a cost of its own (a draft LM reads the tokens of skipped rounds in its
-next pass) and round times are noisy.
+next pass) and round times are noisy. For the same reason a policy may probe less often while
+its best length is 0 (``idle_probe_every``): a probe from a plain length makes the drafter
+read what it skipped, and the server's load-aware policy, whose drafter forgets what waits
+longer than ``FORGET_AFTER_ROUNDS`` rounds, probes from 0 every ``IDLE_PROBE_EVERY`` rounds
+so that its drafter reads an eighth of the entries of a batch that does not draft.
 """
 
 from __future__ import annotations
@@ -43,6 +47,10 @@ import torch
 PRIOR_REACHED, PRIOR_ACCEPTED = 2.0, 1.0
 # A length's time is the median of its last this many timed rounds (the module docstring).
 TIME_WINDOW = 9
+# The load-aware policy's probes while no length beats a plain step, and the rounds after
+# which its drafter drops the entries it has not read (``Drafter.forget_after_rounds``).
+IDLE_PROBE_EVERY = 128
+FORGET_AFTER_ROUNDS = 16
 
 
 def adaptive_draft_bound(num_draft_tokens: int, adaptive_draft_tokens: int) -> int:
@@ -54,14 +62,23 @@ def adaptive_draft_bound(num_draft_tokens: int, adaptive_draft_tokens: int) -> i
 
 class RoundPolicy:
     """What the chain-length and tree-size policies share: estimates that decay by ``decay``
-    per round, a probe every ``probe_every`` rounds (0: never), a switch only for ``switch_margin``
-    more expected tokens per second, and an untimed first round of every option."""
+    per round, a probe every ``probe_every`` rounds (0: never; ``idle_probe_every`` while
+    the best option is a plain step, by default as often), a switch only for
+    ``switch_margin`` more expected tokens per second, and an untimed first round of every
+    option."""
 
-    def __init__(self, decay: float, probe_every: int, switch_margin: float) -> None:
+    def __init__(
+        self,
+        decay: float,
+        probe_every: int,
+        switch_margin: float,
+        idle_probe_every: int | None = None,
+    ) -> None:
         if not 0.0 < decay < 1.0:
             raise ValueError(f"decay must lie in (0, 1), got {decay}")
         self.decay = decay
         self.probe_every = probe_every
+        self.idle_probe_every = probe_every if idle_probe_every is None else idle_probe_every
         self.switch_margin = switch_margin
         self._warmed: set[Hashable] = set()  # options whose first (untimed) round has run
 
@@ -82,10 +99,11 @@ class AdaptiveDraftLength(RoundPolicy):
         decay: float = 0.99,
         probe_every: int = 16,
         switch_margin: float = 0.1,
+        idle_probe_every: int | None = None,
     ) -> None:
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        super().__init__(decay, probe_every, switch_margin)
+        super().__init__(decay, probe_every, switch_margin, idle_probe_every)
         self.max_tokens = max_tokens
         self._current: int | None = None  # the length kept between probes
         self._reached = [PRIOR_REACHED] * max_tokens  # decayed drafts verified at position j
@@ -150,8 +168,9 @@ class AdaptiveDraftLength(RoundPolicy):
         if keep and rates[best] < rates[current] * (1 + self.switch_margin):
             best = current
         self._current = best
-        if self.probe_every and self._rounds % self.probe_every == self.probe_every - 1:
-            up = (self._rounds // self.probe_every) % 2 == 0
+        every = self.probe_every if best else self.idle_probe_every
+        if every and self._rounds % every == every - 1:
+            up = (self._rounds // every) % 2 == 0
             return min(limit, best + 1) if up or best == 0 else best - 1
         return best
 
@@ -320,7 +339,10 @@ class LoadAwareDraftLength:
     batch bucket (``batch_bucket``) has its own ``AdaptiveDraftLength`` for the times, with its
     warm-up, probes and switch margin; the acceptance pooled over all rounds is the prior of a
     joining row. Sessions share one policy (the costs are the target's) through
-    ``for_session``, which keeps the session's rows' acceptance.
+    ``for_session``, which keeps the session's rows' acceptance. Where no width pays, the
+    drafter's upkeep is the cost that remains: a session under this policy has its drafter
+    forget what it has not read after ``FORGET_AFTER_ROUNDS`` rounds, and a bucket whose
+    best width is 0 probes every ``idle_probe_every`` rounds (the module docstring).
     """
 
     def __init__(
@@ -330,11 +352,12 @@ class LoadAwareDraftLength:
         probe_every: int = 16,
         switch_margin: float = 0.1,
         row_decay: float = ROW_DECAY,
+        idle_probe_every: int = IDLE_PROBE_EVERY,
     ) -> None:
         self.pooled = AdaptiveDraftLength(max_tokens, decay, 0, switch_margin)
         self.max_tokens = max_tokens
         self.row_decay = row_decay
-        self._settings = (decay, probe_every, switch_margin)
+        self._settings = (decay, probe_every, switch_margin, idle_probe_every)
         self._by_bucket: dict[int, AdaptiveDraftLength] = {}
 
     def costs(self, rows: int) -> AdaptiveDraftLength:

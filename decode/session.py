@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from draftsmith.decode.draft_length import (
+    FORGET_AFTER_ROUNDS,
     AdaptiveDraftLength,
     LoadAwareDraftLength,
     SessionDraftLength,
@@ -87,12 +88,12 @@ class DecodeSession:
         self.pad = pad
         self.streamer = streamer
         self.stats = DecodeStats()
-        # The chain-length policy (None: fixed N); a load-aware one keeps these rows' acceptance.
-        self.draft_length = (
-            draft_length.for_session(self)
-            if isinstance(draft_length, LoadAwareDraftLength)
-            else draft_length
-        )
+        # The chain-length policy (None: fixed N); a load-aware one keeps these rows' acceptance
+        # and lets the drafter forget what it skipped while no width pays (its docstring).
+        self.draft_length = draft_length
+        if isinstance(draft_length, LoadAwareDraftLength):
+            self.draft_length = draft_length.for_session(self)
+            drafter.forget_after_rounds = FORGET_AFTER_ROUNDS
         # (start, verify start, verify end, end) of the last round, for a profile of its parts.
         self.last_round_times: tuple[float, float, float, float] | None = None
         self.target: CachedSequence | None = None

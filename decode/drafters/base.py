@@ -109,6 +109,11 @@ class Drafter(ABC):
     # engine. A drafter that may propose more than ``num_tokens`` (the hybrid's lookup copies)
     # stays within it, so its verify passes reach no further than a chain's.
     draft_room: int | None = None
+    # Drafters that read committed entries lazily (the EAGLE-3 family) drop the entries of
+    # rounds older than this many instead of reading them (None: they read them in time).
+    # Set where long runs of rounds without drafts are expected and the drafter's upkeep
+    # would cost more than its gaps (``draftsmith.decode.drafters.eagle.drafter``).
+    forget_after_rounds: int | None = None
 
     @property
     @abstractmethod

@@ -268,6 +268,14 @@ class HybridDrafter(Drafter):
         if not network:
             usage.rounds_without_network += 1
 
+    @property
+    def forget_after_rounds(self) -> int | None:  # the learned drafter's (Drafter's attribute)
+        return self.learned.forget_after_rounds
+
+    @forget_after_rounds.setter
+    def forget_after_rounds(self, rounds: int | None) -> None:
+        self.learned.forget_after_rounds = rounds
+
     def spawn(self) -> HybridDrafter:
         """Spawns of both parts; the measured yields and the usage stay shared."""
         spawned = copy.copy(self)

@@ -140,6 +140,91 @@ def test_rows_joining_and_retiring_mid_run_keep_the_targets_greedy_output(
         assert collector.tokens[request] == expected, (kind, request)
 
 
+class ScriptedWidths:
+    """A chain-length policy that plays ``widths`` in turn (0: a round without drafts)."""
+
+    def __init__(self, widths: list[int]) -> None:
+        self.widths, self.rounds = widths, 0
+
+    def choose(self, limit: int) -> int:
+        width = self.widths[self.rounds % len(self.widths)]
+        self.rounds += 1
+        return min(width, limit)
+
+    def update(self, width: int, num_accepted: torch.Tensor, seconds: float) -> None:
+        pass
+
+
+def run_joins_and_retires(session: DecodeSession, collector: Collector) -> None:
+    """Requests 0-4 join and retire between rounds until every one is done."""
+    collector.join(session, [0])
+    session.step()
+    session.step()
+    collector.join(session, [1, 2])
+    rounds = 0
+    while session.room() > 0:
+        session.step()
+        collector.retire_finished(session)
+        rounds += 1
+        if rounds in (1, 4):
+            collector.join(session, [3] if rounds == 1 else [4])
+
+
+@pytest.mark.parametrize("forget_after_rounds", [None, 1, 3])
+@pytest.mark.parametrize("kind", ["eagle3", "peagle", "dflash", "hybrid_eagle3"])
+def test_rows_that_join_and_leave_between_rounds_without_drafts_keep_the_greedy_output(
+    target: torch.nn.Module, kind: str, forget_after_rounds: int | None
+) -> None:
+    """Entries the head has not read travel with their rows through ``merge`` and
+    ``select_rows``; with ``forget_after_rounds`` the older ones are dropped. Either way each
+    row's drafts are verified, so every request is still the target's greedy output."""
+    drafter, _ = make_drafter(target, kind)
+    drafter.forget_after_rounds = forget_after_rounds
+    if kind.startswith("hybrid"):  # the hybrid passes the setting to its learned drafter
+        assert drafter.learned.forget_after_rounds == forget_after_rounds
+    decoder = SpeculativeDecoder(target, drafter, num_draft_tokens=3)
+    collector = Collector()
+    session = decoder.session(
+        eos_token_id=[], streamer=collector, draft_length=ScriptedWidths([0, 0, 0, 2, 0, 3, 0])
+    )
+    run_joins_and_retires(session, collector)
+    assert session.batch_size == 0
+    for request, prompt in enumerate(PROMPTS):
+        expected = greedy_reference(target, prompt, LIMITS[request])
+        assert collector.tokens[request] == expected, (kind, request)
+
+
+@pytest.mark.parametrize("forget_after_rounds", [None, 2])
+def test_joins_and_retirements_run_no_head_pass_and_forgotten_rounds_are_dropped(
+    target: torch.nn.Module, forget_after_rounds: int | None
+) -> None:
+    """Rounds without drafts leave their entries unread; rows joining or leaving do not make
+    the head read them (only the joining rows' own prefill runs it), and with
+    ``forget_after_rounds`` no more than that many rounds wait."""
+    drafter, _ = make_drafter(target, "eagle3")
+    drafter.forget_after_rounds = forget_after_rounds
+    decoder = SpeculativeDecoder(target, drafter, num_draft_tokens=3)
+    collector = Collector()
+    session = decoder.session(eos_token_id=[], streamer=collector, draft_length=ScriptedWidths([0]))
+    collector.join(session, [2, 3])
+    passes: list[int] = []
+    head = session.drafter
+    original = head._committed_pass
+    head._committed_pass = lambda fused, *rest: (
+        passes.append(fused.shape[0]) or original(fused, *rest)
+    )
+    for _ in range(4):
+        session.step()
+    assert passes == [] and len(head._state.unread) == (forget_after_rounds or 4)
+    collector.join(session, [0])  # the spawn's prefill: a pass over the joining row alone
+    session.retire([0])
+    assert passes == [1]
+    unread = head._state.unread
+    assert [block.tokens.shape[0] for block in unread] == [2] * len(unread)
+    session.drafter.propose(1, SamplingConfig(), None)  # one pass reads what waited
+    assert passes == [1, 2] and head._state.unread == []
+
+
 def test_generate_is_one_session_and_its_rows_keep_their_limits(target: torch.nn.Module) -> None:
     """Per-row ``max_new_tokens`` in one ``add_rows``; ``sequences`` records every token."""
     decoder = SpeculativeDecoder(target, DraftModelDrafter(noisy_copy(target, 0.3)), 4)

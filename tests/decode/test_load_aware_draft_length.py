@@ -16,6 +16,7 @@ from decode_helpers import (
 )
 from draftsmith.decode import DraftModelDrafter, NgramDrafter, SpeculativeDecoder
 from draftsmith.decode.draft_length import (
+    FORGET_AFTER_ROUNDS,
     ROW_PRIOR_WEIGHT,
     LoadAwareDraftLength,
     RowAcceptance,
@@ -84,6 +85,32 @@ def test_drafting_stops_where_a_wide_verify_pass_costs_more_than_it_saves() -> N
     assert small[-10:] == [4] * 10
     assert large[-10:] == [0] * 10
     assert set(policy._by_bucket) == {1, 16}  # one cost table per batch bucket
+
+
+def test_a_bucket_that_does_not_draft_probes_rarely_and_its_drafter_forgets() -> None:
+    """Where plain steps win, a probe makes the drafter read what it skipped: the policy
+    probes from 0 every ``idle_probe_every`` rounds, while a drafting bucket probes every
+    ``probe_every``; a session under the policy has its drafter forget old unread rounds."""
+
+    def seconds(rows: int, width: int) -> float:
+        return 0.010 + 0.0005 * width if rows == 1 else 0.040 + 0.045 * width
+
+    policy = LoadAwareDraftLength(max_tokens=4, probe_every=4, idle_probe_every=32)
+    busy = policy.for_session(FakeSession(16))
+    busy.add_rows(16)
+    widths = _run(busy, 200, alpha=1.0, seconds=seconds)
+    probes = [i for i, w in enumerate(widths[40:], 40) if w]
+    assert probes and all(b - a == 32 for a, b in itertools.pairwise(probes))
+    alone = policy.for_session(FakeSession(1))
+    alone.add_rows(1)
+    widths = _run(alone, 60, alpha=1.0, seconds=seconds)
+    # Every fourth round probes; every other probe goes one draft down (up is past the limit).
+    assert widths[-16:].count(3) == 2
+
+    target = tiny_llama(seed=0)
+    decoder = SpeculativeDecoder(target, tiny_eagle_drafter(target), 3)
+    assert decoder.session(draft_length=policy).drafter.forget_after_rounds == FORGET_AFTER_ROUNDS
+    assert decoder.session().drafter.forget_after_rounds is None
 
 
 def test_each_rows_acceptance_is_its_own_and_follows_the_rows() -> None:

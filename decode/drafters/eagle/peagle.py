@@ -230,6 +230,7 @@ class PEagleDrafter(Eagle3Drafter):
 
     # -- continuous batching ----------------------------------------------------------------
     def select_rows(self, rows: torch.Tensor) -> None:
+        self._read_state()  # the mask rows follow each row's newest entry
         super().select_rows(rows)
         if self._ahead is not None:
             self._ahead = self._ahead[rows.to(self._ahead.device, torch.long)]

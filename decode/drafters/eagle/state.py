@@ -26,6 +26,33 @@ class UnreadBlock:
     last: torch.Tensor  # [B] column of each row's last kept entry
     holes: bool  # some row kept fewer entries than another
 
+    def select(self, rows: torch.Tensor) -> UnreadBlock:  # rows [R]
+        """The block of ``rows`` alone, in that order."""
+        return UnreadBlock(
+            tokens=self.tokens[rows],
+            valid=self.valid[rows],
+            positions=self.positions[rows],
+            features=self.features[rows],
+            last=self.last[rows],
+            holes=self.holes,
+        )
+
+    def with_empty_rows(self, count: int) -> UnreadBlock:
+        """The block with ``count`` rows appended that hold no entry (rows merged in after
+        it was recorded: every column of theirs is a hole)."""
+
+        def grown(values: torch.Tensor) -> torch.Tensor:
+            return torch.cat((values, values.new_zeros(count, *values.shape[1:])))
+
+        return UnreadBlock(
+            tokens=grown(self.tokens),
+            valid=grown(self.valid),
+            positions=grown(self.positions),
+            features=grown(self.features),
+            last=grown(self.last),
+            holes=True,
+        )
+
 
 @dataclass
 class HeadState:
