@@ -12,9 +12,12 @@ polled), and, given ``--vllm-python``, vLLM's OpenAI server (``python -m
 vllm.entrypoints.openai.api_server``) plainly (``vllm``) and with ``--vllm-head`` as its
 EAGLE-3 drafter (``vllm+head``). Every server runs every client count (``--sweep-clients``,
 1 4 8 16) at every temperature (``--sweep-temperatures``, 0 1) for ``--duration`` seconds.
+``--sweep-repeats R`` runs the whole pass R times, the servers in turn each time (A B A B),
+and every table and plot reads the median of a point's runs: on the 2-core machines a point
+moves by up to a fifth between runs, more than the differences a server's goals ask about.
 The JSON holds the machine record (decode/measure/machine.py), the settings and one
-``load_test.Summary`` per run with its server and temperature; the plot shows tokens/s and
-TTFT p50 against clients, one line per server and temperature.
+``load_test.Summary`` per run with its server, temperature and repeat; the plot shows
+tokens/s and TTFT p50 against clients, one line per server and temperature.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import json
 import os
 import shlex
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -52,6 +56,12 @@ def add_sweep_flags(parser: argparse.ArgumentParser) -> None:
     sweep.add_argument("--sweep-clients", type=at_least_one, nargs="+", default=list(SWEEP_CLIENTS))
     sweep.add_argument(
         "--sweep-temperatures", type=temperature_value, nargs="+", default=list(SWEEP_TEMPERATURES)
+    )
+    sweep.add_argument(
+        "--sweep-repeats",
+        type=at_least_one,
+        default=1,
+        help="passes over every server, in turn; tables read each point's median",
     )
     sweep.add_argument(
         "--server", action="append", default=[], metavar="NAME=URL", help="a running server"
@@ -200,7 +210,7 @@ def started_server(name: str, command: list[str], log_folder: Path) -> Iterator[
 
 
 def sweep_server(
-    args: argparse.Namespace, name: str, url: str, run_once: Any
+    args: argparse.Namespace, name: str, url: str, run_once: Any, repeat: int = 0
 ) -> list[dict[str, Any]]:
     """Every client count at every temperature against one server; one record per run."""
     runs = []
@@ -215,7 +225,9 @@ def sweep_server(
                 f"p99 {summary.ttft_p99_s:.3f} s, {summary.errors} errors",
                 flush=True,
             )
-            runs.append({"server": name, "temperature": temperature, **asdict(summary)})
+            runs.append(
+                {"server": name, "temperature": temperature, "repeat": repeat, **asdict(summary)}
+            )
     return runs
 
 
@@ -225,19 +237,22 @@ def run_sweep(args: argparse.Namespace, run_once: Any) -> dict[str, Any]:
 
     runs: list[dict[str, Any]] = []
     servers: dict[str, dict[str, Any]] = {}
-    for entry in args.server:
-        name, _, url = entry.partition("=")
-        servers[name.strip()] = {"url": url.strip()}
-        runs += sweep_server(args, name.strip(), url.strip(), run_once)
-    with tempfile.TemporaryDirectory(prefix="draftsmith-sweep-") as folder:
-        for name, command in launches(args):
-            servers[name] = {"command": shlex.join(command)}
-            try:
-                with started_server(name, command, Path(folder)) as url:
-                    runs += sweep_server(args, name, url, run_once)
-            except RuntimeError as error:  # record why a server could not run, go on
-                print(f"{name}: {error}", file=sys.stderr, flush=True)
-                servers[name]["error"] = str(error)[-2000:]
+    for repeat in range(args.sweep_repeats):
+        for entry in args.server:
+            name, _, url = entry.partition("=")
+            servers[name.strip()] = {"url": url.strip()}
+            runs += sweep_server(args, name.strip(), url.strip(), run_once, repeat)
+        with tempfile.TemporaryDirectory(prefix="draftsmith-sweep-") as folder:
+            for name, command in launches(args):
+                servers.setdefault(name, {"command": shlex.join(command)})
+                if "error" in servers[name]:  # it did not start before: not again
+                    continue
+                try:
+                    with started_server(name, command, Path(folder)) as url:
+                        runs += sweep_server(args, name, url, run_once, repeat)
+                except RuntimeError as error:  # record why a server could not run, go on
+                    print(f"{name}: {error}", file=sys.stderr, flush=True)
+                    servers[name]["error"] = str(error)[-2000:]
     return {
         "kind": "load-sweep",
         "machine": machine_record(),
@@ -245,6 +260,7 @@ def run_sweep(args: argparse.Namespace, run_once: Any) -> dict[str, Any]:
             "clients": list(args.sweep_clients),
             "temperatures": list(args.sweep_temperatures),
             "duration_s": args.duration,
+            "repeats": args.sweep_repeats,
             "max_tokens": args.max_tokens,
             "endpoint": "chat" if args.chat else "completions",
         },
@@ -253,12 +269,32 @@ def run_sweep(args: argparse.Namespace, run_once: Any) -> dict[str, Any]:
     }
 
 
-def sweep_curves(record: dict[str, Any], field: str) -> dict[str, dict[int, float]]:
-    """``field`` against clients, one curve per server and temperature (``"NAME, T=t"``)."""
-    curves: dict[str, dict[int, float]] = {}
+MEDIAN_FIELDS = ("tokens_per_s", "ttft_p50_s", "ttft_p99_s")
+
+
+def sweep_points(record: dict[str, Any]) -> dict[tuple[str, float, int], dict[str, Any]]:
+    """Each (server, temperature, clients) point of a sweep: the median of its runs'
+    tokens/s and TTFTs (``MEDIAN_FIELDS``), their errors summed, and ``runs``, how many."""
+    grouped: dict[tuple[str, float, int], list[dict[str, Any]]] = {}
     for run in record["runs"]:
-        label = f"{run['server']}, T={run['temperature']:g}"
-        curves.setdefault(label, {})[int(run["clients"])] = float(run[field])
+        key = (run["server"], run["temperature"], int(run["clients"]))
+        grouped.setdefault(key, []).append(run)
+    return {
+        key: {
+            **{field: statistics.median(float(r[field]) for r in runs) for field in MEDIAN_FIELDS},
+            "errors": sum(r["errors"] for r in runs),
+            "runs": len(runs),
+        }
+        for key, runs in grouped.items()
+    }
+
+
+def sweep_curves(record: dict[str, Any], field: str) -> dict[str, dict[int, float]]:
+    """``field`` (one of ``MEDIAN_FIELDS``) against clients, one curve per server and
+    temperature (``"NAME, T=t"``), the median of each point's runs."""
+    curves: dict[str, dict[int, float]] = {}
+    for (server, temperature, clients), point in sweep_points(record).items():
+        curves.setdefault(f"{server}, T={temperature:g}", {})[clients] = point[field]
     return curves
 
 
@@ -296,11 +332,13 @@ def sweep_table(record: dict[str, Any]) -> str:
     clients = record["settings"]["clients"]
     header = ["server", "T", *(f"{c} clients: tokens/s, TTFT p50 / p99 (s)" for c in clients)]
     cells: dict[tuple[str, float], dict[int, str]] = {}
-    for run in record["runs"]:
-        cell = f"{run['tokens_per_s']:.1f}, {run['ttft_p50_s']:.3f} / {run['ttft_p99_s']:.3f}"
-        if run["errors"]:
-            cell += f" ({run['errors']} errors)"
-        cells.setdefault((run["server"], run["temperature"]), {})[int(run["clients"])] = cell
+    for (server, temperature, count), point in sweep_points(record).items():
+        cell = (
+            f"{point['tokens_per_s']:.1f}, {point['ttft_p50_s']:.3f} / {point['ttft_p99_s']:.3f}"
+        )
+        if point["errors"]:
+            cell += f" ({point['errors']} errors)"
+        cells.setdefault((server, temperature), {})[count] = cell
     lines = markdown_table(
         header,
         (
@@ -309,10 +347,13 @@ def sweep_table(record: dict[str, Any]) -> str:
         ),
     )
     settings = record["settings"]
+    repeats = settings.get("repeats", 1)
+    runs = f"the median of {repeats} runs" if repeats > 1 else "one run"
     lines += [
         "",
         f"{settings['max_tokens']} tokens per request, streamed ({settings['endpoint']}), "
-        f"{settings['duration_s']:g} s per point; {describe_machine(record['machine'])}.",
+        f"{settings['duration_s']:g} s per run, {runs} per point; "
+        f"{describe_machine(record['machine'])}.",
     ]
     failed = {
         name: s["error"].splitlines()[-1] for name, s in record["servers"].items() if "error" in s
@@ -325,10 +366,11 @@ def sweep_ratio_table(record: dict[str, Any], server: str, rivals: dict[str, Seq
     """``server``'s tokens/s over the best of each group of ``rivals`` (label -> servers) at
     every client count and temperature of a sweep, and the TTFT p99 of ``server`` against
     the best (lowest) of the first group; ``-`` where a point was not measured. The serving
-    guide's goals read this table: one run, ratios on the same machine."""
+    guide's goals read this table: one sweep, ratios of each point's medians
+    (``sweep_points``) on the same machine."""
     from draftsmith.decode.measure.tables import markdown_table
 
-    runs = {(r["server"], r["temperature"], int(r["clients"])): r for r in record["runs"]}
+    runs = sweep_points(record)
     first = next(iter(rivals))
     header = ["T", "clients", f"{server} tokens/s"]
     header += [f"x {label}" for label in rivals] + [f"TTFT p99 (s): {server} / {first}"]

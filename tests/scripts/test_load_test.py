@@ -192,3 +192,40 @@ def test_a_sweep_runs_every_server_clients_and_temperature_and_records_them(
 
     monkeypatch.setattr(script, "run", failing_run)
     assert script.main(argv) == 1
+
+
+def test_sweep_repeats_take_the_servers_in_turn_and_tables_read_each_points_median(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``--sweep-repeats 3``: a b a b a b, each run marked with its repeat; the tables, the
+    ratios and the curves read the median of a point's three runs, not its last one."""
+    from draftsmith.scripts import load_sweep
+
+    script = _script()
+    order, speeds = [], iter([10.0, 40.0, 30.0, 20.0, 20.0, 60.0])  # a, b, a, b, a, b
+
+    async def fake_run(args: object) -> object:
+        order.append(args.url[-1])
+        result = script.Result(True, 0.5, 0.1, 10)
+        summary = script.summarize(args, "m", [result], cut_off=0, elapsed=1.0)
+        summary.tokens_per_s = next(speeds)
+        return summary
+
+    argv = ["--sweep", "--server", "a=http://127.0.0.1:1", "--server", "b=http://127.0.0.1:2",
+            "--sweep-clients", "1", "--sweep-temperatures", "0", "--sweep-repeats", "3",
+            "--json", str(tmp_path / "s.json")]  # fmt: skip
+    monkeypatch.setattr(script, "run", fake_run)
+    assert script.main(argv) == 0
+    assert order == ["1", "2"] * 3
+    record = json.loads((tmp_path / "s.json").read_text())
+    assert [run["repeat"] for run in record["runs"]] == [0, 0, 1, 1, 2, 2]
+    assert record["settings"]["repeats"] == 3
+    points = load_sweep.sweep_points(record)
+    assert points[("a", 0.0, 1)]["tokens_per_s"] == 20.0 and points[("a", 0.0, 1)]["runs"] == 3
+    assert load_sweep.sweep_curves(record, "tokens_per_s")["b, T=0"] == {1: 40.0}
+    table = load_sweep.sweep_table(record)
+    assert "| a | 0 | 20.0, 0.100 / 0.100 |" in table and "the median of 3 runs" in table
+    ratios = load_sweep.sweep_ratio_table(record, "a", {"b": ["b"]}).splitlines()
+    assert ratios[2] == "| 0 | 1 | 20.0 | 0.50 | 0.100 / 0.100 |"
+    with pytest.raises(SystemExit):
+        script.parse_args(["--sweep", "--sweep-repeats", "0"])
