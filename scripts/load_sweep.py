@@ -333,9 +333,7 @@ def sweep_table(record: dict[str, Any]) -> str:
     header = ["server", "T", *(f"{c} clients: tokens/s, TTFT p50 / p99 (s)" for c in clients)]
     cells: dict[tuple[str, float], dict[int, str]] = {}
     for (server, temperature, count), point in sweep_points(record).items():
-        cell = (
-            f"{point['tokens_per_s']:.1f}, {point['ttft_p50_s']:.3f} / {point['ttft_p99_s']:.3f}"
-        )
+        cell = f"{point['tokens_per_s']:.1f}, {point['ttft_p50_s']:.3f} / {point['ttft_p99_s']:.3f}"
         if point["errors"]:
             cell += f" ({point['errors']} errors)"
         cells.setdefault((server, temperature), {})[count] = cell
