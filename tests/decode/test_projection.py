@@ -69,10 +69,15 @@ def test_the_layout_rules_keep_float32_and_pack_bfloat16(monkeypatch: pytest.Mon
         projection.WEIGHT_FIRST,
         projection.PACKED,
     ]
-    monkeypatch.setattr(projection, "packs_few_float32_rows", lambda: True)  # an AMX CPU
+    monkeypatch.setattr(projection, "packs_few_float32_rows", lambda: True)  # AMX, or AVX2
     assert [projection.vocab_layout(torch.float32, r) for r in (1, 2, 5, 13)] == [
         projection.TRANSPOSED,
         projection.PACKED,
+        projection.PACKED,
+        projection.PACKED,
+    ]
+    assert [projection.layer_layout(torch.float32, r) for r in (1, 2, 17)] == [
+        projection.TRANSPOSED,
         projection.PACKED,
         projection.PACKED,
     ]
