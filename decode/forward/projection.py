@@ -417,7 +417,6 @@ def int4_weight_kernel() -> bool:
 
 
 @functools.cache
-@functools.cache
 def packs_few_float32_rows() -> bool:
     """Whether oneDNN's packed float32 product beats MKL's layouts from 2 rows on: measured on
     CPUs with AMX tiles (``vocab_layout``) and on the AVX2-only AMD EPYC, which is what this

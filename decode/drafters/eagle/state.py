@@ -9,6 +9,7 @@ the next proposal reads in one pass (``draftsmith.decode.drafters.eagle.drafter`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -28,29 +29,24 @@ class UnreadBlock:
 
     def select(self, rows: torch.Tensor) -> UnreadBlock:  # rows [R]
         """The block of ``rows`` alone, in that order."""
-        return UnreadBlock(
-            tokens=self.tokens[rows],
-            valid=self.valid[rows],
-            positions=self.positions[rows],
-            features=self.features[rows],
-            last=self.last[rows],
-            holes=self.holes,
-        )
+        return self._per_row(lambda values: values[rows], self.holes)
 
     def with_empty_rows(self, count: int) -> UnreadBlock:
         """The block with ``count`` rows appended that hold no entry (rows merged in after
         it was recorded: every column of theirs is a hole)."""
+        return self._per_row(
+            lambda values: torch.cat((values, values.new_zeros(count, *values.shape[1:]))), True
+        )
 
-        def grown(values: torch.Tensor) -> torch.Tensor:
-            return torch.cat((values, values.new_zeros(count, *values.shape[1:])))
-
+    def _per_row(self, change: Callable[[torch.Tensor], torch.Tensor], holes: bool) -> UnreadBlock:
+        """The block with ``change`` applied to each of its per-row tensors."""
         return UnreadBlock(
-            tokens=grown(self.tokens),
-            valid=grown(self.valid),
-            positions=grown(self.positions),
-            features=grown(self.features),
-            last=grown(self.last),
-            holes=True,
+            tokens=change(self.tokens),
+            valid=change(self.valid),
+            positions=change(self.positions),
+            features=change(self.features),
+            last=change(self.last),
+            holes=holes,
         )
 
 
