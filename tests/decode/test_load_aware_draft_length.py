@@ -104,6 +104,8 @@ def test_a_bucket_that_does_not_draft_probes_rarely_and_its_drafter_forgets() ->
     alone = policy.for_session(FakeSession(1))
     alone.add_rows(1)
     widths = _run(alone, 60, alpha=1.0, seconds=seconds)
+    # Below IDLE_PROBE_ROWS rows a plain bucket probes as often as a drafting one.
+    assert policy.costs(1).idle_probe_every == 4 and policy.costs(16).idle_probe_every == 32
     # Every fourth round probes; every other probe goes one draft down (up is past the limit).
     assert widths[-16:].count(3) == 2
 
