@@ -145,11 +145,16 @@ class DecodeSession:
             output_hidden_states=drafter.needs_hidden_states,
             logits_to_keep=1,
         )
-        pending, _ = select_tokens(prefill.logits[:, -1], self.sampling, self.generator)
+        pending, _ = select_tokens(prefill.logits[:, -1], self.sampling, self.generator)  # [R]
+        old = self.batch_size
+        # A new row's first token is its pending token whatever it is (EOS included, and every
+        # limit is >= 1): stream it now, before the drafter's prefill and the merges, which
+        # would otherwise add their time to the requests' time to first token.
+        first_tokens = [[token] for token in pending.tolist()]
+        self._stream(RoundUpdate([[] for _ in range(old)] + first_tokens, None, 0))
         drafter.prefill(
             input_ids, attention_mask, TargetPass(prefill.logits, prefill.hidden_states), pending
         )
-        old = self.batch_size
         if old == 0:
             self.target = target
         else:
@@ -166,7 +171,7 @@ class DecodeSession:
         if self.tokens is not None:
             self._grow_record(self.tokens.shape[1] - 1)
         new_rows = torch.arange(self.batch_size, device=device) >= old
-        self.emit(self.pending[:, None], new_rows.long(), None, 0)
+        self.emit(self.pending[:, None], new_rows.long(), None, 0, stream=False)  # streamed above
         self.stats.prefill_seconds += device_clock(decoder.device) - start
 
     @torch.inference_mode()
@@ -185,6 +190,7 @@ class DecodeSession:
         round_fn = decoder._chain_round if self.tree is None else decoder._tree_round
         self.pending = round_fn(self, width)
 
+    @torch.inference_mode()  # the caches' buffers, made in inference mode, are written in place
     def retire(self, rows: Sequence[int]) -> None:
         """Drop ``rows`` (indices into the current batch); the others keep their order."""
         dropped = set(rows)
@@ -226,7 +232,10 @@ class DecodeSession:
         num_new: torch.Tensor,  # [B] valid prefix length of each row of new_tokens
         num_accepted: torch.Tensor | None,  # [B] drafts accepted this round; None: a prefill
         drafted: int,
+        stream: bool = True,
     ) -> None:
+        """Record each row's valid new tokens, cut at EOS and its limit, and (``stream``) hand
+        them to the streamer; rows that emitted EOS or reached their limit become inactive."""
         width = new_tokens.shape[1]
         columns = torch.arange(width, device=new_tokens.device)[None, :]
         num_new = torch.where(self.active, num_new, 0)
@@ -245,12 +254,16 @@ class DecodeSession:
             target_column = torch.where(written, self.count[:, None] + columns, spare)
             self.tokens.scatter_(1, target_column, new_tokens)
         self.count += num_new
-        if self.streamer is not None:
+        if self.streamer is not None and stream:
             rows = [row[:n] for row, n in zip(new_tokens.tolist(), num_new.tolist(), strict=True)]
             accepted = None if num_accepted is None else num_accepted.tolist()
-            if self.streamer(RoundUpdate(rows, accepted, drafted)) is False:
-                self._stopped = True
+            self._stream(RoundUpdate(rows, accepted, drafted))
         self.active &= ~hit & (self.count < self.limit)
+
+    def _stream(self, update: RoundUpdate) -> None:
+        """Hand ``update`` to the streamer; one that returns False stops the session."""
+        if self.streamer is not None and self.streamer(update) is False:
+            self._stopped = True
 
     def _grow_record(self, columns: int) -> None:
         """Give ``tokens`` a row per session row and at least ``columns`` columns before the

@@ -160,21 +160,21 @@ class CachedSequence:
         self.lengths = self.lengths - num_recent + path_valid.sum(-1)
 
     def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep only ``rows`` (indices into the batch, in that order) and drop every hole.
+        """Keep only ``rows`` (indices into the batch, in that order); drop the holes when
+        they are many (``PreallocatedStack.select_rows``).
 
-        Each kept row's valid slots move, in order, to the end of ``L`` slots, ``L`` the longest
-        kept row's length (padding in front of shorter rows): rows that leave free their slots,
-        and holes left by rejected drafts or by rows merged in at different lengths are gone.
+        Dropping them moves each kept row's valid slots, in order, to the end of ``L`` slots,
+        ``L`` the longest kept row's length (padding in front of shorter rows): holes left by
+        rejected drafts, by rows merged in at different lengths or by rows that left are gone.
         Keys carry their rotary angles already, so moving a slot changes nothing it computes.
         """
         rows = rows.to(self.valid.device, torch.long)
         valid = self.valid[rows]  # [R, S]
-        live = int(valid.sum(1).max()) if rows.numel() else 0
-        order = torch.sort(valid.long(), dim=1, stable=True).indices[:, valid.shape[1] - live :]
-        self._layers.select_slots(rows, order)
-        self.valid = valid.gather(1, order)  # [R, L]
+        order = self._layers.select_rows(rows, valid)  # [R, L] or None: every slot kept
+        self.valid = valid if order is None else valid.gather(1, order)
         if self.slot_positions is not None:
-            self.slot_positions = self.slot_positions[rows].gather(1, order)
+            positions = self.slot_positions[rows]
+            self.slot_positions = positions if order is None else positions.gather(1, order)
         self.lengths = self.lengths[rows]
 
     def merge(self, other: CachedSequence) -> None:

@@ -6,7 +6,9 @@ concatenates every step's keys onto the whole cache, a copy that grows with the 
 layers here are ``PreallocatedLayer``s instead, which write into spare capacity (doubling when
 full) and hand attention a view, so a step copies only its own keys. ``PreallocatedStack``
 moves the slots of several layers at once (a drafter's own cache); the rows and holes of a
-batch are ``draftsmith.decode.forward.cached_sequence``'s.
+batch are ``draftsmith.decode.forward.cached_sequence``'s. Buffers keep spare rows too, so that
+a request joining a running batch is written after its rows rather than the whole cache being
+copied into a new buffer (continuous batching, ``merge_rows``).
 """
 
 from __future__ import annotations
@@ -34,9 +36,10 @@ def preallocated_cache(model: torch.nn.Module) -> DynamicCache:
 class PreallocatedLayer(DynamicLayer):
     """One layer's keys and values in a buffer with spare capacity along the sequence.
 
-    ``keys`` / ``values`` are views of the first ``length`` slots ([B, heads, S, d]); ``update``
-    writes the new slots in place and ``crop`` only moves the end, so a decoding step costs a
-    copy of its own keys rather than of the whole cache. Capacity doubles when exhausted.
+    ``keys`` / ``values`` are views of the first ``rows`` rows and ``length`` slots of a buffer
+    ([B, heads, S, d] of [B', heads, C, d]); ``update`` writes the new slots in place and
+    ``crop`` only moves the end, so a decoding step costs a copy of its own keys rather than of
+    the whole cache. Capacity doubles when exhausted, in slots and in rows.
     ``storage_dtype`` (default: the first keys' dtype) is the dtype the slots are kept in; a
     drafter keeps float32 slots on CPU (``llama_math.draft_cache_dtype``).
     """
@@ -48,6 +51,7 @@ class PreallocatedLayer(DynamicLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
         self.length = 0
+        self.rows = key_states.shape[0]
         needed = key_states.shape[2]  # the first update (a prefill) sizes the buffer
         dtype = self.storage_dtype or key_states.dtype
         self._key_buffer = key_states.new_empty(
@@ -63,12 +67,12 @@ class PreallocatedLayer(DynamicLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        start, width = self.length, key_states.shape[2]
+        start, width, rows = self.length, key_states.shape[2], self.rows
         if start + width > self._key_buffer.shape[2]:
-            self._key_buffer = _grown(self._key_buffer, start, start + width)
-            self._value_buffer = _grown(self._value_buffer, start, start + width)
-        self._key_buffer[:, :, start : start + width] = key_states
-        self._value_buffer[:, :, start : start + width] = value_states
+            self._key_buffer = _grown(self._key_buffer, rows, start, start + width)
+            self._value_buffer = _grown(self._value_buffer, rows, start, start + width)
+        self._key_buffer[:rows, :, start : start + width] = key_states
+        self._value_buffer[:rows, :, start : start + width] = value_states
         self._set_length(start + width)
         return self.keys, self.values
 
@@ -93,8 +97,8 @@ class PreallocatedLayer(DynamicLayer):
         width = index.shape[1]
         kept_keys = _gather_slots(self.keys, index)
         kept_values = _gather_slots(self.values, index)
-        self._key_buffer[:, :, start : start + width] = kept_keys
-        self._value_buffer[:, :, start : start + width] = kept_values
+        self._key_buffer[: self.rows, :, start : start + width] = kept_keys
+        self._value_buffer[: self.rows, :, start : start + width] = kept_values
         self._set_length(start + width)
 
     def select_slots(
@@ -102,25 +106,70 @@ class PreallocatedLayer(DynamicLayer):
         rows: torch.Tensor,  # [R] batch rows to keep
         index: torch.Tensor,  # [R, L] slots of each kept row, in their new order
     ) -> None:
-        """Keep ``rows`` only, each with the listed slots (row selection plus compaction)."""
+        """Keep ``rows`` only, each with the listed slots (row selection plus compaction),
+        written back to the front of the same buffers: their spare rows and slots stay for the
+        requests that join next. Spare capacity stays unwritten, as everywhere here: a slot is
+        written before any view holds it (zeroing it cost more than the gather at 16 rows)."""
         if not self.is_initialized:
             return
-        keys = _gather_slots(self.keys, index, rows)  # [R, KV, L, D]
+        keys = _gather_slots(self.keys, index, rows)  # [R, KV, L, D], a copy
         values = _gather_slots(self.values, index, rows)
-        # Spare capacity stays unwritten, as everywhere here: a slot is written before any
-        # view holds it (zeroing it cost more than the gather at 16 rows).
-        self._key_buffer = keys.new_empty(_buffer_shape(keys.shape, keys.shape[2]))
-        self._value_buffer = values.new_empty(_buffer_shape(values.shape, values.shape[2]))
-        self._key_buffer[:, :, : keys.shape[2]] = keys
-        self._value_buffer[:, :, : values.shape[2]] = values
-        self._set_length(keys.shape[2])
+        kept, slots = keys.shape[0], keys.shape[2]
+        self._key_buffer[:kept, :, :slots] = keys
+        self._value_buffer[:kept, :, :slots] = values
+        self.rows = kept
+        self._set_length(slots)
+
+    def move_rows(
+        self,
+        destinations: torch.Tensor,  # [M] rows to overwrite
+        sources: torch.Tensor,  # [M] the rows whose slots they take (read before any write)
+        rows: int,  # rows held afterwards
+    ) -> None:
+        """Copy whole rows within the buffers, then hold the first ``rows`` (a selection of rows
+        that keeps every slot: ``PreallocatedStack.select_rows``).
+
+        Rows moving up to rows not read later (``sources`` increasing, each above its
+        destination: rows leaving a batch) are copied one by one in place, each a few
+        contiguous blocks; any other order reads the sources into a copy first. Indexed
+        assignment of the rows took 3.7 ms a layer at 16 rows of the demo target (AVX2 EPYC,
+        float32), most of a retirement's time."""
+        if not self.is_initialized:
+            return
+        length = self.length
+        pairs = list(zip(destinations.tolist(), sources.tolist(), strict=True))
+        ordered = sources.tolist() == sorted(set(sources.tolist()))
+        in_place = ordered and all(destination < source for destination, source in pairs)
+        for buffer in (self._key_buffer, self._value_buffer):
+            if in_place:
+                for destination, source in pairs:
+                    buffer[destination, :, :length].copy_(buffer[source, :, :length])
+            elif pairs:
+                moved = buffer[:, :, :length].index_select(0, sources)  # [M, heads, S, d]
+                buffer[:, :, :length].index_copy_(0, destinations, moved)
+        self.rows = rows
+        self._set_length(length)
 
     def merge_rows(self, other: PreallocatedLayer, slots: int) -> None:
-        """Append ``other``'s rows, both right-aligned in ``slots`` slots (zeros in front)."""
+        """Append ``other``'s rows, both right-aligned in ``slots`` slots (zeros in front).
+
+        When this layer already holds ``slots`` slots and has spare rows for ``other``'s (the
+        usual join: a short new prompt beside longer running rows), only ``other``'s rows are
+        written; otherwise both are copied into a new buffer with as many rows again to spare.
+        """
         if not (self.is_initialized and other.is_initialized):
             raise ValueError("only cache layers that hold slots (after a prefill) can be merged")
-        self._key_buffer = _stacked_rows(self.keys, other.keys, slots)
-        self._value_buffer = _stacked_rows(self.values, other.values, slots)
+        rows = self.rows + other.rows
+        if slots == self.length and rows <= self._key_buffer.shape[0]:
+            for buffer, states in (
+                (self._key_buffer, other.keys),
+                (self._value_buffer, other.values),
+            ):
+                _write_right_aligned(buffer[self.rows : rows], states, slots)
+        else:
+            self._key_buffer = _stacked_rows(self.keys, other.keys, slots)
+            self._value_buffer = _stacked_rows(self.values, other.values, slots)
+        self.rows = rows
         self._set_length(slots)
 
     def reset(self) -> None:
@@ -135,8 +184,12 @@ class PreallocatedLayer(DynamicLayer):
 
     def _set_length(self, length: int) -> None:
         self.length = length
-        self.keys = self._key_buffer[:, :, :length]
-        self.values = self._value_buffer[:, :, :length]
+        self.keys = self._key_buffer[: self.rows, :, :length]
+        self.values = self._value_buffer[: self.rows, :, :length]
+
+
+# ``PreallocatedStack.select_rows`` drops holes when they exceed this share of the slots.
+COMPACT_ABOVE = 0.25
 
 
 class PreallocatedStack:
@@ -174,6 +227,37 @@ class PreallocatedStack:
         for mine, theirs in zip(self.layers, other.layers, strict=True):
             mine.merge_rows(theirs, slots)
 
+    def select_rows(
+        self,
+        rows: torch.Tensor,  # [R] batch rows to keep, in their new order
+        valid: torch.Tensor,  # [R, S] bool: the kept rows' valid slots
+    ) -> torch.Tensor | None:  # [R, L] the slot order kept when compacted; None: slots kept
+        """Keep ``rows``; drop the holes too when they are worth a copy of every row.
+
+        The holes that can go are the slots before the longest kept row's valid ones (rows stay
+        right-aligned). Where they are more than ``COMPACT_ABOVE`` of the slots, every kept
+        row's valid slots are gathered, in order, into the last ``L`` (``select_slots``);
+        otherwise only the rows whose place changes are copied, whole, and holes stay masked
+        (a request leaving a running batch usually leaves few: the attention reads them, a
+        gather of every row costs more).
+
+        Timed in a session of 16 rows that retire at 128 tokens and are replaced one by one
+        (the load test's prompts, the demo target and its head, float32, AVX2-only AMD EPYC,
+        medians of one run each): a retirement took 48-65 ms when every row was gathered into a
+        new buffer and 18-21 ms now; a join 67-78 ms, now 40-47 ms (its prefill ~29 ms of it:
+        ``merge_rows`` writes into spare rows).
+        """
+        kept, slots = valid.shape
+        live = int(valid.sum(1).max()) if kept else 0
+        if slots - live > COMPACT_ABOVE * slots:
+            order = torch.sort(valid.long(), dim=1, stable=True).indices[:, slots - live :]
+            self.select_slots(rows, order)
+            return order
+        moved = torch.nonzero(rows != torch.arange(kept, device=rows.device)).flatten()  # [M]
+        for layer in self.layers:
+            layer.move_rows(moved, rows[moved], kept)
+        return None
+
 
 def _gather_slots(
     tensor: torch.Tensor,  # [B, heads, S, d]
@@ -197,33 +281,44 @@ def _stacked_rows(
     second: torch.Tensor,  # [B', heads, S', d]
     slots: int,  # >= S, S'
 ) -> torch.Tensor:  # [B + B', heads, C, d], C >= slots: each part right-aligned in ``slots``
-    """A new buffer holding both parts' rows, zeros in front of the shorter's slots (finite:
-    masked slots must not hold NaN, which a zero attention weight would still spread) and
-    spare capacity after them, each part copied once. Padding, concatenating and then copying
-    into a zeroed buffer moved the cache five times over: at 16 rows of the demo target in
-    float32 on the AVX2 EPYC a request joining a batch took 150-170 ms, four rounds' time."""
+    """A new buffer holding both parts' rows, zeros in front of the shorter's slots, and spare
+    capacity after them (as many rows and slots again), each part copied once. Padding,
+    concatenating and then copying into a zeroed buffer moved the cache five times over: at
+    16 rows of the demo target in float32 on the AVX2 EPYC a request joining a batch took
+    150-170 ms, four rounds' time."""
     rows = first.shape[0]
     shape = (rows + second.shape[0], *first.shape[1:])
-    buffer = first.new_empty(_buffer_shape(shape, slots))
-    for part, states in ((slice(0, rows), first), (slice(rows, None), second)):
-        hole = slots - states.shape[2]
-        buffer[part, :, :hole] = 0
-        buffer[part, :, hole:slots] = states
+    buffer = first.new_empty(_buffer_shape(shape, slots, spare_rows=True))
+    _write_right_aligned(buffer[:rows], first, slots)
+    _write_right_aligned(buffer[rows : shape[0]], second, slots)
     return buffer
 
 
-def _buffer_shape(shape: tuple[int, ...], needed: int) -> tuple[int, ...]:
+def _write_right_aligned(
+    rows: torch.Tensor,  # [R, heads, C, d] buffer rows, C >= slots
+    states: torch.Tensor,  # [R, heads, S, d], S <= slots
+    slots: int,
+) -> None:
+    """``states`` in the last of the first ``slots`` slots of ``rows``, zeros in front (finite:
+    masked slots must not hold NaN, which a zero attention weight would still spread)."""
+    hole = slots - states.shape[2]
+    rows[:, :, :hole] = 0
+    rows[:, :, hole:slots] = states
+
+
+def _buffer_shape(shape: tuple[int, ...], needed: int, spare_rows: bool = False) -> tuple[int, ...]:
     """A buffer for ``shape`` ([B, heads, S, d]) with room for ``needed`` slots and as many
-    again (at least 256)."""
+    again (at least 256), and with ``spare_rows`` as many rows again."""
     batch, heads, _, dim = shape
-    return (batch, heads, max(256, 2 * needed), dim)
+    return (2 * batch if spare_rows else batch, heads, max(256, 2 * needed), dim)
 
 
 def _grown(
-    buffer: torch.Tensor,  # [B, heads, C, d]
+    buffer: torch.Tensor,  # [B', heads, C, d]
+    rows: int,
     used: int,
     needed: int,
-) -> torch.Tensor:  # [B, heads, C', d] with C' >= needed; the first ``used`` slots copied
+) -> torch.Tensor:  # [B', heads, C', d] with C' >= needed; the first rows' ``used`` slots copied
     grown = buffer.new_empty(_buffer_shape(buffer.shape, needed))
-    grown[:, :, :used] = buffer[:, :, :used]
+    grown[:rows, :, :used] = buffer[:rows, :, :used]
     return grown

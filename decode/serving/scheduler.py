@@ -16,7 +16,9 @@ lanes. EOS is applied per request here (``ignore_eos`` requests share the greedy
 sessions decode without EOS and a row that emitted one is finished for its client and retired.
 
 The session's streamer hands every round's ``RoundUpdate`` to ``_deliver``: each row's new
-tokens go to its request's ``asyncio.Queue`` (thread-safe, through the event loop) and its
+tokens go to its request's ``asyncio.Queue`` (thread-safe, through the event loop; a joining
+request's first token as soon as its prefill has chosen it, before the drafter's prefill and
+the merges into the lane's caches, which ``after_work`` is called for) and its
 accepted-draft count to the request's own tally (plain ints, no tensor per row and round),
 folded into its ``DecodeStats`` when it finishes, so per-request acceptance is exact.
 
@@ -411,6 +413,8 @@ class BatchWorker:
             if job.delivered >= job.max_tokens or ended is not None:
                 self._finish(job)
         more = not self._stopping.is_set() and not all(job.finished for job in lane.jobs)
+        if update.accepted is None:  # a prefill's first tokens: out now, not after the merges
+            self._work_done()
         self._handoff_seconds += time.perf_counter() - start
         return more
 

@@ -225,6 +225,51 @@ def test_joins_and_retirements_run_no_head_pass_and_forgotten_rounds_are_dropped
     assert passes == [1, 2] and head._state.unread == []
 
 
+@pytest.mark.parametrize("kind", ["eagle3", "hybrid_dflash"])
+def test_joining_rows_first_tokens_are_streamed_before_the_drafters_prefill_and_the_merges(
+    target: torch.nn.Module, kind: str
+) -> None:
+    """Time to first token: a joining row's first token is its prefill's pending token, so it
+    is streamed (once) before the drafter's prefill and the merges into the running caches;
+    every request is still the target's greedy output."""
+    drafter, _ = make_drafter(target, kind)
+    decoder = SpeculativeDecoder(target, drafter, num_draft_tokens=3)
+    collector = Collector()
+    session = decoder.session(eos_token_id=[], streamer=collector)
+    collector.join(session, [0])
+    session.step()
+    streamed_by: dict[str, int] = {}  # a step of the join: updates streamed when it ran
+
+    def spying_spawn(spawn=session.drafter.spawn) -> Drafter:
+        spawned = spawn()
+        prefill = spawned.prefill
+
+        def spying_prefill(*args) -> None:
+            streamed_by["drafter prefill"] = len(collector.updates)
+            prefill(*args)
+
+        spawned.prefill = spying_prefill
+        return spawned
+
+    def spying_merge(other, merge=session.target.merge) -> None:
+        streamed_by["target merge"] = len(collector.updates)
+        merge(other)
+
+    session.drafter.spawn, session.target.merge = spying_spawn, spying_merge
+    before = len(collector.updates)
+    collector.join(session, [1, 2])
+    assert streamed_by == {"drafter prefill": before + 1, "target merge": before + 1}
+    assert len(collector.updates) == before + 1
+    first = collector.updates[before]
+    assert first.accepted is None and [len(tokens) for tokens in first.tokens] == [0, 1, 1]
+    while session.room() > 0:
+        session.step()
+        collector.retire_finished(session)
+    for request in (0, 1, 2):
+        expected = greedy_reference(target, PROMPTS[request], LIMITS[request])
+        assert collector.tokens[request] == expected, (kind, request)
+
+
 def test_generate_is_one_session_and_its_rows_keep_their_limits(target: torch.nn.Module) -> None:
     """Per-row ``max_new_tokens`` in one ``add_rows``; ``sequences`` records every token."""
     decoder = SpeculativeDecoder(target, DraftModelDrafter(noisy_copy(target, 0.3)), 4)

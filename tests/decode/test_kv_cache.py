@@ -177,15 +177,26 @@ def test_sliding_windows_count_tokens_not_slots_and_roll_back_at_any_length(
         assert sequence.num_slots > 4 * model.config.sliding_window  # far past the window
 
 
+# Rows kept after a merge (lengths 9, 11, 3, 4, 2 over 11 slots) and the slots left: the
+# holes are dropped only when they exceed a quarter of the slots (``COMPACT_ABOVE``).
+SELECTIONS = [
+    ([3, 0, 2], 11),  # a new order, few holes: rows move, every slot stays
+    ([0, 2, 4], 11),  # rows leaving a batch: the rest move up in place
+    ([4, 3], 4),  # many holes: each row's valid slots gathered into the last 4
+]
+
+
+@pytest.mark.parametrize(("kept", "slots_after"), SELECTIONS)
 @pytest.mark.parametrize(
     ("model_type", "overrides", "lean"),
     [("llama", None, False), ("llama", None, True), (*WINDOWED[0], False), (*WINDOWED[1], True)],
 )
 def test_rows_merged_in_and_selected_out_keep_their_own_sequences(
-    model_type: str, overrides: dict | None, lean: bool
+    model_type: str, overrides: dict | None, lean: bool, kept: list[int], slots_after: int
 ) -> None:
-    """A batch with holes merged with a fresh prefill of other lengths, then rows selected in a
-    new order: every row's next step equals a fresh forward over its own committed tokens."""
+    """A batch with holes merged with a fresh prefill of other lengths, then rows selected (in
+    a new order, or some leaving, holes kept or dropped): every row's next step equals a fresh
+    forward over its own committed tokens."""
     from draftsmith.decode.forward.lean_decoder import LeanDecoder
 
     model = tiny_llama(seed=3) if overrides is None else _windowed(model_type, **overrides)
@@ -213,9 +224,11 @@ def test_rows_merged_in_and_selected_out_keep_their_own_sequences(
             *(second[row][second_mask[row]] for row in range(3)),
         ]
         running.extend(follow[:, :1])
-        order = torch.tensor([3, 0, 2])
+        assert running.lengths.tolist() == [9, 11, 3, 4, 2] and running.num_slots == 11
+        order = torch.tensor(kept)
         running.select_rows(order)
-        assert running.num_slots == 9 and bool(running.valid.sum(1).eq(running.lengths).all())
+        assert running.num_slots == slots_after
+        assert bool(running.valid.sum(1).eq(running.lengths).all())
         stepped = running.extend(follow[order, 1:]).logits[:, -1]
         for index, row in enumerate(order.tolist()):
             tokens = torch.cat([committed[row], follow[row]])
@@ -264,3 +277,41 @@ def test_merged_and_selected_slots_are_the_listed_ones_with_zero_holes() -> None
     assert torch.equal(old.keys[1], merged[0][:, [0, 1, 4]])
     old.update(torch.ones(2, 2, 1, 4), torch.ones(2, 2, 1, 4))  # spare capacity takes writes
     assert torch.equal(old.keys[:, :, 3], torch.ones(2, 2, 4))
+
+
+def test_rows_join_in_place_when_they_fit_and_a_longer_join_regrows() -> None:
+    """A merge of rows no longer than the cache writes them into its spare rows (the running
+    rows are not copied; holes in front are zeros even over stale values), a selection writes
+    back into the same buffer, and a join longer than the cache moves both into a new one."""
+    torch.manual_seed(0)
+    layer = PreallocatedLayer()
+    layer.update(torch.randn(3, 2, 6, 4), torch.randn(3, 2, 6, 4))
+    first = PreallocatedLayer()
+    first.update(torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 4))
+    layer.merge_rows(first, 6)  # a new buffer with spare rows: 4 rows of 8
+    buffer = layer._key_buffer
+    assert buffer.shape[0] == 8
+    buffer[4:].fill_(float("nan"))  # stale values where the next rows go
+    running = layer.keys.clone()
+    layer.select_slots(torch.tensor([3, 1]), torch.tensor([[1, 2, 3, 4, 5], [0, 2, 3, 4, 5]]))
+    assert layer._key_buffer is buffer and layer.keys.shape == (2, 2, 5, 4)
+    assert torch.equal(layer.keys[0], running[3][:, 1:])
+    kept = layer.keys.clone()
+    short = PreallocatedLayer()
+    short.update(torch.randn(3, 2, 2, 4), torch.randn(3, 2, 2, 4))
+    layer.merge_rows(short, 5)
+    assert layer._key_buffer is buffer and layer.keys.shape == (5, 2, 5, 4)
+    assert torch.equal(layer.keys[:2], kept)
+    assert torch.equal(layer.keys[2:, :, 3:], short.keys)
+    assert torch.equal(layer.keys[2:, :, :3], torch.zeros(3, 2, 3, 4))
+    long = PreallocatedLayer()
+    long.update(torch.randn(4, 2, 7, 4), torch.randn(4, 2, 7, 4))
+    before = layer.keys.clone()
+    layer.merge_rows(long, 7)  # 9 rows of 8, and more slots: a new buffer
+    assert layer._key_buffer is not buffer and layer.keys.shape == (9, 2, 7, 4)
+    assert torch.equal(layer.keys[:5, :, 2:], before)
+    assert torch.equal(layer.keys[:5, :, :2], torch.zeros(5, 2, 2, 4))
+    assert torch.equal(layer.keys[5:], long.keys)
+    step = torch.randn(9, 2, 1, 4)
+    keys, _ = layer.update(step, step)
+    assert torch.equal(keys[:, :, 7], step[:, :, 0])

@@ -373,6 +373,51 @@ def test_batched_rows_each_get_their_own_greedy_answer_and_max_tokens(
         assert received[-1].batch_size == 3
 
 
+def test_a_joining_requests_first_token_is_handed_on_before_the_drafters_prefill(
+    models: Models,
+) -> None:
+    """Time to first token: a request joining a running lane gets its first token, and
+    ``after_work`` sends it on (the decoder process's pipe), before the drafter prefills its
+    prompt and its rows are merged into the lane's caches."""
+    worker = make_worker(models, draft_policy="fixed")
+    posted: list[tuple[str, Event]] = []
+    sent: list[int] = []  # events posted by each ``after_work`` call
+    worker._after_work = lambda: sent.append(len(posted))
+
+    def job(name: str, prompt: list[int]) -> GenerationJob:
+        params = SamplingParams(ignore_eos=True)
+        return GenerationJob(prompt, 12, params, sink=lambda e: posted.append((name, e)))
+
+    worker.queue.put(job("running", [5, 9, 11]))
+    worker.tick()
+    (lane,) = worker._lanes
+    at_prefill: list[tuple[int, int]] = []  # (joining request's events, events sent)
+
+    def spying_spawn(spawn=lane.session.drafter.spawn) -> Drafter:
+        spawned = spawn()
+        prefill = spawned.prefill
+
+        def spying_prefill(*args) -> None:
+            at_prefill.append((sum(name == "joining" for name, _ in posted), sent[-1]))
+            prefill(*args)
+
+        spawned.prefill = spying_prefill
+        return spawned
+
+    lane.session.drafter.spawn = spying_spawn
+    worker.queue.put(job("joining", [7, 3]))
+    worker.tick()
+    first = next(event for name, event in posted if name == "joining")
+    assert isinstance(first, TokensEvent) and len(first.tokens) == 1
+    (before_prefill,) = at_prefill
+    joined = posted.index(("joining", first))
+    assert before_prefill[0] == 1 and before_prefill[1] > joined
+    worker.drain()
+    tokens = [t for name, e in posted if name == "joining" and isinstance(e, TokensEvent)
+              for t in e.tokens]  # fmt: skip
+    assert tokens == greedy_reference(models[0], [7, 3], 12, eos=())
+
+
 @pytest.mark.parametrize("policy", ["fixed", "adaptive", "load-aware"])
 def test_per_request_stats_add_up_to_the_batch_stats(models: Models, policy: str) -> None:
     rounds: list[DecodeStats] = []

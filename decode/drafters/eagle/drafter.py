@@ -264,16 +264,15 @@ class Eagle3Drafter(Drafter):
 
     # -- continuous batching ----------------------------------------------------------------
     def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep ``rows``, each with its valid entries right-aligned (holes dropped) and its
-        unread entries kept for the next proposal."""
+        """Keep ``rows``, each with its valid entries right-aligned (holes dropped when they
+        are many: ``PreallocatedStack.select_rows``) and its unread entries kept for the next
+        proposal."""
         state = self._require_state()
         rows = rows.to(state.valid.device, torch.long)
         state.unread = [block.select(rows) for block in state.unread]
         valid = state.valid[rows]  # [R, S]
-        live = int(valid.sum(1).max()) if rows.numel() else 0
-        order = torch.sort(valid.long(), dim=1, stable=True).indices[:, valid.shape[1] - live :]
-        state.cache.select_slots(rows, order)
-        state.valid = valid.gather(1, order)
+        order = state.cache.select_rows(rows, valid)  # [R, L] or None: every slot kept
+        state.valid = valid if order is None else valid.gather(1, order)
         state.has_holes = not bool(state.valid.all())
         state.hidden, state.logits = state.hidden[rows], state.logits[rows]
         state.next_pos, state.drafts = state.next_pos[rows], None
