@@ -57,6 +57,7 @@ from draftsmith.decode.serving.jobs import (
     DoneEvent,
     ErrorEvent,
     Event,
+    Gather,
     GenerationJob,
     QueueClosed,
     QueueFull,
@@ -314,8 +315,10 @@ class _TakingQueue(RequestQueue):
         self.ids: dict[int, int] = {}  # id(job) -> the front end's id
         self._report = report
 
-    def take(self, max_jobs: int, timeout: float) -> list[GenerationJob]:
-        taken = super().take(max_jobs, timeout)
+    def take(
+        self, max_jobs: int, timeout: float, gather: Gather | None = None
+    ) -> list[GenerationJob]:
+        taken = super().take(max_jobs, timeout, gather)
         if taken:
             self._report([self.ids.pop(id(job)) for job in taken])
         return taken

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -98,6 +99,7 @@ class GenerationJob:
         self.finished = False
         self.accepted_by_width: dict[int, list[int]] = {}  # drafts -> accepted, per round
         self.batch_size = 1
+        self.queued_at = 0.0  # time.monotonic() when it entered a RequestQueue
 
     @property
     def cancelled(self) -> bool:
@@ -128,6 +130,21 @@ class GenerationJob:
             self.cancel()
 
 
+@dataclass(frozen=True)
+class Gather:
+    """How long an idle worker waits for a burst of requests before it prefills the first.
+
+    Clients that start together send their requests within a few milliseconds of each other.
+    A worker that takes the first alone prefills it, runs a round, and only then prefills the
+    rest as a second batch, so those wait for two prefills and a round. Taking a job waits
+    while jobs keep arriving: until none arrived for ``gap`` s, at most until the oldest has
+    waited ``window`` s. A lone request pays ``gap`` once.
+    """
+
+    gap: float
+    window: float
+
+
 class RequestQueue:
     """FIFO of waiting jobs with a capacity."""
 
@@ -149,6 +166,7 @@ class RequestQueue:
                 raise QueueClosed("the decoder has stopped (the server is shutting down)")
             if len(self._jobs) >= self.capacity:
                 raise QueueFull(f"{self.capacity} requests are already waiting")
+            job.queued_at = time.monotonic()
             self._jobs.append(job)
             self._condition.notify()
 
@@ -161,18 +179,33 @@ class RequestQueue:
                 return False
             return True
 
-    def take(self, max_jobs: int, timeout: float) -> list[GenerationJob]:
+    def take(
+        self, max_jobs: int, timeout: float, gather: Gather | None = None
+    ) -> list[GenerationJob]:
         """Up to ``max_jobs`` of the oldest live jobs, waiting up to ``timeout`` s for one
-        ([] then); cancelled jobs are dropped."""
+        ([] then); cancelled jobs are dropped. With ``gather``, once a job waits, go on waiting
+        while more arrive (the ``Gather`` docstring) so that a burst is taken together."""
         with self._condition:
             if timeout > 0:
                 self._condition.wait_for(lambda: self._jobs or self._closed, timeout=timeout)
+            if gather is not None:
+                self._gather(max_jobs, gather)
             taken: list[GenerationJob] = []
             while self._jobs and len(taken) < max_jobs:
                 job = self._jobs.popleft()
                 if not job.cancelled:
                     taken.append(job)
             return taken
+
+    def _gather(self, max_jobs: int, gather: Gather) -> None:
+        """Wait (holding the condition; ``put`` wakes it) until ``max_jobs`` wait, none
+        arrived for ``gather.gap`` s, or the oldest has waited ``gather.window`` s."""
+        while self._jobs and len(self._jobs) < max_jobs and not self._closed:
+            newest, oldest = self._jobs[-1].queued_at, self._jobs[0].queued_at
+            left = min(newest + gather.gap, oldest + gather.window) - time.monotonic()
+            if left <= 0:
+                return
+            self._condition.wait(timeout=left)
 
     def close(self) -> list[GenerationJob]:
         """Refuse new jobs, wake the worker, and return the jobs that were still waiting."""

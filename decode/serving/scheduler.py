@@ -5,6 +5,9 @@ decodes, and runs one speculative round of every lane in turn. Between rounds, w
 join (``DecodeSession.add_rows``: they are prefilled as a batch of their own and merged into
 the running caches) and finished ones retire (``DecodeSession.retire`` frees their cache
 slots), so a new request waits at most one round per lane, never for a batch to finish.
+Requests that arrive while others are prefilled join right after them, before the next round,
+and a worker with nothing to decode gathers a burst (``IDLE_GATHER``), so that clients that
+start together share one prefill instead of each waiting for the prefills and rounds before.
 ``max_batch_size`` bounds the rows decoding at once, over all lanes.
 
 Requests share a lane when they sample alike: every greedy request shares one lane (the
@@ -54,6 +57,7 @@ from draftsmith.decode.sampling import SamplingConfig
 from draftsmith.decode.serving.jobs import (
     DoneEvent,
     ErrorEvent,
+    Gather,
     GenerationJob,
     RequestQueue,
     SamplingParams,
@@ -66,6 +70,9 @@ logger = logging.getLogger(__name__)
 
 # Prompt and answer tokens of ``BatchWorker.warm_up``'s request.
 WARM_UP_TOKENS = 16
+# An idle worker takes a burst of requests together (``Gather``): it waits while requests
+# arrive less than 2 ms apart, at most 10 ms after the first.
+IDLE_GATHER = Gather(gap=0.002, window=0.010)
 
 
 # Where a round's time goes (``RoundProfile.seconds``): the drafter's proposal, the target's
@@ -271,18 +278,24 @@ class BatchWorker:
 
     # -- joining -------------------------------------------------------------------------
     def _admit(self, timeout: float) -> None:
-        free = self.max_batch_size - self.running
-        if free <= 0:
-            return
-        jobs = self.queue.take(free, timeout)
-        self._admitting = jobs  # answered by ``_fail_all`` if joining them fails unexpectedly
-        groups: dict[int, tuple[_Lane, list[GenerationJob]]] = {}
-        for job in jobs:
-            lane = self._lane_for(job.params)
-            groups.setdefault(id(lane), (lane, []))[1].append(job)
-        for lane, joining in groups.values():
-            self._join(lane, joining)
-        self._admitting = []
+        """Join waiting requests: an idle worker first gathers a burst (``IDLE_GATHER``), and
+        requests that arrived during a prefill join at once, not after the next round (at most
+        ``max_batch_size`` rows, so running rows wait a bounded time)."""
+        gather = IDLE_GATHER if not self._lanes else None
+        while (free := self.max_batch_size - self.running) > 0:
+            jobs = self.queue.take(free, timeout, gather)
+            if not jobs:
+                return
+            self._admitting = jobs  # answered by ``_fail_all`` if joining them fails unexpectedly
+            groups: dict[int, tuple[_Lane, list[GenerationJob]]] = {}
+            for job in jobs:
+                lane = self._lane_for(job.params)
+                groups.setdefault(id(lane), (lane, []))[1].append(job)
+            for lane, joining in groups.values():
+                self._join(lane, joining)
+            self._admitting = []
+            self._work_done()  # their first tokens go out before the next prefill
+            timeout, gather = 0.0, None
 
     def _lane_for(self, params: SamplingParams) -> _Lane:
         key = params.lane_key()

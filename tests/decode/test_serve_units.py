@@ -29,6 +29,7 @@ from draftsmith.decode.serving.jobs import (
     DoneEvent,
     ErrorEvent,
     Event,
+    Gather,
     GenerationJob,
     QueueClosed,
     QueueFull,
@@ -187,6 +188,112 @@ def test_queue_batches_compatible_jobs_in_order_and_is_bounded() -> None:
             queue.put(late)
 
     asyncio.run(scenario())
+
+
+def test_a_gathering_take_waits_for_a_burst_and_no_longer() -> None:
+    """``take`` with a ``Gather`` takes jobs arriving less than ``gap`` apart together, and
+    returns at once when ``max_jobs`` wait or the oldest has waited ``window`` s."""
+    params = SamplingParams()
+
+    async def scenario() -> None:
+        queue = RequestQueue(16)
+        burst = [GenerationJob([1], 4, params) for _ in range(5)]
+
+        def send() -> None:  # a burst that starts while ``take`` waits for its first job
+            for job in burst:
+                threading.Event().wait(0.002)
+                queue.put(job)
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        taken = await asyncio.to_thread(queue.take, 8, 5.0, Gather(gap=1.0, window=3.0))
+        sender.join()
+        assert taken == burst  # all five, in one take
+
+        never = Gather(gap=60.0, window=60.0)  # a take that waited it out would time the test out
+        full = [GenerationJob([1], 4, params) for _ in range(3)]
+        for job in full:
+            queue.put(job)
+        assert queue.take(3, 0.0, never) == full  # max_jobs wait: nothing to gather
+        old = GenerationJob([1], 4, params)
+        queue.put(old)
+        old.queued_at -= 120.0  # it has waited past the window
+        assert queue.take(8, 0.0, never) == [old]
+        assert queue.take(8, 0.0, never) == []  # nothing waits: no gathering
+        late = GenerationJob([1], 4, params)
+        queue.put(late)
+        threading.Timer(0.05, queue.close).start()
+        assert queue.take(8, 0.0, never) == []  # closing ends the wait (and answers ``late``)
+
+    asyncio.run(scenario())
+
+
+def test_an_idle_worker_prefills_a_burst_as_one_batch(models: Models) -> None:
+    """Requests that arrive together while nothing decodes join in one prefill, so none waits
+    for another's prefill and round; a busy worker does not wait for more."""
+    worker = make_worker(models, draft_policy="fixed")
+    prefills: list[int] = []
+    worker._on_prefill = prefills.append
+    params = SamplingParams(ignore_eos=True)
+
+    async def scenario() -> None:
+        jobs = [GenerationJob([5 + row, 9], 6, params) for row in range(4)]
+
+        def send() -> None:
+            for job in jobs:
+                threading.Event().wait(0.001)
+                worker.queue.put(job)
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        await asyncio.to_thread(worker.tick, 5.0)
+        sender.join()
+        assert prefills == [4]
+        await asyncio.to_thread(worker.drain)
+        for row, job in enumerate(jobs):
+            tokens = [t for e in _events(job) if isinstance(e, TokensEvent) for t in e.tokens]
+            assert tokens == greedy_reference(models[0], [5 + row, 9], 6, eos=())
+
+    asyncio.run(scenario())
+
+
+def test_requests_arriving_during_a_prefill_join_before_the_next_round(models: Models) -> None:
+    """A request that arrives while others are prefilled joins right after them, not after
+    a round of theirs; the rows that ran first keep their greedy answers."""
+    order: list[str] = []
+    profiles: list[RoundProfile] = []
+    worker = make_worker(models, draft_policy="fixed", profiles=profiles)
+    worker._on_round = lambda profile: order.append(f"round of {profile.rows}")
+    params = SamplingParams(ignore_eos=True)
+    prompts = [[5, 9], [7], [3, 4, 8]]
+
+    async def scenario() -> list[GenerationJob]:
+        jobs = [GenerationJob(prompt, 5, params) for prompt in prompts]
+        late = iter(jobs[1:])
+
+        def prefilled(rows: int) -> None:
+            order.append(f"prefill of {rows}")
+            arriving = next(late, None)  # one more request arrives during each prefill
+            if arriving is not None:
+                worker.queue.put(arriving)
+
+        worker._on_prefill = prefilled
+        worker.queue.put(jobs[0])
+        await asyncio.to_thread(worker.drain)
+        return jobs
+
+    jobs = asyncio.run(scenario())
+    assert order[:4] == ["prefill of 1", "prefill of 1", "prefill of 1", "round of 3"]
+    for prompt, job in zip(prompts, jobs, strict=True):
+        tokens = [t for e in _events(job) if isinstance(e, TokensEvent) for t in e.tokens]
+        assert tokens == greedy_reference(models[0], prompt, 5, eos=())
+
+
+def _events(job: GenerationJob) -> list[Event]:
+    received = []
+    while not job.events.empty():
+        received.append(job.events.get_nowait())
+    return received
 
 
 @pytest.mark.parametrize(
