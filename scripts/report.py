@@ -4,6 +4,7 @@
     draftsmith-report --check                           # exit 1 if any differs (tests run it)
     draftsmith-report --main-job outputs/distill-demo   # take a new main-job run (the README's)
     draftsmith-report --main-job outputs/distill-demo --into main_job_amd.json  # the AMD record
+    draftsmith-report --main-job outputs/distill-demo --into main_job_avx2.json  # AVX2 only
 
 A section is the text between ``<!-- report:NAME -->`` and ``<!-- /report:NAME -->`` in
 README.md or a file of docs/ or docs/guides/; ``SECTIONS`` says which function writes each one
@@ -47,6 +48,7 @@ BENCH_DEMO = RESULTS / "bench_demo.json"
 BENCH_NO_AMX = RESULTS / "bench_no_amx" / "bench.json"
 BENCH_AMD = RESULTS / "bench_amd" / "bench.json"
 MAIN_JOB_AMD = RESULTS / "main_job_amd.json"
+MAIN_JOB_AVX2 = RESULTS / "main_job_avx2.json"  # the AVX2-only AMD EPYC's (float32)
 SERVING_SWEEP = RESULTS / "serving_sweep.json"  # draftsmith-load-test --sweep --json
 BENCH_DFLASH_AVX2 = RESULTS / "bench_dflash_avx2" / "bench.json"
 # Seed 0's EAGLE-3 and DSpark heads of the DSpark grid in one benchmark (the bf16 AMD EPYC)
@@ -78,6 +80,7 @@ ABLATION_PEAGLE_LAYERS_450_AMX = RESULTS / "ablation_peagle_layers_450_amx" / "a
 RECORDS = (
     MAIN_JOB,
     MAIN_JOB_AMD,
+    MAIN_JOB_AVX2,
     BENCH_DEMO,
     BENCH_NO_AMX,
     BENCH_AMD,
@@ -948,6 +951,8 @@ SECTIONS: dict[str, Callable[[], str]] = {
     "bench-no-amx": lambda: key_rows_table(_read(BENCH_NO_AMX)),
     "cost-model-no-amx": lambda: cost_model(_read(BENCH_NO_AMX)),
     "main-job-amd-run": lambda: main_job_run(_read(MAIN_JOB_AMD)),
+    "main-job-avx2": lambda: main_job_table(_read(MAIN_JOB_AVX2)),
+    "main-job-avx2-run": lambda: main_job_run(_read(MAIN_JOB_AVX2)),
     "bench-amd": lambda: key_rows_table(_read(BENCH_AMD)),
     "cost-model-amd": lambda: cost_model(_read(BENCH_AMD)),
     "ablation-peagle-no-amx": lambda: ablation_tables(ABLATION_PEAGLE_NO_AMX),
@@ -1113,10 +1118,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--into",
-        choices=(MAIN_JOB.name, MAIN_JOB_AMD.name),
+        choices=(MAIN_JOB.name, MAIN_JOB_AMD.name, MAIN_JOB_AVX2.name),
         default=MAIN_JOB.name,
         help="the record --main-job replaces: main_job.json (the AMX machine's, the README's "
-        "headline and the benchmarks guide's main job) or main_job_amd.json (the AMD EPYC's)",
+        "headline and the benchmarks guide's main job), main_job_amd.json (the AMD EPYC's "
+        "with AVX512-BF16) or main_job_avx2.json (the AVX2-only AMD EPYC's)",
     )
     args = parser.parse_args(argv)
     if args.check and args.main_job is not None:

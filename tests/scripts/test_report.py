@@ -270,6 +270,8 @@ def test_into_names_which_main_job_record_a_run_replaces(capsys) -> None:
     assert report.parse_args(["--main-job", "run"]).into == "main_job.json"
     amd = report.parse_args(["--main-job", "run", "--into", "main_job_amd.json"])
     assert amd.into == "main_job_amd.json"
+    avx2 = report.parse_args(["--main-job", "run", "--into", "main_job_avx2.json"])
+    assert avx2.into == "main_job_avx2.json"
     with pytest.raises(SystemExit):
         report.parse_args(["--main-job", "run", "--into", "../README.md"])
     assert "invalid choice" in capsys.readouterr().err
