@@ -50,6 +50,7 @@ from draftsmith.decode.serving.scheduler import (
     ROUND_PHASES,
     BatchWorker,
     RoundProfile,
+    prefill_groups,
 )
 from draftsmith.decode.serving.text import TextStream
 from draftsmith.decode.stats import DecodeStats
@@ -284,6 +285,61 @@ def test_requests_arriving_during_a_prefill_join_before_the_next_round(models: M
 
     jobs = asyncio.run(scenario())
     assert order[:4] == ["prefill of 1", "prefill of 1", "prefill of 1", "round of 3"]
+    for prompt, job in zip(prompts, jobs, strict=True):
+        tokens = [t for e in _events(job) if isinstance(e, TokensEvent) for t in e.tokens]
+        assert tokens == greedy_reference(models[0], prompt, 5, eos=())
+
+
+def _split_cost(lengths: list[int], groups: list[list[int]], pass_tokens: int) -> int:
+    return sum(pass_tokens + len(group) * max(lengths[i] for i in group) for group in groups)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_prefill_groups_are_the_cheapest_split_shortest_first(seed: int) -> None:
+    """Against every split of the sorted prompts into runs: the cheapest cost, every prompt
+    once, runs in order of length."""
+    import itertools
+    import random
+
+    rng = random.Random(seed)
+    lengths = [rng.choice([1, 2, 5, 9, 40, 130]) for _ in range(rng.randint(1, 7))]
+    pass_tokens = rng.choice([0, 8, 32, 500])
+    groups = prefill_groups(lengths, pass_tokens)
+    assert sorted(i for group in groups for i in group) == list(range(len(lengths)))
+    longest = [max(lengths[i] for i in group) for group in groups]
+    assert longest == sorted(longest)
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    cheapest = min(
+        _split_cost(lengths, [order[a:b] for a, b in itertools.pairwise((0, *cuts, len(order)))],
+                    pass_tokens)
+        for size in range(len(order))
+        for cuts in itertools.combinations(range(1, len(order)), size)
+    )  # fmt: skip
+    assert _split_cost(lengths, groups, pass_tokens) == cheapest
+    assert prefill_groups([], pass_tokens) == []
+    assert prefill_groups([7, 7, 7], 32) == [[0, 1, 2]]  # equal lengths: one pass
+
+
+def test_a_long_prompt_is_prefilled_apart_from_short_ones_and_answers_stay_exact(
+    models: Models,
+) -> None:
+    """A burst of short prompts and one long one: the short ones share a pass that does not
+    pad them to the long one's length, and go first; every greedy answer is the target's."""
+    worker = make_worker(models, draft_policy="fixed")
+    prefills: list[int] = []
+    worker._on_prefill = prefills.append
+    params = SamplingParams(ignore_eos=True)
+    prompts = [[(7 * i) % 50 + 3 for i in range(90)], [5, 9], [7], [3, 4, 8]]
+
+    async def scenario() -> list[GenerationJob]:
+        jobs = [GenerationJob(prompt, 5, params) for prompt in prompts]
+        for job in jobs:
+            worker.queue.put(job)
+        await asyncio.to_thread(worker.drain)
+        return jobs
+
+    jobs = asyncio.run(scenario())
+    assert prefills == [3, 1]
     for prompt, job in zip(prompts, jobs, strict=True):
         tokens = [t for e in _events(job) if isinstance(e, TokensEvent) for t in e.tokens]
         assert tokens == greedy_reference(models[0], prompt, 5, eos=())
