@@ -18,8 +18,9 @@ AVX512-BF16 alone (AMX absent or hidden by a hypervisor) the packed weight is st
 fastest bfloat16 layout measured, but its cost grows with the rows (warm q/k/v 1536 x 1024, 2
 threads: about six times the one-row cost at 17 rows; docs/guides/results-other-cpus.md, "The
 demo target on the Intel Xeon without AMX"). An AMD EPYC (Zen 5) with AVX512-BF16 and no AMX
-behaves like the AMX machine: warm, 2 threads, the target's q/k/v 1536 x 512 cost 54 / 49 / 52 / 85 microseconds for
-1 / 4 / 9 / 17 rows (same guide, "The demo target on the AMD EPYC (Zen 5)"). Vocabulary-sized
+behaves like the AMX machine: warm, 2 threads, the target's q/k/v 1536 x 512 cost 54 / 49 / 52 /
+85 microseconds for 1 / 4 / 9 / 17 rows (same guide, "The demo target on the AMD EPYC (Zen
+5)"). Vocabulary-sized
 outputs follow their own float32 table (``draftsmith.decode.forward.output_head``); in bfloat16 (V = 8192, H =
 512) the packed weight wins up to 64 rows (0.44 ms at 1-5 rows against 0.73 for ``F.linear``)
 and ``(W x^T)^T`` beyond (2.4 ms at 256 rows against 4.3 packed).

@@ -262,8 +262,7 @@ def test_requests_arriving_during_a_prefill_join_before_the_next_round(models: M
     """A request that arrives while others are prefilled joins right after them, not after
     a round of theirs; the rows that ran first keep their greedy answers."""
     order: list[str] = []
-    profiles: list[RoundProfile] = []
-    worker = make_worker(models, draft_policy="fixed", profiles=profiles)
+    worker = make_worker(models, draft_policy="fixed")
     worker._on_round = lambda profile: order.append(f"round of {profile.rows}")
     params = SamplingParams(ignore_eos=True)
     prompts = [[5, 9], [7], [3, 4, 8]]
@@ -343,13 +342,6 @@ def test_a_long_prompt_is_prefilled_apart_from_short_ones_and_answers_stay_exact
     for prompt, job in zip(prompts, jobs, strict=True):
         tokens = [t for e in _events(job) if isinstance(e, TokensEvent) for t in e.tokens]
         assert tokens == greedy_reference(models[0], prompt, 5, eos=())
-
-
-def _events(job: GenerationJob) -> list[Event]:
-    received = []
-    while not job.events.empty():
-        received.append(job.events.get_nowait())
-    return received
 
 
 @pytest.mark.parametrize(
@@ -490,15 +482,17 @@ def run_jobs(
         await asyncio.to_thread(work)
         await asyncio.sleep(0)
         jobs += [job for _, job in joining]
-        events = []
-        for job in jobs:
-            received = []
-            while not job.events.empty():
-                received.append(job.events.get_nowait())
-            events.append(received)
-        return events
+        return [_events(job) for job in jobs]
 
     return asyncio.run(scenario())
+
+
+def _events(job: GenerationJob) -> list[Event]:
+    """The events posted to ``job`` so far, in order."""
+    received = []
+    while not job.events.empty():
+        received.append(job.events.get_nowait())
+    return received
 
 
 def tokens_of(events: list[Event]) -> list[int]:
