@@ -14,7 +14,7 @@ from decode_helpers import (
     tiny_medusa_drafter,
 )
 from draftsmith.decode import DraftModelDrafter, NgramDrafter, SpeculativeDecoder
-from draftsmith.decode.draft_length import TIME_WINDOW, AdaptiveDraftLength
+from draftsmith.decode.draft_length import TIME_WINDOW, AdaptiveDraftLength, probe_width
 from tiny_models import tiny_llama
 
 
@@ -80,6 +80,29 @@ def test_policy_falls_back_to_plain_steps_when_drafts_are_rejected() -> None:
     tail = chosen[-32:]
     assert tail.count(0) >= 28  # plain steps, with a probe of length 1 every 8th round
     assert set(tail) <= {0, 1}
+
+
+def test_a_drafting_policy_times_a_plain_step_again() -> None:
+    """Probes from a width of 2 or more go up, down and to a plain step in turn: a plain step
+    whose one timed round at the start stalled is timed again and chosen once it is the faster
+    option (with probes of the neighbours alone the policy drafted 4 for good)."""
+    policy = AdaptiveDraftLength(max_tokens=4, probe_every=4)
+    plain = iter([0.010, 0.100])  # the untimed warm-up, then a stalled round; then 10 ms each
+
+    def seconds(width: int) -> float:  # drafting: 5 tokens in 64 ms, plain: 1 token in 10 ms
+        return 0.060 + 0.001 * width if width else next(plain, 0.010)
+
+    chosen = _feed(policy, 40, alpha=1.0, seconds=seconds)
+    assert chosen[:8] == [4, 4, 0, 0, 4, 4, 4, 3]  # warm-ups, then 4 drafts and a probe down
+    assert chosen[11] == 0  # the third probe: a plain step
+    assert chosen[-8:].count(0) >= 6  # plain steps, with probes of one draft
+
+
+def test_probes_go_up_down_and_to_a_plain_step_in_turn() -> None:
+    assert [probe_width(3, 4, probe) for probe in range(6)] == [4, 2, 0, 4, 2, 0]
+    assert [probe_width(1, 4, probe) for probe in range(4)] == [2, 0, 2, 0]
+    assert [probe_width(0, 4, probe) for probe in range(3)] == [1, 1, 1]
+    assert probe_width(4, 4, 0) == 4  # no room above: the probe stays at the limit
 
 
 def test_policy_keeps_its_length_unless_another_is_clearly_faster() -> None:
