@@ -25,6 +25,7 @@ COMMANDS: dict[str, str] = {
     "parallel-ceiling": "draftsmith.scripts.parallel_ceiling",
     "export": "draftsmith.scripts.export",
     "profile-serve": "draftsmith.scripts.profile_serve",
+    "compare-policies": "draftsmith.scripts.compare_policies",
 }
 """``draftsmith-<key>`` runs module ``COMMANDS[key]``."""
 
@@ -84,3 +85,7 @@ def export() -> None:
 
 def profile_serve() -> None:
     run("profile-serve")
+
+
+def compare_policies() -> None:
+    run("compare-policies")
