@@ -37,7 +37,12 @@ entries of a large batch that does not draft. Smaller batches keep ``probe_every
 row the head's catch-up is a small pass beside a step bound by reading the target's weights,
 and rare probes left a policy that had settled on plain steps there before its acceptance was
 measured plain for good (AVX2-only AMD EPYC, float32, one client: 0.02 drafts per row and
-67.0 tokens/s against 79.3 drafting always).
+67.0 tokens/s against 79.3 drafting always). From five rows on a probe is dear: at eight rows
+there a 1-draft round took 51.3 ms against a 24.9-ms plain step for 1.58 tokens per row, so a
+probe every 16 rounds cost about 3% of a batch that did not draft; with rare probes from five
+rows instead of nine, load-aware served 1.10x (T = 0) and 1.02x (T = 1) the tokens/s of the
+same policy probing as before, the median of four interleaved 8-second windows of 8
+closed-loop clients (``draftsmith-compare-policies``' harness).
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ TIME_WINDOW = 9
 # The load-aware policy's probes while no length beats a plain step, and the rounds after
 # which its drafter drops the entries it has not read (``Drafter.forget_after_rounds``).
 IDLE_PROBE_EVERY = 128
-IDLE_PROBE_ROWS = 9
+IDLE_PROBE_ROWS = 5
 FORGET_AFTER_ROUNDS = 16
 
 

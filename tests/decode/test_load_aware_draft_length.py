@@ -106,6 +106,7 @@ def test_a_bucket_that_does_not_draft_probes_rarely_and_its_drafter_forgets() ->
     widths = _run(alone, 60, alpha=1.0, seconds=seconds)
     # Below IDLE_PROBE_ROWS rows a plain bucket probes as often as a drafting one.
     assert policy.costs(1).idle_probe_every == 4 and policy.costs(16).idle_probe_every == 32
+    assert policy.costs(4).idle_probe_every == 4 and policy.costs(5).idle_probe_every == 32
     # Every fourth round probes: up (held at the limit), one draft down and a plain step in
     # turn, so six probes in a row go down twice and to a plain step twice.
     assert widths[-24:].count(3) == 2 and widths[-24:].count(0) == 2
