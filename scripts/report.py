@@ -38,6 +38,7 @@ from typing import Any
 from draftsmith.decode.measure.machine import describe_machine
 from draftsmith.decode.measure.side_by_side import UNREPRODUCED_TIMING
 from draftsmith.decode.measure.tables import markdown_table
+from draftsmith.scripts.compare_policies import policy_windows_table
 from draftsmith.scripts.load_sweep import sweep_ratio_table, sweep_table
 from draftsmith.scripts.profile_serve import round_parts_table
 
@@ -67,6 +68,8 @@ ABLATION_DSPARK_AMD = RESULTS / "ablation_dspark_amd" / "ablation.json"
 # Where a served round's time goes, at 1 and 8 clients (scripts/profile_serve.py --json)
 SERVING_ROUNDS_AMD = RESULTS / "serving_rounds_amd.json"
 SERVING_ROUNDS_AVX2 = RESULTS / "serving_rounds_avx2.json"  # the same on the AVX2-only EPYC
+# The draft policies in interleaved windows without HTTP (scripts/compare_policies.py --json)
+POLICY_WINDOWS_AVX2 = RESULTS / "policy_windows_avx2.json"
 ABLATION_PEAGLE_NO_AMX = RESULTS / "ablation_peagle_no_amx" / "ablation.json"
 ABLATION_PEAGLE_AMD = RESULTS / "ablation_peagle_amd" / "ablation.json"
 ABLATION_VOCAB_NO_AMX = RESULTS / "ablation_vocab_no_amx" / "ablation.json"
@@ -94,6 +97,7 @@ RECORDS = (
     SERVING_SWEEP_AMD,
     SERVING_ROUNDS_AMD,
     SERVING_ROUNDS_AVX2,
+    POLICY_WINDOWS_AVX2,
     ABLATION_PEAGLE_NO_AMX,
     ABLATION_PEAGLE_AMD,
     ABLATION_VOCAB_NO_AMX,
@@ -996,6 +1000,7 @@ SECTIONS: dict[str, Callable[[], str]] = {
     ),
     "serving-rounds-amd": lambda: round_parts_table(_read(SERVING_ROUNDS_AMD)),
     "serving-rounds-avx2": lambda: round_parts_table(_read(SERVING_ROUNDS_AVX2)),
+    "policy-windows-avx2": lambda: policy_windows_table(_read(POLICY_WINDOWS_AVX2)),
 }
 """Section name -> the function that writes its text from docs/results/."""
 
