@@ -201,27 +201,12 @@ def policy_windows_table(record: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     from draftsmith.decode.drafters.registry import load_no_drafter
     from draftsmith.decode.measure.machine import machine_record
-    from draftsmith.decode.serving.config import ServeConfig
     from draftsmith.decode.serving.jobs import RequestQueue
-    from draftsmith.decode.serving.loading import load_components
     from draftsmith.decode.serving.scheduler import BatchWorker
-    from draftsmith.scripts.load_test import PROMPTS
+    from draftsmith.scripts.profile_serve import load_measured
 
     args = parse_args(argv)
-    config = ServeConfig(
-        target=args.target,
-        drafter=args.drafter,
-        drafter_kind=args.drafter_kind,
-        num_draft_tokens=args.num_draft_tokens,
-        dtype=args.dtype,
-        num_threads=args.num_threads,
-        max_batch_size=args.max_batch_size,
-        served_model_name="m",
-        log_level="warning",
-    )
-    config.validate()
-    target, tokenizer, drafter = load_components(config)
-    prompts = [list(tokenizer(text)["input_ids"]) or [0] for text in PROMPTS]
+    _, target, tokenizer, drafter, prompts = load_measured(args, max_batch_size=args.max_batch_size)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
     def worker(policy: str) -> BatchWorker:

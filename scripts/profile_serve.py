@@ -208,15 +208,15 @@ def parse_metrics(text: str) -> dict:
     return samples
 
 
-def main(argv: list[str] | None = None) -> int:
-    from draftsmith.decode.engine import SpeculativeDecoder
-    from draftsmith.decode.measure.machine import machine_record
-    from draftsmith.decode.serve import build_server
+def load_measured(args: argparse.Namespace, **fields: Any) -> tuple[Any, Any, Any, Any, list]:
+    """``(config, target, tokenizer, drafter, prompts)`` for a measuring command: the
+    ``ServeConfig`` of ``args``' --target, --drafter, --drafter-kind, --num-draft-tokens,
+    --dtype and --num-threads (``fields``: further settings), its loaded parts, and the load
+    tester's prompts as token ids."""
     from draftsmith.decode.serving.config import ServeConfig
     from draftsmith.decode.serving.loading import load_components
     from draftsmith.scripts.load_test import PROMPTS
 
-    args = parse_args(argv)
     config = ServeConfig(
         target=args.target,
         drafter=args.drafter,
@@ -225,12 +225,24 @@ def main(argv: list[str] | None = None) -> int:
         dtype=args.dtype,
         num_threads=args.num_threads,
         served_model_name="m",
-        max_tokens_limit=max(args.max_tokens, 16),
         log_level="warning",
+        **fields,
     )
     config.validate()
     target, tokenizer, drafter = load_components(config)
     prompts = [list(tokenizer(text)["input_ids"]) or [0] for text in PROMPTS]
+    return config, target, tokenizer, drafter, prompts
+
+
+def main(argv: list[str] | None = None) -> int:
+    from draftsmith.decode.engine import SpeculativeDecoder
+    from draftsmith.decode.measure.machine import machine_record
+    from draftsmith.decode.serve import build_server
+
+    args = parse_args(argv)
+    config, target, _, drafter, prompts = load_measured(
+        args, max_tokens_limit=max(args.max_tokens, 16)
+    )
     decoder = SpeculativeDecoder(target, drafter, args.num_draft_tokens)
     record: dict[str, Any] = {
         "machine": machine_record(),
