@@ -122,6 +122,7 @@ class AdaptiveDraftLength(RoundPolicy):
         self._accepted = [PRIOR_ACCEPTED] * max_tokens  # decayed drafts accepted at position j
         self._recent: dict[int, deque[float]] = {}  # w -> its last TIME_WINDOW round times
         self._seconds: dict[int, float] = {}  # w -> the median of _recent[w]
+        self._borrowed: dict[int, float] = {}  # w -> another batch size's T(w) (start_from)
         self._rounds = 0
 
     @property
@@ -137,23 +138,29 @@ class AdaptiveDraftLength(RoundPolicy):
             total += survive
         return total
 
+    def start_from(self, other: AdaptiveDraftLength) -> None:
+        """Borrow ``other``'s round times (a batch size not seen before starts from the
+        nearest one's costs instead of timing the longest width and a plain step first).
+
+        Borrowed times give the shape of ``T(w)`` until this policy has timed two widths of
+        its own; with one, they are scaled to it (``round_seconds``)."""
+        widths = set(other._seconds) | set(other._borrowed)
+        self._borrowed = {width: other.round_seconds(width) for width in widths}
+
     def round_seconds(self, width: int) -> float | None:
         """``T(w)``: the median of its recent rounds where ``w`` was run, else a least-squares
-        line through the measured widths (None before any)."""
-        if width in self._seconds:
-            return self._seconds[width]
-        if not self._seconds:
-            return None
-        widths = list(self._seconds)
-        if len(widths) == 1:  # one point: a draft step costs as much as the measured round
-            (known,) = widths
-            return self._seconds[known] * (1 + width) / (1 + known)
-        mean_w = sum(widths) / len(widths)
-        mean_t = sum(self._seconds.values()) / len(widths)
-        spread = sum((w - mean_w) ** 2 for w in widths)
-        slope = sum((w - mean_w) * (t - mean_t) for w, t in self._seconds.items()) / spread
-        slope = max(slope, 0.0)
-        return max(mean_t + slope * (width - mean_w), 1e-9)
+        line through the measured widths; before two widths are measured, the borrowed times
+        (``start_from``) scaled to the one measured (None with neither)."""
+        own = self._seconds
+        if width in own:
+            return own[width]
+        if len(own) < 2 and self._borrowed:
+            scale = 1.0
+            if own:
+                ((known, seconds),) = own.items()
+                scale = seconds / line_through(self._borrowed, known)
+            return scale * line_through(self._borrowed, width)
+        return line_through(own, width) if own else None
 
     def choose(self, limit: int, expected: Sequence[float] | None = None) -> int:
         """The draft length for the next round, at most ``limit`` (the rows' remaining room).
@@ -164,9 +171,9 @@ class AdaptiveDraftLength(RoundPolicy):
         if limit <= 0:
             return 0
         # Time the longest length first, then a plain step (each after its warm-up round): two
-        # points fix the line.
+        # points fix the line. A policy with borrowed times chooses from them at once.
         for width in (self.max_tokens, 0):
-            if width not in self._seconds and width <= limit:
+            if width not in self._seconds and width <= limit and not self._borrowed:
                 return width
         gains = (
             expected
@@ -210,6 +217,22 @@ class AdaptiveDraftLength(RoundPolicy):
                 self._accepted[j] = self.decay * self._accepted[j] + accepted
 
 
+def line_through(seconds: dict[int, float], width: int) -> float:
+    """A round time at ``width`` from ``seconds`` (width -> time, not empty): the time itself
+    where measured, else a least-squares line through the measured widths (its slope at least
+    0), or with one width measured a draft step costing as much as that round."""
+    if width in seconds:
+        return seconds[width]
+    if len(seconds) == 1:
+        ((known, time),) = seconds.items()
+        return time * (1 + width) / (1 + known)
+    mean_w = sum(seconds) / len(seconds)
+    mean_t = sum(seconds.values()) / len(seconds)
+    spread = sum((w - mean_w) ** 2 for w in seconds)
+    slope = max(sum((w - mean_w) * (t - mean_t) for w, t in seconds.items()) / spread, 0.0)
+    return max(mean_t + slope * (width - mean_w), 1e-9)
+
+
 def probe_width(best: int, limit: int, probe: int) -> int:
     """The width the ``probe``-th probe from ``best`` runs: one more and one fewer in turn, and
     from a width of 2 or more a plain step every third probe.
@@ -218,7 +241,7 @@ def probe_width(best: int, limit: int, probe: int) -> int:
     plain step is the alternative every decision weighs, and probes of neighbours alone never
     time it again while the policy drafts 2 or more. In a closed-loop run of 16 sampling
     clients (T = 1, the demo target on the AVX2-only AMD EPYC, float32), the load-aware
-    policy's 2-row bucket chose 3 drafts against a plain-step time from the one round timed at
+    policy's 2-row table chose 3 drafts against a plain-step time from the one round timed at
     its start."""
     if best == 0:
         return min(limit, 1)
@@ -230,19 +253,6 @@ def probe_width(best: int, limit: int, probe: int) -> int:
 # rates with the weight of this many verified drafts per position.
 ROW_DECAY = 0.8
 ROW_PRIOR_WEIGHT = 2.0
-
-
-def batch_bucket(rows: int) -> int:
-    """The batch sizes that share one cost table: ``rows`` rounded up to a power of two (1, 2,
-    4, 8, 16, ...), since a round's time grows smoothly with its rows and every table pays its
-    own warm-up rounds."""
-    return 1 << max(rows - 1, 0).bit_length()
-
-
-def bucket_label(bucket: int) -> str:
-    """``"1"``, ``"2"``, ``"3-4"``, ``"5-8"``, ...: the batch sizes a bucket holds."""
-    low = bucket // 2 + 1
-    return str(bucket) if low >= bucket else f"{low}-{bucket}"
 
 
 class RowAcceptance:
@@ -363,12 +373,17 @@ class LoadAwareDraftLength:
     While a small batch's target step is bound by reading the weights, a wider verify pass
     costs little more than a step and drafting pays; as B grows the pass turns compute-bound,
     ``T_B(w)`` rises with ``w`` and w* falls, to 0 (no drafting) when no width pays. Each
-    batch bucket (``batch_bucket``) has its own ``AdaptiveDraftLength`` for the times, with its
-    warm-up, probes and switch margin; the acceptance pooled over all rounds is the prior of a
-    joining row. Sessions share one policy (the costs are the target's) through
+    batch size B has its own ``AdaptiveDraftLength`` for the times, with its warm-up, probes
+    and switch margin, started from the times of the nearest batch size measured so far; the
+    acceptance pooled over all rounds is the prior of a joining row. Tables shared by a range
+    of batch sizes (9-16 rows in one) compared widths timed at different sizes: at 16
+    closed-loop clients the 9-16 table's 1-draft time came mostly from rounds at 9-12 rows
+    (a load that ebbs), its plain time from rounds at 16, so it chose 1 draft at 16 rows,
+    where such a round took 1.77 times a plain step's 58.0 ms for about 1.6 tokens per row
+    (the AVX2-only AMD EPYC, float32, the demo target and its EAGLE-3 head, T = 0). Sessions share one policy (the costs are the target's) through
     ``for_session``, which keeps the session's rows' acceptance. Where no width pays, the
     drafter's upkeep is the cost that remains: a session under this policy has its drafter
-    forget what it has not read after ``FORGET_AFTER_ROUNDS`` rounds, and a bucket whose
+    forget what it has not read after ``FORGET_AFTER_ROUNDS`` rounds, and a batch size whose
     best width is 0 probes every ``idle_probe_every`` rounds from ``idle_probe_rows`` rows
     on (the module docstring).
     """
@@ -388,17 +403,22 @@ class LoadAwareDraftLength:
         self.row_decay = row_decay
         self._settings = (decay, probe_every, switch_margin)
         self._idle_probes = (idle_probe_every, idle_probe_rows)
-        self._by_bucket: dict[int, AdaptiveDraftLength] = {}
+        self._by_rows: dict[int, AdaptiveDraftLength] = {}  # batch size -> its cost table
 
     def costs(self, rows: int) -> AdaptiveDraftLength:
-        """The round times (and their choice of width) of batches of ``rows`` rows' bucket."""
-        bucket = batch_bucket(rows)
-        if bucket not in self._by_bucket:
-            every, rows = self._idle_probes
-            self._by_bucket[bucket] = AdaptiveDraftLength(
-                self.max_tokens, *self._settings, idle_probe_every=every if bucket >= rows else None
+        """The round times (and their choice of width) of batches of ``rows`` rows."""
+        if rows not in self._by_rows:
+            every, idle_rows = self._idle_probes
+            table = AdaptiveDraftLength(
+                self.max_tokens,
+                *self._settings,
+                idle_probe_every=every if rows >= idle_rows else None,
             )
-        return self._by_bucket[bucket]
+            if self._by_rows:
+                nearest = min(self._by_rows, key=lambda known: (abs(known - rows), known))
+                table.start_from(self._by_rows[nearest])
+            self._by_rows[rows] = table
+        return self._by_rows[rows]
 
     def for_session(self, session: DraftingRows) -> SessionDraftLength:
         """The policy as one session uses it: these costs, that session's rows."""

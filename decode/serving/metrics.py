@@ -18,7 +18,6 @@ import threading
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from draftsmith.decode.draft_length import batch_bucket, bucket_label
 from draftsmith.decode.stats import DecodeStats
 
 if TYPE_CHECKING:
@@ -27,6 +26,19 @@ if TYPE_CHECKING:
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Upper bounds of the per-request tau histogram's buckets (tau >= 1; +Inf is added).
 TAU_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)
+
+
+def batch_bucket(rows: int) -> int:
+    """The batch sizes that share one series: ``rows`` rounded up to a power of two (1, 2, 4,
+    8, 16, ...). The load-aware policy's cost tables are per batch size, not per bucket
+    (``draftsmith.decode.draft_length.LoadAwareDraftLength``)."""
+    return 1 << max(rows - 1, 0).bit_length()
+
+
+def bucket_label(bucket: int) -> str:
+    """``"1"``, ``"2"``, ``"3-4"``, ``"5-8"``, ...: the batch sizes a bucket holds."""
+    low = bucket // 2 + 1
+    return str(bucket) if low >= bucket else f"{low}-{bucket}"
 
 
 class ServerMetrics:

@@ -21,8 +21,6 @@ from draftsmith.decode.draft_length import (
     LoadAwareDraftLength,
     RowAcceptance,
     SessionDraftLength,
-    batch_bucket,
-    bucket_label,
 )
 from draftsmith.decode.sampling import SamplingConfig
 from tiny_models import tiny_llama
@@ -50,21 +48,6 @@ def _run(view: SessionDraftLength, rounds: int, alpha: float, seconds) -> list[i
     return chosen
 
 
-def test_batch_buckets_and_their_labels() -> None:
-    assert [batch_bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == [
-        1,
-        2,
-        4,
-        4,
-        8,
-        8,
-        16,
-        16,
-        32,
-    ]
-    assert [bucket_label(b) for b in (1, 2, 4, 8, 32)] == ["1", "2", "3-4", "5-8", "17-32"]
-
-
 def test_drafting_stops_where_a_wide_verify_pass_costs_more_than_it_saves() -> None:
     """One policy, two batch sizes, drafts always accepted: at one row a verify pass costs
     about a step, so the longest chain pays; at 16 rows each draft adds more than a step's
@@ -84,7 +67,32 @@ def test_drafting_stops_where_a_wide_verify_pass_costs_more_than_it_saves() -> N
     large = _run(busy, 30, alpha=1.0, seconds=seconds)
     assert small[-10:] == [4] * 10
     assert large[-10:] == [0] * 10
-    assert set(policy._by_bucket) == {1, 16}  # one cost table per batch bucket
+    assert set(policy._by_rows) == {1, 16}  # one cost table per batch size
+
+
+def test_each_batch_size_keeps_its_own_times_and_a_new_one_starts_from_the_nearest() -> None:
+    """Nine rows draft (a draft costs little beside the step), sixteen do not (each draft
+    adds more than a step). With one table for 9-16 rows, each width's time would mix the two
+    sizes and both would choose alike. A batch size not seen before starts from the nearest
+    size's times: fifteen rows step plainly at once, without first timing the longest width."""
+
+    def seconds(rows: int, width: int) -> float:
+        return 0.030 + 0.002 * rows + width * (0.004 if rows <= 9 else 0.090)
+
+    policy = LoadAwareDraftLength(max_tokens=4, probe_every=0)
+    nine = policy.for_session(FakeSession(9))
+    sixteen = policy.for_session(FakeSession(16))
+    for view in (nine, sixteen):
+        view.add_rows(view._session.batch_size)
+    chosen: dict[int, list[int]] = {9: [], 16: []}
+    for _ in range(30):  # the two sizes take turns, as a load that ebbs and flows
+        for view in (nine, sixteen):
+            chosen[view._session.batch_size] += _run(view, 1, alpha=1.0, seconds=seconds)
+    assert chosen[9][-10:] == [4] * 10 and chosen[16][-10:] == [0] * 10
+    fifteen = policy.for_session(FakeSession(15))
+    fifteen.add_rows(15)
+    assert _run(fifteen, 5, alpha=1.0, seconds=seconds) == [0] * 5
+    assert policy.costs(15).round_seconds(0) == pytest.approx(seconds(15, 0))
 
 
 def test_a_bucket_that_does_not_draft_probes_rarely_and_its_drafter_forgets() -> None:

@@ -38,7 +38,7 @@ from draftsmith.decode.serving.jobs import (
     TokensEvent,
 )
 from draftsmith.decode.serving.loading import load_target
-from draftsmith.decode.serving.metrics import ServerMetrics
+from draftsmith.decode.serving.metrics import ServerMetrics, batch_bucket, bucket_label
 from draftsmith.decode.serving.protocol import (
     MAX_STOP_CHARS,
     APIError,
@@ -687,7 +687,7 @@ def test_the_warm_up_request_is_seen_by_no_lane_metric_or_policy(models: Models)
     worker = make_worker(models, rounds=rounds, profiles=profiles)
     worker.warm_up()
     assert rounds == [] and profiles == [] and len(worker.queue) == 0 and worker.running == 0
-    assert all(not policy._by_bucket for policy in worker.load_aware.values())
+    assert all(not policy._by_rows for policy in worker.load_aware.values())
     (events,) = run_jobs(worker, [([7, 3], 9, SamplingParams())])
     assert tokens_of(events) == greedy_reference(models[0], [7, 3], 9)
 
@@ -704,6 +704,21 @@ def test_a_warm_up_that_fails_is_logged_and_serving_goes_on(
 
 
 # -- config, loading, protocol, metrics --------------------------------------------------------
+
+
+def test_metric_batch_buckets_and_their_labels() -> None:
+    assert [batch_bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == [
+        1,
+        2,
+        4,
+        4,
+        8,
+        8,
+        16,
+        16,
+        32,
+    ]
+    assert [bucket_label(b) for b in (1, 2, 4, 8, 32)] == ["1", "2", "3-4", "5-8", "17-32"]
 
 
 def test_config_defaults_are_safe(monkeypatch: pytest.MonkeyPatch) -> None:
