@@ -18,6 +18,7 @@ from draftsmith.decode import DraftModelDrafter, NgramDrafter, SpeculativeDecode
 from draftsmith.decode.draft_length import (
     FORGET_AFTER_ROUNDS,
     ROW_PRIOR_WEIGHT,
+    AdaptiveDraftLength,
     LoadAwareDraftLength,
     RowAcceptance,
     SessionDraftLength,
@@ -93,6 +94,25 @@ def test_each_batch_size_keeps_its_own_times_and_a_new_one_starts_from_the_neare
     fifteen.add_rows(15)
     assert _run(fifteen, 5, alpha=1.0, seconds=seconds) == [0] * 5
     assert policy.costs(15).round_seconds(0) == pytest.approx(seconds(15, 0))
+
+
+def test_borrowed_times_give_the_shape_until_two_widths_are_timed() -> None:
+    """A new batch size takes the nearest size's ``T(w)``: as they are before its first timed
+    round, scaled to its own time after one timed width, and not at all after two."""
+    nearest = AdaptiveDraftLength(max_tokens=4, probe_every=0)
+    for width, seconds in ((4, 0.220), (4, 0.220), (0, 0.040), (0, 0.040)):
+        nearest.update(width, torch.tensor([width]), seconds)  # each width's first is untimed
+    new = AdaptiveDraftLength(max_tokens=4, probe_every=0)
+    new.start_from(nearest)
+    assert new.round_seconds(4) == pytest.approx(0.220)
+    assert new.round_seconds(2) == pytest.approx(0.130)  # the borrowed line
+    for _ in range(2):
+        new.update(0, torch.tensor([0]), 0.010)
+    assert new.round_seconds(0) == pytest.approx(0.010)
+    assert new.round_seconds(4) == pytest.approx(0.220 * 0.010 / 0.040)
+    for _ in range(2):
+        new.update(1, torch.tensor([1]), 0.011)
+    assert new.round_seconds(4) == pytest.approx(0.014)  # its own line through 0 and 1
 
 
 def test_a_bucket_that_does_not_draft_probes_rarely_and_its_drafter_forgets() -> None:
