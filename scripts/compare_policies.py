@@ -35,18 +35,14 @@ POLICIES = ("load-aware", "fixed", "plain")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from draftsmith.decode.measure.side_by_side import at_least_one
+    from draftsmith.scripts.profile_serve import add_measured_flags
 
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         epilog="example: draftsmith-compare-policies --target $DEMO_TARGET "
         "--drafter outputs/distill-demo/drafter --clients 16 --json policies.json",
     )
-    parser.add_argument("--target", required=True, help="target model folder")
-    parser.add_argument("--drafter", default=None, help="drafter folder")
-    parser.add_argument(
-        "--drafter-kind", default=None, help="registry key (default: read from --drafter)"
-    )
-    parser.add_argument("--num-draft-tokens", type=at_least_one, default=4)
+    add_measured_flags(parser, drafter_help="drafter folder")
     parser.add_argument("--max-tokens", type=at_least_one, default=128)
     parser.add_argument("--max-batch-size", type=at_least_one, default=16)
     parser.add_argument("--clients", type=at_least_one, nargs="+", default=[8, 16])
@@ -54,8 +50,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--policies", nargs="+", default=list(POLICIES), help="compared")
     parser.add_argument("--window", type=float, default=8.0, help="seconds per window")
     parser.add_argument("--repeats", type=at_least_one, default=3, help="windows per policy")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--num-threads", type=int, default=None)
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = parser.parse_args(argv)
     if args.drafter is None and args.drafter_kind in (None, "none"):

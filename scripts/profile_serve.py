@@ -47,10 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         epilog="example: draftsmith-profile-serve --target $DEMO_TARGET "
         "--drafter outputs/distill-demo/drafter --clients 1 8 --json rounds.json",
     )
-    parser.add_argument("--target", required=True, help="target model folder")
-    parser.add_argument("--drafter", default=None, help="drafter folder (none: plain)")
-    parser.add_argument("--drafter-kind", default=None)
-    parser.add_argument("--num-draft-tokens", type=at_least_one, default=4)
+    add_measured_flags(parser, drafter_help="drafter folder (none: plain)")
     parser.add_argument("--max-tokens", type=at_least_one, default=128)
     parser.add_argument("--clients", type=at_least_one, nargs="+", default=[1, 8])
     parser.add_argument(
@@ -59,8 +56,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--decoder", nargs="+", default=["process"], help="where the server's decoder runs"
     )
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--num-threads", type=int, default=None)
     parser.add_argument("--seconds", type=float, default=20.0, help="per served run")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = parser.parse_args(argv)
@@ -206,6 +201,21 @@ def parse_metrics(text: str) -> dict:
         labels = frozenset(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', rest))
         samples[(name, labels)] = float(value)
     return samples
+
+
+def add_measured_flags(parser: argparse.ArgumentParser, drafter_help: str) -> None:
+    """The flags ``load_measured`` reads: --target, --drafter, --drafter-kind,
+    --num-draft-tokens, --dtype and --num-threads."""
+    from draftsmith.decode.measure.side_by_side import at_least_one
+
+    parser.add_argument("--target", required=True, help="target model folder")
+    parser.add_argument("--drafter", default=None, help=drafter_help)
+    parser.add_argument(
+        "--drafter-kind", default=None, help="registry key (default: read from --drafter)"
+    )
+    parser.add_argument("--num-draft-tokens", type=at_least_one, default=4)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--num-threads", type=int, default=None)
 
 
 def load_measured(args: argparse.Namespace, **fields: Any) -> tuple[Any, Any, Any, Any, list]:
