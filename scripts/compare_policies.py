@@ -7,11 +7,12 @@
 One ``BatchWorker`` per policy decodes in this process, on the same target: ``load-aware`` and
 ``fixed`` with the drafter, ``plain`` with no drafter (``--drafter-kind none``'s server). For
 each temperature and client count, every worker first runs one untimed window (the load-aware
-policy learns that load's costs), then the workers take turns for ``--repeats`` windows of
-``--window`` seconds each: ``clients`` closed-loop clients, each sending its next request (the
-load tester's prompts, ``--max-tokens`` tokens, EOS ignored) as soon as its last one ended,
-their first requests of staggered lengths so that they do not all finish together. A window
-counts the tokens delivered before its end; the rows still decoding then are drained untimed.
+policy learns that load's costs), then the workers take turns, in an order reversed at every
+repeat, for ``--repeats`` windows of ``--window`` seconds each: ``clients`` closed-loop
+clients, each sending its next request (the load tester's prompts, ``--max-tokens`` tokens,
+EOS ignored) as soon as its last one ended, their first requests of staggered lengths so that
+they do not all finish together. A window counts the tokens delivered before its end; the rows
+still decoding then are drained untimed.
 
 Why not the HTTP sweep (``draftsmith-load-test --sweep``): on a shared 2-core machine one
 20-second run of a server moved by up to a quarter against the next, so a comparison of
@@ -31,6 +32,12 @@ from pathlib import Path
 from typing import Any
 
 POLICIES = ("load-aware", "fixed", "plain")
+# How a record's repeats ordered the windows (``balanced_order``; records made before it ran
+# the same order every repeat and name none).
+ORDERS = {
+    "alternating": "the order reversed at every repeat",
+    "same": "the same order every repeat",
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -110,6 +117,16 @@ def closed_loop_window(
     return rate
 
 
+def balanced_order(names: list[str], repeat: int) -> list[str]:
+    """The order the workers' windows run in repeat ``repeat``: as given, then reversed, in
+    turn (A B C, C B A, ...). A machine whose speed drifts during a point favours whichever
+    policy runs later in every repeat; in alternating order a drift linear in time gives each
+    policy the same mean place over every two repeats. In one run at four clients (T = 0,
+    the AVX2-only AMD EPYC), plain decoding ran last in each repeat and its windows rose
+    93 -> 102 -> 136 -> 145 tokens/s with the machine's speed."""
+    return names if repeat % 2 == 0 else names[::-1]
+
+
 def compare(
     workers: dict[str, Any],
     prompts: list[list[int]],
@@ -120,17 +137,17 @@ def compare(
     repeats: int,
 ) -> dict[str, Any]:
     """One point: an untimed window per worker, then ``repeats`` rounds of one window each in
-    turn; each worker's tokens/s per window, their medians, and load-aware's ratio to the
-    better of the others per repeat (where both are measured)."""
+    turn (``balanced_order``); each worker's tokens/s per window, their medians, and
+    load-aware's ratio to the better of the others per repeat (where both are measured)."""
     run = lambda worker: closed_loop_window(  # noqa: E731
         worker, prompts, clients, max_tokens, temperature, window
     )
     for worker in workers.values():
         run(worker)
     windows: dict[str, list[float]] = {name: [] for name in workers}
-    for _ in range(repeats):
-        for name, worker in workers.items():
-            windows[name].append(run(worker))
+    for repeat in range(repeats):
+        for name in balanced_order(list(workers), repeat):
+            windows[name].append(run(workers[name]))
     point: dict[str, Any] = {
         "clients": clients,
         "temperature": temperature,
@@ -185,8 +202,9 @@ def policy_windows_table(record: dict[str, Any]) -> str:
             *markdown_table(header, rows),
             "",
             f"Each policy's median over {settings['repeats']} windows of {settings['window']:g} s "
-            f"in turn (one untimed window each first), closed-loop clients straight into the "
-            f"decoder (no HTTP), {settings['max_tokens']} tokens per request; "
+            f"in turn, {ORDERS[settings.get('order', 'same')]} (one untimed window each "
+            f"first), closed-loop clients straight into the decoder (no HTTP), "
+            f"{settings['max_tokens']} tokens per request; "
             f"{describe_machine(record['machine'])}.",
         ]
     )
@@ -225,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {
             key: getattr(args, key)
             for key in ("num_draft_tokens", "max_tokens", "max_batch_size", "window", "repeats")
-        },
+        }
+        | {"order": "alternating"},
         "points": [],
     }
     for temperature in args.temperatures:

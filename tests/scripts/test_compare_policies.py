@@ -61,6 +61,27 @@ def test_load_aware_is_compared_with_the_better_other_within_each_repeat(monkeyp
     assert "load-aware / the better other, per repeat: 0.90 0.80 (median 0.85)" in printed
 
 
+def test_windows_alternate_their_order_so_a_drifting_machine_favours_no_policy(
+    monkeypatch,
+) -> None:
+    """Two equally fast policies on a machine that speeds up by 5% per window: run in the
+    same order every repeat, the later one would win both repeats (ratios 0.96 and 0.96);
+    reversed every other repeat, load-aware's mean ratio is within 1% of 1."""
+    calls: list[str] = []
+
+    def window(worker: str, *rest: object) -> float:
+        calls.append(worker)
+        return 100.0 * (1 + 0.05 * len(calls))
+
+    workers = {"load-aware": "load-aware", "plain": "plain"}
+    monkeypatch.setattr(compare_policies, "closed_loop_window", window)
+    point = compare_policies.compare(workers, [[1]], 4, 0.0, 8, 1.0, repeats=2)
+    assert calls[2:] == ["load-aware", "plain", "plain", "load-aware"]
+    ratios = point["load_aware_over_better"]
+    assert ratios[0] < 0.97 and ratios[1] > 1.03
+    assert sum(ratios) / 2 == pytest.approx(1.0, abs=0.01)
+
+
 def test_a_short_run_compares_the_three_policies(target: Path, tmp_path: Path) -> None:
     """Prompt lookup as the drafter (no folder): every policy decodes in every window, and
     the record names the machine and each repeat's ratio."""
@@ -105,3 +126,6 @@ def test_the_table_gives_each_policys_median_the_ratios_and_the_machine() -> Non
     assert "| T | clients | load-aware tokens/s | fixed tokens/s | plain tokens/s |" in table
     assert "| 1 | 16 | 105.0 | 90.0 | 105.0 | 0.90 0.80 | 0.85 |" in table
     assert "2 windows of 8 s" in table and "Some CPU" in table and "AVX2" in table
+    assert "the same order every repeat" in table  # a record from before balanced_order
+    record["settings"]["order"] = "alternating"
+    assert "the order reversed at every repeat" in compare_policies.policy_windows_table(record)
