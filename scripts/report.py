@@ -63,6 +63,11 @@ SERVING_SWEEP_AMD = RESULTS / "serving_sweep_amd.json"  # the bf16 AMD EPYC, wit
 SWEEP_RIVALS = {"vLLM": ("vllm", "vllm+head"), "ours": ("always", "plain")}
 """The serving goals' comparisons: load-aware drafting against the faster of vLLM's two
 servers, and against the better of drafting always and never."""
+# The hybrid (the EAGLE-3 head with prompt lookup) served beside the head alone, plain, and vLLM
+SERVING_SWEEP_HYBRID = RESULTS / "serving_sweep_hybrid.json"  # the AVX2-only EPYC (float32)
+HYBRID_RIVALS = {"vLLM": ("vllm", "vllm+head"), "ours": ("load-aware", "plain")}
+"""The hybrid server against the faster of vLLM's two, and against the better of our head alone
+(load-aware) and plain decoding."""
 # DFlash with and without DSpark's Markov head (48 anchors) beside EAGLE-3, three seeds
 ABLATION_DSPARK_AMD = RESULTS / "ablation_dspark_amd" / "ablation.json"
 # Where a served round's time goes, at 1 and 8 clients (scripts/profile_serve.py --json)
@@ -997,6 +1002,10 @@ SECTIONS: dict[str, Callable[[], str]] = {
     "serving-sweep-amd": lambda: sweep_table(_read(SERVING_SWEEP_AMD)),
     "serving-sweep-amd-ratios": lambda: sweep_ratio_table(
         _read(SERVING_SWEEP_AMD), "load-aware", SWEEP_RIVALS
+    ),
+    "serving-sweep-hybrid": lambda: sweep_table(_read(SERVING_SWEEP_HYBRID)),
+    "serving-sweep-hybrid-ratios": lambda: sweep_ratio_table(
+        _read(SERVING_SWEEP_HYBRID), "hybrid", HYBRID_RIVALS
     ),
     "serving-rounds-amd": lambda: round_parts_table(_read(SERVING_ROUNDS_AMD)),
     "serving-rounds-avx2": lambda: round_parts_table(_read(SERVING_ROUNDS_AVX2)),
