@@ -65,7 +65,7 @@ SWEEP_RIVALS = {"vLLM": ("vllm", "vllm+head"), "ours": ("always", "plain")}
 servers, and against the better of drafting always and never."""
 # The hybrid (the EAGLE-3 head with prompt lookup) served beside the head alone, plain, and vLLM
 SERVING_SWEEP_HYBRID = RESULTS / "serving_sweep_hybrid.json"  # the AVX2-only EPYC (float32)
-HYBRID_RIVALS = {"vLLM": ("vllm", "vllm+head"), "ours": ("load-aware", "plain")}
+HYBRID_RIVALS = {"vLLM": SWEEP_RIVALS["vLLM"], "ours": ("load-aware", "plain")}
 """The hybrid server against the faster of vLLM's two, and against the better of our head alone
 (load-aware) and plain decoding."""
 # DFlash with and without DSpark's Markov head (48 anchors) beside EAGLE-3, three seeds
