@@ -2,8 +2,8 @@
 
 Code repeats itself (identifiers, call patterns, whole lines), and where it does, copying what
 followed an earlier occurrence of the newest n-gram (Saxena 2023) drafts long runs for free;
-elsewhere a learned drafter (a draft LM or an EAGLE-3 head) guesses. Each round and each row
-takes its drafts from one of the two, or drafts nothing:
+elsewhere a learned drafter (a draft LM or an EAGLE-3 head) guesses. Each row of a drafting
+round takes its drafts from one of the two:
 
 * prompt lookup, when the row's newest ``n``-gram occurred before and lookup's measured yield
   for matches of that length beats the learned drafter's in the same context (rows whose
@@ -12,11 +12,22 @@ takes its drafts from one of the two, or drafts nothing:
   a round in which no row needs the learned drafter skips its network entirely, so
   ``T_lookup`` is a bare verify pass). Where a match is short the learned drafter's guesses
   are often no better than the copy, and its yield over all contexts would overrate it; a
-  context seen in few rounds leans on that overall yield (``_learned_rate``);
-* the learned drafter otherwise, when its measured yield in that context beats a plain
-  target step's (where a drafted token costs nearly as much as it saves, a round without
-  drafts is the faster choice; each losing option is still tried every ``PROBE_EVERY``-th
-  time, so a change is noticed).
+  context seen in few rounds leans on that overall yield (``_learned_rate``). A losing lookup
+  is still tried every ``PROBE_EVERY``-th time, so a repetitive stretch starting is noticed;
+* the learned drafter otherwise.
+
+Whether a round drafts at all is the draft-length policy's choice
+(``draftsmith.decode.draft_length``: a fixed N, the adaptive length, the server's load-aware
+one), which asks for no drafts where a plain step is the faster choice; the hybrid drafts whenever it is asked to. It once made that
+choice a second time, per round, from its own decayed yields (about the last ten rounds), and
+they were too noisy for it: at T = 1 a learned head's tokens per round spread widely, one
+unlucky stretch put its yield below a plain step's, and a source that trails is retried only
+every 16-128 decisions, so the estimate stayed low. On the AVX2-only AMD EPYC in float32 (the
+demo target, the main job's EAGLE-3 head, one closed-loop client at T = 1) the hybrid stepped
+plainly in 227 of 318 row-rounds of one 8-second window under a fixed N = 4, and under the
+server's load-aware policy served 0.85 times the head's tokens per second (the median of four
+alternating 8-second windows). Leaving the choice to the policy, it served 0.95 times the
+head's (1.02 at four clients; 2.65 at one greedy client, where lookup copies).
 
 A round in which every drafting row copies runs no network, so it is not bound by the learned
 drafter's N, which prices that network's draft steps: lookup then copies up to
@@ -51,16 +62,17 @@ from draftsmith.decode.sampling import SamplingConfig
 
 # Smoothing of the running yields: about the last 1 / (1 - DECAY) rounds count.
 DECAY = 0.9
-# A source that lost the comparison is still tried now and then, so that a change in the text
+# Lookup, when it lost the comparison, is still tried now and then, so that a change in the text
 # (a repetitive stretch starting) is noticed: after PROBE_EVERY decisions against it, stretched
-# by how far its measured rate trails the winner's (at most MAX_PROBE_STRETCH times), so a
-# source that clearly loses (lookup when sampling) costs few rounds.
+# by how far its measured rate trails the learned drafter's (at most MAX_PROBE_STRETCH times),
+# so a lookup that clearly loses (when sampling) costs few rounds.
 PROBE_EVERY = 16
 MAX_PROBE_STRETCH = 8.0
 # The learned drafter's yield in one context (matched n-gram length) starts from its yield over
 # all rows, counted as this many rounds: rare contexts are not judged on a round or two.
 CONTEXT_PRIOR_ROUNDS = 2.0
-# Row sources besides lookup (whose source is the matched n-gram length, >= 1).
+# Row sources besides lookup (whose source is the matched n-gram length, >= 1); _NONE: a round
+# the draft-length policy gave no drafts.
 _LEARNED, _NONE = 0, -1
 
 
@@ -97,7 +109,7 @@ class HybridUsage:
 
     lookup_rows: int = 0
     learned_rows: int = 0
-    plain_rows: int = 0
+    plain_rows: int = 0  # rounds the draft-length policy gave no drafts
     lookup_accepted: int = 0
     learned_accepted: int = 0
     rounds_without_network: int = 0
@@ -141,7 +153,6 @@ class HybridDrafter(Drafter):
         self._lookup_yield = [_Yield() for _ in range(max_ngram + 1)]  # by matched length
         self._learned_yield = _Yield()  # over all rows
         self._learned_by_context = [_Yield() for _ in range(max_ngram + 1)]  # 0: no match
-        self._plain_yield = _Yield()  # rounds with no drafting at all
         self._usage = HybridUsage()
         # Per row: the matched n-gram length (lookup), _LEARNED or _NONE, and the length matched
         # whatever the source; whether the network ran; the round's start.
@@ -199,13 +210,10 @@ class HybridDrafter(Drafter):
             reach = min(reach, self.draft_room)
         found = [self.lookup.lookup(history, reach) for history in self.lookup.histories]
         contexts = [n for _, n in found]  # the matched n-gram length of each row (0: none)
-        if num_tokens == 0:  # a plain step chosen by the engine: nothing to learn from it
+        if num_tokens == 0:  # a plain step chosen by the draft-length policy
             sources = [_NONE] * len(found)
         else:
             sources = [n if self._prefers_lookup(n) else _LEARNED for n in contexts]
-            learned = [n for n, s in zip(contexts, sources, strict=True) if s == _LEARNED]
-            if learned and not any(self._prefers_learned(n) for n in learned):
-                sources = [_NONE if s == _LEARNED else s for s in sources]
         lookup_rows = [s > 0 for s in sources]
         if _LEARNED not in sources:  # no network this round: lookup rows, plain steps elsewhere
             width = max(
@@ -220,7 +228,7 @@ class HybridDrafter(Drafter):
             replaced = torch.ones(len(found), dtype=torch.bool, device=tokens.device)
             self.learned.replace_drafts(tokens, replaced)
             self.lookup.replace_drafts(tokens, replaced)
-            self._round = (sources, contexts, False, start) if num_tokens else None
+            self._round = (sources, contexts, False, start)
             return DraftProposal(tokens=tokens, probs=None)
         proposal = self.learned.propose(num_tokens, sampling, generator)
         tokens, probs = proposal.tokens, proposal.probs
@@ -263,9 +271,8 @@ class HybridDrafter(Drafter):
                 usage.learned_rows += 1
                 usage.learned_accepted += accepted
             else:
-                self._plain_yield.add(accepted + 1, seconds)
                 usage.plain_rows += 1
-        if not network:
+        if not network and any(source > 0 for source in sources):
             usage.rounds_without_network += 1
 
     @property
@@ -298,20 +305,12 @@ class HybridDrafter(Drafter):
 
     def _prefers_lookup(self, matched: int) -> bool:
         """Lookup drafts a row whose newest ``matched``-gram occurred before, when its measured
-        tokens per second beat the learned drafter's in rows with such a match and a plain
-        step's (probing now and then when they do not)."""
+        tokens per second beat the learned drafter's in rows with such a match (probing now
+        and then when they do not)."""
         if matched == 0:
             return False
-        lookup = self._lookup_yield[matched]
-        best_other = max(self._learned_rate(matched), self._plain_yield.rate)
-        return lookup.rate >= best_other or _probe(lookup, lookup.rate, best_other)
-
-    def _prefers_learned(self, matched: int) -> bool:
-        """The learned drafter drafts a row lookup does not (its newest n-gram matched
-        ``matched`` tokens, 0 for none) when its measured tokens per second in such rows beat a
-        plain step's (a plain step is one target pass, no drafting)."""
-        learned, plain = self._learned_rate(matched), self._plain_yield.rate
-        return learned >= plain or _probe(self._learned_by_context[matched], learned, plain)
+        lookup, learned = self._lookup_yield[matched], self._learned_rate(matched)
+        return lookup.rate >= learned or _probe(lookup, lookup.rate, learned)
 
     def _learned_rate(self, matched: int) -> float:
         """The learned drafter's tokens per second in rows whose newest n-gram matched

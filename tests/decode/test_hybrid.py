@@ -106,6 +106,51 @@ def test_hybrid_counts_every_round(target: torch.nn.Module) -> None:
     assert round(accepted) == sum(out.stats.accepted_per_position)
 
 
+def test_every_round_the_policy_asks_to_draft_drafts(target: torch.nn.Module) -> None:
+    """Whether to draft is the draft-length policy's choice, not the hybrid's: under a fixed N
+    a row lookup does not draft is drafted by the learned drafter, even when its measured
+    yield is poor (the hybrid once stepped such rows plainly on its own, noisy, yields)."""
+    hybrid = HybridDrafter(DraftModelDrafter(noisy_copy(target, 3.0)))
+    for _ in range(30):  # a learned drafter measured at 10 tokens/s
+        hybrid._learned_yield.add(1.0, 0.1)
+    decoder = SpeculativeDecoder(target, hybrid, 3)
+    prompt = torch.tensor([PLAIN])
+    out = decoder.generate(prompt, max_new_tokens=30, eos_token_id=[])
+    reference = target.generate(input_ids=prompt, max_new_tokens=30, do_sample=False)
+    assert torch.equal(out.sequences, reference)
+    usage = hybrid.usage()
+    assert usage["plain_rows"] == 0 and usage["lookup_rows"] + usage["learned_rows"] == (
+        out.stats.rounds
+    ), usage
+
+
+def test_plain_steps_the_policy_chooses_are_counted_as_plain_rows(
+    target: torch.nn.Module,
+) -> None:
+    hybrid = HybridDrafter(DraftModelDrafter(noisy_copy(target, 0.5)))
+    decoder = SpeculativeDecoder(target, hybrid, 3)
+    session = decoder.session(draft_length=None)
+    session.add_rows(torch.tensor([PLAIN]), max_new_tokens=20)
+    session.step()  # three drafts
+    session.draft_length = _Fixed(0)
+    session.step()  # a plain step
+    usage = hybrid.usage()
+    assert (usage["learned_rows"], usage["plain_rows"]) == (1, 1), usage
+
+
+class _Fixed:
+    """A draft-length policy that always answers ``width``."""
+
+    def __init__(self, width: int) -> None:
+        self.width = width
+
+    def choose(self, limit: int) -> int:
+        return min(self.width, limit)
+
+    def update(self, *args: object) -> None:
+        pass
+
+
 def test_rounds_given_to_lookup_run_no_head_pass(target: torch.nn.Module) -> None:
     """The EAGLE-3 head reads the entries of lookup rounds in its next drafting pass, so a
     round whose rows all draft by lookup runs the target alone."""
@@ -154,7 +199,6 @@ def test_lookup_and_the_learned_drafter_are_compared_in_the_same_context(
         measured(hybrid._learned_yield, tokens, seconds, rounds)
         measured(hybrid._learned_by_context[context], tokens, seconds, rounds)
 
-    measured(hybrid._plain_yield, 1.0, 0.010)  # 100 tokens/s
     learned(0, 3.0, 0.010, rounds=40)  # 300 tokens/s where nothing matched
     measured(hybrid._lookup_yield[1], 1.7, 0.0125)  # 136 tokens/s
     learned(1, 1.0, 0.016, rounds=2)  # one measured round after a one-token match: 62 tokens/s
@@ -167,7 +211,6 @@ def test_lookup_and_the_learned_drafter_are_compared_in_the_same_context(
     measured(hybrid._lookup_yield[2], 2.5, 0.0125)  # 200 tokens/s
     learned(2, 2.0, 0.008, rounds=40)  # 250 tokens/s
     assert not hybrid._prefers_lookup(2)
-    assert hybrid._prefers_learned(0) and hybrid._prefers_learned(2)
 
 
 def test_a_losing_source_is_probed_less_often_the_further_it_trails(
@@ -177,7 +220,6 @@ def test_a_losing_source_is_probed_less_often_the_further_it_trails(
     tried once every 4 x PROBE_EVERY decisions; one that trails by a tenth, every 1.1 x."""
     hybrid = HybridDrafter(tiny_eagle_drafter(target))
     for source, tokens, seconds in (
-        (hybrid._plain_yield, 1.0, 0.010),  # 100 tokens/s
         (hybrid._learned_yield, 2.0, 0.010),  # 200 tokens/s
         (hybrid._lookup_yield[1], 1.0, 0.020),  # 50 tokens/s
         (hybrid._lookup_yield[2], 1.8, 0.010),  # 180 tokens/s
