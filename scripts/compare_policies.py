@@ -31,13 +31,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from draftsmith.decode.measure.order import ORDERS, balanced_order
+
 POLICIES = ("load-aware", "fixed", "plain")
-# How a record's repeats ordered the windows (``balanced_order``; records made before it ran
-# the same order every repeat and name none).
-ORDERS = {
-    "alternating": "the order reversed at every repeat",
-    "same": "the same order every repeat",
-}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -115,16 +111,6 @@ def closed_loop_window(
     rate = delivered[0] / (time.perf_counter() - start)
     worker.drain()
     return rate
-
-
-def balanced_order(names: list[str], repeat: int) -> list[str]:
-    """The order the workers' windows run in repeat ``repeat``: as given, then reversed, in
-    turn (A B C, C B A, ...). A machine whose speed drifts during a point favours whichever
-    policy runs later in every repeat; in alternating order a drift linear in time gives each
-    policy the same mean place over every two repeats. In one run at four clients (T = 0,
-    the AVX2-only AMD EPYC), plain decoding ran last in each repeat and its windows rose
-    93 -> 102 -> 136 -> 145 tokens/s with the machine's speed."""
-    return names if repeat % 2 == 0 else names[::-1]
 
 
 def compare(

@@ -12,8 +12,9 @@ polled), and, given ``--vllm-python``, vLLM's OpenAI server (``python -m
 vllm.entrypoints.openai.api_server``) plainly (``vllm``) and with ``--vllm-head`` as its
 EAGLE-3 drafter (``vllm+head``). Every server runs every client count (``--sweep-clients``,
 1 4 8 16) at every temperature (``--sweep-temperatures``, 0 1) for ``--duration`` seconds.
-``--sweep-repeats R`` runs the whole pass R times, the servers in turn each time (A B A B),
-and every table and plot reads the median of a point's runs: on the 2-core machines a point
+``--sweep-repeats R`` runs the whole pass R times, the servers in turn, their order reversed at
+every repeat (A B C, C B A: ``balanced_order``), and every table and plot reads the median of a
+point's runs: on the 2-core machines a point
 moves by up to a fifth between runs, more than the differences a server's goals ask about.
 The JSON holds the machine record (decode/measure/machine.py), the settings and one
 ``load_test.Summary`` per run with its server, temperature and repeat; the plot shows
@@ -234,21 +235,28 @@ def sweep_server(
 def run_sweep(args: argparse.Namespace, run_once: Any) -> dict[str, Any]:
     """The sweep's record: machine, settings, every run of every server."""
     from draftsmith.decode.measure.machine import machine_record
+    from draftsmith.decode.measure.order import balanced_order
 
     runs: list[dict[str, Any]] = []
     servers: dict[str, dict[str, Any]] = {}
+    turns: list[tuple[str, str | list[str]]] = []  # (name, URL of a running server or command)
+    for entry in args.server:
+        name, _, url = entry.partition("=")
+        servers[name.strip()] = {"url": url.strip()}
+        turns.append((name.strip(), url.strip()))
+    for name, command in launches(args):
+        servers.setdefault(name, {"command": shlex.join(command)})
+        turns.append((name, command))
     for repeat in range(args.sweep_repeats):
-        for entry in args.server:
-            name, _, url = entry.partition("=")
-            servers[name.strip()] = {"url": url.strip()}
-            runs += sweep_server(args, name.strip(), url.strip(), run_once, repeat)
         with tempfile.TemporaryDirectory(prefix="draftsmith-sweep-") as folder:
-            for name, command in launches(args):
-                servers.setdefault(name, {"command": shlex.join(command)})
+            for name, target in balanced_order(turns, repeat):
+                if isinstance(target, str):
+                    runs += sweep_server(args, name, target, run_once, repeat)
+                    continue
                 if "error" in servers[name]:  # it did not start before: not again
                     continue
                 try:
-                    with started_server(name, command, Path(folder)) as url:
+                    with started_server(name, target, Path(folder)) as url:
                         runs += sweep_server(args, name, url, run_once, repeat)
                 except RuntimeError as error:  # record why a server could not run, go on
                     print(f"{name}: {error}", file=sys.stderr, flush=True)
@@ -261,6 +269,7 @@ def run_sweep(args: argparse.Namespace, run_once: Any) -> dict[str, Any]:
             "temperatures": list(args.sweep_temperatures),
             "duration_s": args.duration,
             "repeats": args.sweep_repeats,
+            "order": "alternating",
             "max_tokens": args.max_tokens,
             "endpoint": "chat" if args.chat else "completions",
         },
@@ -327,6 +336,7 @@ def sweep_table(record: dict[str, Any]) -> str:
     server and temperature, tokens/s and TTFT p50 / p99 at each client count, then the
     machine and the settings."""
     from draftsmith.decode.measure.machine import describe_machine
+    from draftsmith.decode.measure.order import ORDERS
     from draftsmith.decode.measure.tables import markdown_table
 
     clients = record["settings"]["clients"]
@@ -346,11 +356,14 @@ def sweep_table(record: dict[str, Any]) -> str:
     )
     settings = record["settings"]
     repeats = settings.get("repeats", 1)
-    runs = f"the median of {repeats} runs" if repeats > 1 else "one run"
+    runs = "one run per point"
+    if repeats > 1:
+        order = ORDERS[settings.get("order", "same")]
+        runs = f"the median of {repeats} runs per point, the servers in turn, {order}"
     lines += [
         "",
         f"{settings['max_tokens']} tokens per request, streamed ({settings['endpoint']}), "
-        f"{settings['duration_s']:g} s per run, {runs} per point; "
+        f"{settings['duration_s']:g} s per run, {runs}; "
         f"{describe_machine(record['machine'])}.",
     ]
     failed = {

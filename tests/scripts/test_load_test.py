@@ -197,12 +197,13 @@ def test_a_sweep_runs_every_server_clients_and_temperature_and_records_them(
 def test_sweep_repeats_take_the_servers_in_turn_and_tables_read_each_points_median(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """``--sweep-repeats 3``: a b a b a b, each run marked with its repeat; the tables, the
-    ratios and the curves read the median of a point's three runs, not its last one."""
+    """``--sweep-repeats 3``: a b, b a, a b (a drifting machine favours no server), each run
+    marked with its repeat; the tables, the ratios and the curves read the median of a
+    point's three runs, not its last one."""
     from draftsmith.scripts import load_sweep
 
     script = _script()
-    order, speeds = [], iter([10.0, 40.0, 30.0, 20.0, 20.0, 60.0])  # a, b, a, b, a, b
+    order, speeds = [], iter([10.0, 40.0, 20.0, 30.0, 20.0, 60.0])  # a, b, b, a, a, b
 
     async def fake_run(args: object) -> object:
         order.append(args.url[-1])
@@ -216,7 +217,7 @@ def test_sweep_repeats_take_the_servers_in_turn_and_tables_read_each_points_medi
             "--json", str(tmp_path / "s.json")]  # fmt: skip
     monkeypatch.setattr(script, "run", fake_run)
     assert script.main(argv) == 0
-    assert order == ["1", "2"] * 3
+    assert order == ["1", "2", "2", "1", "1", "2"]
     record = json.loads((tmp_path / "s.json").read_text())
     assert [run["repeat"] for run in record["runs"]] == [0, 0, 1, 1, 2, 2]
     assert record["settings"]["repeats"] == 3
@@ -225,6 +226,9 @@ def test_sweep_repeats_take_the_servers_in_turn_and_tables_read_each_points_medi
     assert load_sweep.sweep_curves(record, "tokens_per_s")["b, T=0"] == {1: 40.0}
     table = load_sweep.sweep_table(record)
     assert "| a | 0 | 20.0, 0.100 / 0.100 |" in table and "the median of 3 runs" in table
+    assert "the order reversed at every repeat" in table
+    del record["settings"]["order"]  # a record from before the order alternated
+    assert "the same order every repeat" in load_sweep.sweep_table(record)
     ratios = load_sweep.sweep_ratio_table(record, "a", {"b": ["b"]}).splitlines()
     assert ratios[2] == "| 0 | 1 | 20.0 | 0.50 | 0.100 / 0.100 |"
     with pytest.raises(SystemExit):
