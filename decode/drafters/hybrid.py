@@ -103,6 +103,39 @@ class _Yield:
         return float("inf") if self.weight == 0 else self.tokens / max(self.seconds, 1e-9)
 
 
+class _Yields:
+    """The measured yields the choice between lookup and the learned drafter reads, for one
+    kind of sampling: greedy and sampled rows keep their own (lookup's one-hot drafts are
+    accepted far more often greedily, so a server's greedy rounds would otherwise send its
+    sampled rows to lookup, and its sampled rounds keep its greedy rows from it)."""
+
+    def __init__(self, max_ngram: int) -> None:
+        self.lookup = [_Yield() for _ in range(max_ngram + 1)]  # by matched length (0 unused)
+        self.learned = _Yield()  # over all rows
+        self.learned_by_context = [_Yield() for _ in range(max_ngram + 1)]  # 0: no match
+
+    def prefers_lookup(self, matched: int) -> bool:
+        """Lookup drafts a row whose newest ``matched``-gram occurred before, when its measured
+        tokens per second beat the learned drafter's in rows with such a match (probing now
+        and then when they do not)."""
+        if matched == 0:
+            return False
+        lookup, learned = self.lookup[matched], self.learned_rate(matched)
+        return lookup.rate >= learned or _probe(lookup, lookup.rate, learned)
+
+    def learned_rate(self, matched: int) -> float:
+        """The learned drafter's tokens per second in rows whose newest n-gram matched
+        ``matched`` tokens: ``(E_n + k E / w) / (T_n + k T / w)``, its own decayed sums with
+        ``k`` = ``CONTEXT_PRIOR_ROUNDS`` mean rounds over all rows (``E``, ``T``, ``w``: the
+        pooled sums and weight) added, so a context seen in a few rounds leans on the pool."""
+        pooled, own = self.learned, self.learned_by_context[matched]
+        if pooled.weight == 0:
+            return float("inf")  # never measured: try it
+        prior = CONTEXT_PRIOR_ROUNDS / pooled.weight
+        seconds = own.seconds + prior * pooled.seconds
+        return (own.tokens + prior * pooled.tokens) / max(seconds, 1e-9)
+
+
 @dataclass
 class HybridUsage:
     """How often each part drafted, and what it earned (row-rounds and accepted drafts)."""
@@ -150,13 +183,11 @@ class HybridDrafter(Drafter):
         self.lookup = NgramDrafter(learned.vocab_size, max_ngram=max_ngram, min_ngram=min_ngram)
         self.lookup_tokens = lookup_tokens
         self.needs_hidden_states = learned.needs_hidden_states
-        self._lookup_yield = [_Yield() for _ in range(max_ngram + 1)]  # by matched length
-        self._learned_yield = _Yield()  # over all rows
-        self._learned_by_context = [_Yield() for _ in range(max_ngram + 1)]  # 0: no match
+        self._yields = {greedy: _Yields(max_ngram) for greedy in (True, False)}  # by greedy
         self._usage = HybridUsage()
         # Per row: the matched n-gram length (lookup), _LEARNED or _NONE, and the length matched
         # whatever the source; whether the network ran; the round's start.
-        self._round: tuple[list[int], list[int], bool, float] | None = None
+        self._round: tuple[_Yields, list[int], list[int], bool, float] | None = None
 
     @property
     def lookup_tokens(self) -> int:
@@ -210,10 +241,11 @@ class HybridDrafter(Drafter):
             reach = min(reach, self.draft_room)
         found = [self.lookup.lookup(history, reach) for history in self.lookup.histories]
         contexts = [n for _, n in found]  # the matched n-gram length of each row (0: none)
+        yields = self._yields[sampling.greedy]
         if num_tokens == 0:  # a plain step chosen by the draft-length policy
             sources = [_NONE] * len(found)
         else:
-            sources = [n if self._prefers_lookup(n) else _LEARNED for n in contexts]
+            sources = [n if yields.prefers_lookup(n) else _LEARNED for n in contexts]
         lookup_rows = [s > 0 for s in sources]
         if _LEARNED not in sources:  # no network this round: lookup rows, plain steps elsewhere
             width = max(
@@ -228,7 +260,7 @@ class HybridDrafter(Drafter):
             replaced = torch.ones(len(found), dtype=torch.bool, device=tokens.device)
             self.learned.replace_drafts(tokens, replaced)
             self.lookup.replace_drafts(tokens, replaced)
-            self._round = (sources, contexts, False, start)
+            self._round = (yields, sources, contexts, False, start)
             return DraftProposal(tokens=tokens, probs=None)
         proposal = self.learned.propose(num_tokens, sampling, generator)
         tokens, probs = proposal.tokens, proposal.probs
@@ -242,7 +274,7 @@ class HybridDrafter(Drafter):
                 probs = torch.where(replaced[:, None, None], one_hot, probs)
             self.learned.replace_drafts(tokens, replaced)
         self.lookup.replace_drafts(tokens, torch.ones_like(replaced))
-        self._round = (sources, contexts, True, start)
+        self._round = (yields, sources, contexts, True, start)
         return DraftProposal(tokens=tokens, probs=probs)
 
     def commit(
@@ -255,19 +287,19 @@ class HybridDrafter(Drafter):
         self.lookup.commit(num_accepted, next_tokens, target_pass)
         if self._round is None:
             return
-        sources, contexts, network, start = self._round
+        yields, sources, contexts, network, start = self._round
         self._round = None
         seconds = time.perf_counter() - start  # drafting, verification and this commit
         usage = self._usage
         rows = zip(sources, contexts, num_accepted.tolist(), strict=True)
         for source, context, accepted in rows:
             if source > 0:
-                self._lookup_yield[source].add(accepted + 1, seconds)
+                yields.lookup[source].add(accepted + 1, seconds)
                 usage.lookup_rows += 1
                 usage.lookup_accepted += accepted
             elif source == _LEARNED:
-                self._learned_yield.add(accepted + 1, seconds)
-                self._learned_by_context[context].add(accepted + 1, seconds)
+                yields.learned.add(accepted + 1, seconds)
+                yields.learned_by_context[context].add(accepted + 1, seconds)
                 usage.learned_rows += 1
                 usage.learned_accepted += accepted
             else:
@@ -284,7 +316,8 @@ class HybridDrafter(Drafter):
         self.learned.forget_after_rounds = rounds
 
     def spawn(self) -> HybridDrafter:
-        """Spawns of both parts; the measured yields and the usage stay shared."""
+        """Spawns of both parts; the measured yields (greedy and sampled apart) and the usage
+        stay shared."""
         spawned = copy.copy(self)
         spawned.learned = self.learned.spawn()
         spawned.lookup = self.lookup.spawn()
@@ -302,27 +335,6 @@ class HybridDrafter(Drafter):
         self.learned.merge(other.learned)
         self.lookup.merge(other.lookup)
         self._round = None
-
-    def _prefers_lookup(self, matched: int) -> bool:
-        """Lookup drafts a row whose newest ``matched``-gram occurred before, when its measured
-        tokens per second beat the learned drafter's in rows with such a match (probing now
-        and then when they do not)."""
-        if matched == 0:
-            return False
-        lookup, learned = self._lookup_yield[matched], self._learned_rate(matched)
-        return lookup.rate >= learned or _probe(lookup, lookup.rate, learned)
-
-    def _learned_rate(self, matched: int) -> float:
-        """The learned drafter's tokens per second in rows whose newest n-gram matched
-        ``matched`` tokens: ``(E_n + k E / w) / (T_n + k T / w)``, its own decayed sums with
-        ``k`` = ``CONTEXT_PRIOR_ROUNDS`` mean rounds over all rows (``E``, ``T``, ``w``: the
-        pooled sums and weight) added, so a context seen in a few rounds leans on the pool."""
-        pooled, own = self._learned_yield, self._learned_by_context[matched]
-        if pooled.weight == 0:
-            return float("inf")  # never measured: try it
-        prior = CONTEXT_PRIOR_ROUNDS / pooled.weight
-        seconds = own.seconds + prior * pooled.seconds
-        return (own.tokens + prior * pooled.tokens) / max(seconds, 1e-9)
 
 
 def lookup_tokens_problem(lookup_tokens: int | None, drafter_kind: str | None) -> str | None:

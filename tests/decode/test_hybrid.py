@@ -112,7 +112,7 @@ def test_every_round_the_policy_asks_to_draft_drafts(target: torch.nn.Module) ->
     yield is poor (the hybrid once stepped such rows plainly on its own, noisy, yields)."""
     hybrid = HybridDrafter(DraftModelDrafter(noisy_copy(target, 3.0)))
     for _ in range(30):  # a learned drafter measured at 10 tokens/s
-        hybrid._learned_yield.add(1.0, 0.1)
+        hybrid._yields[True].learned.add(1.0, 0.1)
     decoder = SpeculativeDecoder(target, hybrid, 3)
     prompt = torch.tensor([PLAIN])
     out = decoder.generate(prompt, max_new_tokens=30, eos_token_id=[])
@@ -196,21 +196,21 @@ def test_lookup_and_the_learned_drafter_are_compared_in_the_same_context(
             source.add(tokens, seconds)
 
     def learned(context: int, tokens: float, seconds: float, rounds: int) -> None:
-        measured(hybrid._learned_yield, tokens, seconds, rounds)
-        measured(hybrid._learned_by_context[context], tokens, seconds, rounds)
+        measured(hybrid._yields[True].learned, tokens, seconds, rounds)
+        measured(hybrid._yields[True].learned_by_context[context], tokens, seconds, rounds)
 
     learned(0, 3.0, 0.010, rounds=40)  # 300 tokens/s where nothing matched
-    measured(hybrid._lookup_yield[1], 1.7, 0.0125)  # 136 tokens/s
+    measured(hybrid._yields[True].lookup[1], 1.7, 0.0125)  # 136 tokens/s
     learned(1, 1.0, 0.016, rounds=2)  # one measured round after a one-token match: 62 tokens/s
-    assert not hybrid._prefers_lookup(1)  # one round does not outweigh the pool
+    assert not hybrid._yields[True].prefers_lookup(1)  # one round does not outweigh the pool
     for _ in range(20):  # both contexts in turn: the pool earns 154 tokens/s
         learned(0, 3.0, 0.010, rounds=1)
         learned(1, 1.0, 0.016, rounds=1)
-    assert hybrid._prefers_lookup(1)  # many rounds do
-    assert hybrid._learned_rate(1) < 136 < hybrid._learned_yield.rate
-    measured(hybrid._lookup_yield[2], 2.5, 0.0125)  # 200 tokens/s
+    assert hybrid._yields[True].prefers_lookup(1)  # many rounds do
+    assert hybrid._yields[True].learned_rate(1) < 136 < hybrid._yields[True].learned.rate
+    measured(hybrid._yields[True].lookup[2], 2.5, 0.0125)  # 200 tokens/s
     learned(2, 2.0, 0.008, rounds=40)  # 250 tokens/s
-    assert not hybrid._prefers_lookup(2)
+    assert not hybrid._yields[True].prefers_lookup(2)
 
 
 def test_a_losing_source_is_probed_less_often_the_further_it_trails(
@@ -220,15 +220,15 @@ def test_a_losing_source_is_probed_less_often_the_further_it_trails(
     tried once every 4 x PROBE_EVERY decisions; one that trails by a tenth, every 1.1 x."""
     hybrid = HybridDrafter(tiny_eagle_drafter(target))
     for source, tokens, seconds in (
-        (hybrid._learned_yield, 2.0, 0.010),  # 200 tokens/s
-        (hybrid._lookup_yield[1], 1.0, 0.020),  # 50 tokens/s
-        (hybrid._lookup_yield[2], 1.8, 0.010),  # 180 tokens/s
+        (hybrid._yields[True].learned, 2.0, 0.010),  # 200 tokens/s
+        (hybrid._yields[True].lookup[1], 1.0, 0.020),  # 50 tokens/s
+        (hybrid._yields[True].lookup[2], 1.8, 0.010),  # 180 tokens/s
     ):
         for _ in range(3):  # the first round is a warm-up
             source.add(tokens, seconds)
     decisions = 8 * PROBE_EVERY
-    far = [i for i in range(decisions) if hybrid._prefers_lookup(1)]
-    near = [i for i in range(decisions) if hybrid._prefers_lookup(2)]
+    far = [i for i in range(decisions) if hybrid._yields[True].prefers_lookup(1)]
+    near = [i for i in range(decisions) if hybrid._yields[True].prefers_lookup(2)]
     assert len(far) == decisions // (4 * PROBE_EVERY)
     assert far[1] - far[0] == 4 * PROBE_EVERY
     assert len(near) == decisions // 18 and near[1] - near[0] == 18  # ceil(16 x 200 / 180)
@@ -333,3 +333,30 @@ def test_lookup_tokens_applies_to_a_hybrid_only(target: torch.nn.Module) -> None
         hybrid.lookup_tokens = 0
     with pytest.raises(ValueError, match=r"--lookup-tokens sets .* this drafter is eagle3"):
         set_lookup_tokens(tiny_eagle_drafter(target), 3, "--lookup-tokens")
+
+
+def test_greedy_and_sampled_rows_keep_their_own_yields(target: torch.nn.Module) -> None:
+    """Lookup's one-hot drafts are accepted far more often greedily: what greedy rounds
+    measured does not choose for sampled rows (a server's lanes share one hybrid's yields),
+    and the reverse."""
+    hybrid = HybridDrafter(DraftModelDrafter(noisy_copy(target, 0.5)))
+    greedy, sampled = hybrid._yields[True], hybrid._yields[False]
+    for _ in range(3):  # the first round is a warm-up
+        for matched in range(1, len(greedy.lookup)):
+            greedy.lookup[matched].add(1.0, 0.1)  # greedily, lookup at 10 tokens/s
+            sampled.lookup[matched].add(8.0, 0.01)  # sampling, at 800
+        greedy.learned.add(4.0, 0.01)  # the learned drafter at 400 tokens/s
+        sampled.learned.add(1.0, 0.01)  # and at 100
+    decoder = SpeculativeDecoder(target, hybrid, 3)
+    prompt = torch.tensor([REPEATING])
+    decoder.generate(prompt, max_new_tokens=12, eos_token_id=[])
+    after_greedy = hybrid.usage()
+    assert after_greedy["lookup_rows"] == 0 < after_greedy["learned_rows"], after_greedy
+    decoder.generate(
+        prompt,
+        max_new_tokens=12,
+        eos_token_id=[],
+        temperature=1.0,
+        generator=torch.Generator().manual_seed(0),
+    )
+    assert hybrid.usage()["lookup_rows"] > 0, hybrid.usage()
