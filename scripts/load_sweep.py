@@ -14,8 +14,8 @@ EAGLE-3 drafter (``vllm+head``). Every server runs every client count (``--sweep
 1 4 8 16) at every temperature (``--sweep-temperatures``, 0 1) for ``--duration`` seconds.
 ``--sweep-repeats R`` runs the whole pass R times, the servers in turn, their order reversed at
 every repeat (A B C, C B A: ``balanced_order``), and every table and plot reads the median of a
-point's runs: on the 2-core machines a point
-moves by up to a fifth between runs, more than the differences a server's goals ask about.
+point's runs: on the 2-core machines a point moves by up to a fifth between runs, more than the
+differences a server's goals ask about.
 The JSON holds the machine record (decode/measure/machine.py), the settings and one
 ``load_test.Summary`` per run with its server, temperature and repeat; the plot shows
 tokens/s and TTFT p50 against clients, one line per server and temperature.

@@ -217,3 +217,18 @@ DRAFTER_KINDS = {
     "hybrid-peagle-adaptive": (lambda t: HybridDrafter(tiny_peagle_drafter(t)), None, True),
     "ngram-adaptive": (lambda t: NgramDrafter(t.config.vocab_size), None, True),
 }  # fmt: skip
+
+
+class ScriptedWidths:
+    """A chain-length policy that plays ``widths`` in turn (0: a round without drafts)."""
+
+    def __init__(self, widths: list[int]) -> None:
+        self.widths, self.rounds = widths, 0
+
+    def choose(self, limit: int) -> int:
+        width = self.widths[self.rounds % len(self.widths)]
+        self.rounds += 1
+        return min(width, limit)
+
+    def update(self, width: int, num_accepted: torch.Tensor, seconds: float) -> None:
+        pass

@@ -12,22 +12,23 @@ round takes its drafts from one of the two:
   a round in which no row needs the learned drafter skips its network entirely, so
   ``T_lookup`` is a bare verify pass). Where a match is short the learned drafter's guesses
   are often no better than the copy, and its yield over all contexts would overrate it; a
-  context seen in few rounds leans on that overall yield (``_learned_rate``). A losing lookup
+  context seen in few rounds leans on that overall yield (``_Yields.learned_rate``). A losing lookup
   is still tried every ``PROBE_EVERY``-th time, so a repetitive stretch starting is noticed;
 * the learned drafter otherwise.
 
 Whether a round drafts at all is the draft-length policy's choice
 (``draftsmith.decode.draft_length``: a fixed N, the adaptive length, the server's load-aware
-one), which asks for no drafts where a plain step is the faster choice; the hybrid drafts whenever it is asked to. It once made that
-choice a second time, per round, from its own decayed yields (about the last ten rounds), and
-they were too noisy for it: at T = 1 a learned head's tokens per round spread widely, one
-unlucky stretch put its yield below a plain step's, and a source that trails is retried only
-every 16-128 decisions, so the estimate stayed low. On the AVX2-only AMD EPYC in float32 (the
-demo target, the main job's EAGLE-3 head, one closed-loop client at T = 1) the hybrid stepped
-plainly in 227 of 318 row-rounds of one 8-second window under a fixed N = 4, and under the
-server's load-aware policy served 0.85 times the head's tokens per second (the median of four
-alternating 8-second windows). Leaving the choice to the policy, it served 0.95 times the
-head's (1.02 at four clients; 2.65 at one greedy client, where lookup copies).
+one), which asks for no drafts where a plain step is the faster choice; the hybrid drafts
+whenever it is asked to. It once made that choice a second time, per round, from its own
+decayed yields (about the last ten rounds), and they were too noisy for it: at T = 1 a learned
+head's tokens per round spread widely, one unlucky stretch put its yield below a plain step's,
+and a source that trails is retried only every 16-128 decisions, so the estimate stayed low.
+On the AVX2-only AMD EPYC in float32 (the demo target, the main job's EAGLE-3 head, one
+closed-loop client at T = 1) the hybrid stepped plainly in 227 of 318 row-rounds of one
+8-second window under a fixed N = 4, and under the server's load-aware policy served 0.85
+times the head's tokens per second (the median of four alternating 8-second windows). Leaving
+the choice to the policy, it served 0.95 times the head's (1.02 at four clients; 2.65 at one
+greedy client, where lookup copies).
 
 A round in which every drafting row copies runs no network, so it is not bound by the learned
 drafter's N, which prices that network's draft steps: lookup then copies up to
@@ -62,8 +63,8 @@ from draftsmith.decode.sampling import SamplingConfig
 
 # Smoothing of the running yields: about the last 1 / (1 - DECAY) rounds count.
 DECAY = 0.9
-# Lookup, when it lost the comparison, is still tried now and then, so that a change in the text
-# (a repetitive stretch starting) is noticed: after PROBE_EVERY decisions against it, stretched
+# Lookup, when it lost the comparison, is still tried now and then, so that a change in the
+# text (a repetitive stretch starting) is noticed: after PROBE_EVERY decisions against it, stretched
 # by how far its measured rate trails the learned drafter's (at most MAX_PROBE_STRETCH times),
 # so a lookup that clearly loses (when sampling) costs few rounds.
 PROBE_EVERY = 16
@@ -185,8 +186,9 @@ class HybridDrafter(Drafter):
         self.needs_hidden_states = learned.needs_hidden_states
         self._yields = {greedy: _Yields(max_ngram) for greedy in (True, False)}  # by greedy
         self._usage = HybridUsage()
-        # Per row: the matched n-gram length (lookup), _LEARNED or _NONE, and the length matched
-        # whatever the source; whether the network ran; the round's start.
+        # The yields the round chose from; per row: the matched n-gram length (lookup), _LEARNED
+        # or _NONE, and the length matched whatever the source; whether the network ran; the
+        # round's start.
         self._round: tuple[_Yields, list[int], list[int], bool, float] | None = None
 
     @property

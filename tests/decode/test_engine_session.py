@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from decode_helpers import (
+    ScriptedWidths,
     chi_square_p_value,
     exact_two_token_law,
     hf_greedy,
@@ -138,21 +139,6 @@ def test_rows_joining_and_retiring_mid_run_keep_the_targets_greedy_output(
     for request, prompt in enumerate(PROMPTS):
         expected = greedy_reference(target, prompt, LIMITS[request])
         assert collector.tokens[request] == expected, (kind, request)
-
-
-class ScriptedWidths:
-    """A chain-length policy that plays ``widths`` in turn (0: a round without drafts)."""
-
-    def __init__(self, widths: list[int]) -> None:
-        self.widths, self.rounds = widths, 0
-
-    def choose(self, limit: int) -> int:
-        width = self.widths[self.rounds % len(self.widths)]
-        self.rounds += 1
-        return min(width, limit)
-
-    def update(self, width: int, num_accepted: torch.Tensor, seconds: float) -> None:
-        pass
 
 
 def run_joins_and_retires(session: DecodeSession, collector: Collector) -> None:

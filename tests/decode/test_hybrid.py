@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from decode_helpers import (
+    ScriptedWidths,
     chi_square_p_value,
     exact_two_token_law,
     noisy_copy,
@@ -129,26 +130,12 @@ def test_plain_steps_the_policy_chooses_are_counted_as_plain_rows(
 ) -> None:
     hybrid = HybridDrafter(DraftModelDrafter(noisy_copy(target, 0.5)))
     decoder = SpeculativeDecoder(target, hybrid, 3)
-    session = decoder.session(draft_length=None)
+    session = decoder.session(draft_length=ScriptedWidths([3, 0]))
     session.add_rows(torch.tensor([PLAIN]), max_new_tokens=20)
     session.step()  # three drafts
-    session.draft_length = _Fixed(0)
     session.step()  # a plain step
     usage = hybrid.usage()
     assert (usage["learned_rows"], usage["plain_rows"]) == (1, 1), usage
-
-
-class _Fixed:
-    """A draft-length policy that always answers ``width``."""
-
-    def __init__(self, width: int) -> None:
-        self.width = width
-
-    def choose(self, limit: int) -> int:
-        return min(self.width, limit)
-
-    def update(self, *args: object) -> None:
-        pass
 
 
 def test_rounds_given_to_lookup_run_no_head_pass(target: torch.nn.Module) -> None:
